@@ -1,0 +1,72 @@
+"""Engine configuration: one dataclass a user fills in, passed down to every layer that needs it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+BatchingPolicy = Literal["continuous", "static", "dynamic"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+@dataclass
+class EngineConfig:
+    # What to load. None means the embedded default (SmolLM2-135M-Instruct, see kvserve/models/default.py).
+    model: str | None = None
+    tokenizer: str | None = None          # defaults to the model's own tokenizer
+    dtype: str = "auto"                   # "auto" | "float32" | "bfloat16" | "float16"
+    device: str = "auto"                  # "auto" picks CUDA when present, else CPU
+    seed: int = 0
+
+    # KV cache. kv_cache_memory: bytes (int >= 1) or a fraction of free memory (0 < float <= 1).
+    block_size: int = 16
+    kv_cache_memory: int | float | None = None
+    num_kv_blocks: int | None = None      # overrides kv_cache_memory; tests use it to force pressure
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None      # defaults to the model's context length
+
+    # Scheduler.
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    batching: BatchingPolicy = "continuous"
+    dynamic_batch_window_s: float = 0.05  # "dynamic": wait this long for a batch to fill
+    max_waiting: int | None = None        # admission control in the server (None: unbounded)
+
+    num_threads: int | None = None        # torch intra-op threads on CPU; None leaves torch's choice
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.batching not in ("continuous", "static", "dynamic"):
+            raise ValueError(f"batching must be continuous|static|dynamic, got {self.batching!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs|priority, got {self.scheduling_policy!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of a decoder-only transformer, as read from config.json or GGUF metadata."""
+    architecture: str                     # "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None      # HF form, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False          # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False                 # Qwen3: RMSNorm on each head of q and k
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)

@@ -1,0 +1,88 @@
+"""Per-request sampling parameters, with vLLM's names and defaults. Validation lives here so that the
+offline API and the HTTP server reject the same inputs with the same messages."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16           # None: up to the model's context length
+    min_tokens: int = 0
+    temperature: float = 1.0              # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0                        # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0       # applies to prompt and output tokens (as in vLLM / HF)
+    presence_penalty: float = 0.0         # apply to output tokens only (OpenAI semantics)
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None           # number of top alternatives; 0 = only the sampled token's
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or [])]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name} {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", f"must be -1 (disabled) or an integer >= 0, got {self.top_k!r}")
+        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _finite(v) or not -2 <= v <= 2:
+                raise bad(name, f"must be in [-2, 2], got {v!r}")
+        if self.logit_bias is not None:
+            for tok, b in self.logit_bias.items():
+                if not isinstance(tok, int) or tok < 0:
+                    raise bad("logit_bias", f"keys must be token ids >= 0, got {tok!r}")
+                if not _finite(b) or not -100 <= b <= 100:
+                    raise bad("logit_bias", f"values must be in [-100, 100], got {b!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or not 0 <= v <= 20):
+                raise bad(name, f"must be an integer in [0, 20], got {v!r}")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be token ids >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
