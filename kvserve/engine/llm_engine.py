@@ -1,0 +1,253 @@
+"""The engine: requests in, one scheduling step at a time, outputs out.
+
+    add_request -> Scheduler.schedule -> ModelRunner.execute -> Request.append_token (stops, text) -> RequestOutput
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import os
+import time
+from collections.abc import Iterable
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.block_manager import BlockManager
+from kvserve.engine.request import Request
+from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.sequence import Sequence
+from kvserve.engine.stats import EngineStats
+from kvserve.models.kv_cache import kv_cache_spec
+from kvserve.models.loader import load_model
+from kvserve.outputs import PositionLogprobs, RequestMetrics, RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
+from kvserve.utils.device import resolve_device, resolve_dtype
+from kvserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 1 << 30        # like vLLM's CPU default (a fixed KV space), sized for small machines
+DEFAULT_GPU_KV_FRACTION = 0.8         # of free device memory after loading the weights
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        loaded = load_model(config.model, self.dtype, self.device)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = list(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)
+
+        mc = self.model_config
+        kv_spec = kv_cache_spec(mc, config.block_size, self.dtype)
+        block_bytes = kv_spec.bytes_per_block
+        num_blocks = config.num_kv_blocks or self._num_blocks_for_budget(block_bytes)
+        if num_blocks < 1:
+            raise ValueError("kv_cache_memory is too small to hold a single KV block")
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length "
+                             f"({mc.max_position_embeddings})")
+        # A sequence must fit in the pool on its own, or preemption could not always make room for it.
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 num_blocks * config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(loaded.model, kv_spec, num_blocks, self.device, self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._token_text: dict[int, str] = {}
+        self._num_steps = 0
+        self._num_generation_tokens = 0
+        self._num_prompt_tokens = 0
+        self._last_step_tokens = 0
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d, dtype %s, device %s",
+                    num_blocks, config.block_size, num_blocks * block_bytes / 2**20, self.max_model_len,
+                    self.dtype, self.device)
+
+    def _num_blocks_for_budget(self, block_bytes: int) -> int:
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                budget = DEFAULT_GPU_KV_FRACTION
+            else:
+                budget = min(DEFAULT_CPU_KV_BYTES, int(0.5 * _available_host_memory()))
+        if isinstance(budget, float) and budget <= 1.0:
+            if not 0 < budget:
+                raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {budget}")
+            free = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
+                    else _available_host_memory())
+            budget = int(budget * free)
+        return int(budget) // block_bytes
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        params.validate()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            prompt_text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            prompt_text = None
+            token_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt contains token id {bad!r}, outside the vocabulary [0, {vocab})")
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        n_prompt = len(token_ids)
+        if n_prompt >= self.max_model_len:
+            raise ValueError(f"prompt is {n_prompt} tokens, but max_model_len is {self.max_model_len}: "
+                             "the prompt must leave room for at least one output token")
+        params = copy.deepcopy(params)
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - n_prompt
+        elif n_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {n_prompt} tokens exceeds "
+                             f"max_model_len={self.max_model_len}")
+        if params.logit_bias:
+            bad = next((t for t in params.logit_bias if t >= self.model_config.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias has token id {bad}, outside the vocabulary")
+
+        now = time.monotonic()
+        arrival = now if arrival_time is None else arrival_time
+        # Without prefix caching, siblings still share the prompt through a cache only they can see.
+        salt = None if self.config.enable_prefix_caching or params.n == 1 else f"req:{request_id}"
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            seq = Sequence(
+                seq_id=next(self._seq_ids), request_id=request_id, index=i, token_ids=list(token_ids),
+                num_prompt_tokens=n_prompt, params=params, priority=priority, arrival_time=arrival,
+                parent=seqs[0] if seqs else None, cache_salt=salt,
+                # Cached prompt tokens are never computed, so they would have no prompt logprobs.
+                skip_prefix_cache=params.prompt_logprobs is not None,
+            )
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            seqs.append(seq)
+        backend = self.tokenizer.backend
+        detoks = [IncrementalDetokenizer(backend, token_ids, params) for _ in seqs]
+        self.requests[request_id] = Request(
+            request_id=request_id, prompt=prompt_text, prompt_token_ids=list(token_ids), params=params,
+            seqs=seqs, detokenizers=detoks, metrics=RequestMetrics(arrival_time=arrival),
+            eos_token_ids=frozenset(self.eos_token_ids), max_model_len=self.max_model_len,
+        )
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    seq.finish_reason = "abort"
+                    self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self._num_steps += 1
+        self._last_step_tokens = sched.num_batched_tokens
+        if sched.is_empty:
+            return []
+        now = time.monotonic()
+        for seq, _ in sched.scheduled:
+            m = self.requests[seq.request_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        result = self.runner.execute(sched)
+        now = time.monotonic()
+
+        touched: dict[str, Request] = {}
+        for seq, n in sched.scheduled:
+            req = self.requests[seq.request_id]
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens += n
+            self.block_manager.commit_full_blocks(seq)
+            chunk = result.prompt_logprobs.get(seq.seq_id)
+            if chunk is not None and seq.index == 0:
+                # chunk[j] is for prompt token start + 1 + j; a resumed (preempted) sequence recomputes
+                # positions we already have, so keep only the new ones.
+                have = len(req.prompt_logprobs)
+                req.prompt_logprobs.extend(self._with_text(lp) for lp in chunk[have - start - 1:])
+            sampled = result.sampled.get(seq.seq_id)
+            if sampled is None:
+                continue
+            token, logprobs = sampled
+            self._num_generation_tokens += 1
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+                self._num_prompt_tokens += len(req.prompt_token_ids)
+            req.metrics.last_token_time = now
+            if req.append_token(seq, token, self._with_text(logprobs) if logprobs else logprobs):
+                self.scheduler.finish(seq)
+            touched[req.request_id] = req
+
+        outputs = []
+        for req in touched.values():
+            if req.finished:
+                req.metrics.finished_time = now
+                del self.requests[req.request_id]
+            outputs.append(req.make_output())
+        return outputs
+
+    def _with_text(self, lp: PositionLogprobs) -> PositionLogprobs:
+        for tok, entry in lp.items():
+            if entry.decoded_token is None:
+                text = self._token_text.get(tok)
+                if text is None:
+                    text = self._token_text[tok] = self.tokenizer.decode([tok], skip_special_tokens=False)
+                entry.decoded_token = text
+        return lp
+
+    # ---- introspection -------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            num_steps=self._num_steps,
+            num_preemptions=s.num_preemptions,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+            last_step_num_tokens=self._last_step_tokens,
+        )
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

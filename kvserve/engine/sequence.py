@@ -1,0 +1,75 @@
+"""A sequence's state as it moves through the engine: its tokens, how many are in the KV cache, its blocks.
+
+A request with n > 1 fans out into n sequences. Sequence 0 computes the prompt; its siblings wait until
+that prefill is done and then find the prompt's full blocks in the prefix cache, so they share them.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int                            # which of the request's n samples
+    token_ids: list[int]                  # prompt followed by output
+    num_prompt_tokens: int
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0
+    parent: Sequence | None = None        # sibling 0, for n > 1; we wait for its prefill
+    cache_salt: str | None = None         # keeps this request's blocks out of other requests' reach
+    skip_prefix_cache: bool = False
+
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0          # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0            # of the prompt, how many came from the prefix cache (first admission)
+    block_table: list[int] = field(default_factory=list)   # block_table[i] holds tokens [i*B, (i+1)*B)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks so far
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    ever_admitted: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def sort_key(self, by_priority: bool) -> tuple:
+        """Smaller runs first; the largest is the first to be preempted."""
+        if by_priority:
+            return (self.priority, self.arrival_time, self.seq_id)
+        return (self.arrival_time, self.seq_id)

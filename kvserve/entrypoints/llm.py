@@ -1,0 +1,100 @@
+"""The offline API: `LLM().generate(prompts, SamplingParams(...))`, as in vLLM."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import fields
+from typing import Any
+
+from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate for many prompts at once with continuous batching.
+
+    LLM()                          the embedded default model (SmolLM2-135M-Instruct)
+    LLM("path/to/hf_dir")          a Hugging Face directory with safetensors
+    LLM("path/to/model.gguf")      a GGUF file
+    Other keyword arguments are EngineConfig fields (dtype, block_size, max_num_seqs, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown LLM arguments: {sorted(unknown)}; see kvserve.EngineConfig")
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 priority: Seq[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in the order given. A prompt is text or a list of token ids."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        prompts = list(prompts)
+        return self._run(prompts, sampling_params, priority, use_tqdm)
+
+    def chat(self, messages: Messages | Seq[Messages],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of messages) or to several."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts: list[Prompt] = []
+        for conv in convs:
+            if not conv:
+                raise ValueError("messages must not be empty")
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            # The template already has the special tokens it wants.
+            prompts.append(tok.encode(text, add_special_tokens=False))
+        return self._run(prompts, sampling_params, None, use_tqdm)
+
+    def _run(self, prompts: list[Prompt], sampling_params: Any, priority: Seq[int] | None,
+             use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+
+        engine = self.engine
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        try:
+            for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, params)):
+                engine.add_request(rid, prompt, sp, priority=priority[i] if priority else 0)
+        except Exception:
+            engine.abort_request(ids)  # nothing of this call stays allocated
+            raise
+
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(prompts) > 1:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(prompts), desc="Generating", unit="req", dynamic_ncols=True)
+        try:
+            while len(results) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request([r for r in ids if r not in results])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[r] for r in ids]

@@ -1,0 +1,112 @@
+"""GGUF file -> ModelConfig, Hugging Face-named weights (dequantized) and tokenizer metadata."""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from kvserve.config import ModelConfig
+
+_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# GGUF tensor name -> Hugging Face name ({} is the layer index).
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def gguf_model_config(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError("GGUF files with rope_freqs (Llama-3.1 style scaled RoPE) are not supported yet")
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
+    scaling = None
+    if get("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    eos = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    return ModelConfig(
+        architecture=_ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=int(heads),
+        num_key_value_heads=int(get("attention.head_count_kv") or heads),
+        head_dim=int(head_dim),
+        max_position_embeddings=int(get("context_length", 4096)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        sliding_window=get("attention.sliding_window"),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(int(i) for i in eos if i is not None)),
+    )
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time permutation of Q/K rows: within each head it interleaves the two
+    rotary halves (pairs (i, i + D/2) become adjacent rows); HF's rotate-half layout keeps them split."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(reader: gguf.GGUFReader, cfg: ModelConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+    # llama.cpp permutes Q/K only for archs whose converter targets its "normal" (adjacent-pair) RoPE.
+    permuted = arch in ("llama", "mistral")
+    for t in reader.tensors:
+        if t.name in _GLOBAL_NAMES:
+            name = _GLOBAL_NAMES[t.name]
+        else:
+            m = _LAYER_RE.fullmatch(t.name)
+            if m is None or m.group(2) not in _LAYER_NAMES:
+                raise ValueError(f"unexpected GGUF tensor {t.name!r}")
+            name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+        # GGUF lists dims fastest-first; numpy/torch want them slowest-first.
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute_qk(w, cfg.num_attention_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute_qk(w, cfg.num_key_value_heads)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        # Unquantized tensors are read-only views of the memory-mapped file.
+        yield name, torch.from_numpy(w if w.flags.writeable else w.copy())

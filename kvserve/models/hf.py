@@ -1,0 +1,101 @@
+"""Hugging Face directory -> ModelConfig and weights (safetensors only; pickle checkpoints are refused
+because loading them can run arbitrary code)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvserve.config import ModelConfig
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def read_hf_config(path: Path) -> ModelConfig:
+    cfg = json.loads((path / "config.json").read_text())
+    archs = cfg.get("architectures") or []
+    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"unsupported model architecture {archs or cfg.get('model_type')!r} in {path}/config.json; "
+            f"supported: {', '.join(ARCHITECTURES)}"
+        )
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+    heads = cfg["num_attention_heads"]
+    # transformers 5 writes rope_parameters; 4.x wrote rope_theta + rope_scaling.
+    rope = dict(cfg.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = rope or cfg.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    sliding = cfg.get("sliding_window")
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        sliding = None
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=arch == "qwen3",
+        sliding_window=sliding,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=hf_eos_ids(path, cfg),
+    )
+
+
+def hf_eos_ids(path: Path, cfg: dict) -> list[int]:
+    """Union of config.json's and generation_config.json's eos_token_id (either may be an int or a list)."""
+    ids: list[int] = []
+    sources = [cfg]
+    if (path / "generation_config.json").exists():
+        sources.append(json.loads((path / "generation_config.json").read_text()))
+    for src in sources:
+        eos = src.get("eos_token_id")
+        for i in eos if isinstance(eos, list) else [eos]:
+            if i is not None and i not in ids:
+                ids.append(int(i))
+    return ids
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+        raise ValueError(
+            f"{path} only has pickle checkpoints (.bin/.pt), which kvserve does not load because unpickling "
+            "can run arbitrary code; convert them to safetensors first"
+        )
+    raise FileNotFoundError(f"no *.safetensors weights in {path}")
+
+
+def iter_hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,55 @@
+"""load_model: a Hugging Face directory, a GGUF file, or None (the embedded default) -> model + tokenizer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.models.default import default_model_path
+from kvserve.models.gguf import gguf_model_config, iter_gguf_weights, read_metadata
+from kvserve.models.hf import iter_hf_weights, read_hf_config
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.tokenizer.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+
+
+def load_model(path: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    if path is None:
+        path = default_model_path()
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(f"{p} is not a Hugging Face model directory (no config.json)")
+        cfg = read_hf_config(p)
+        model = _build(cfg, iter_hf_weights(p), dtype, device)
+        return LoadedModel(model, cfg, Tokenizer.from_hf_dir(p, cfg.eos_token_ids))
+    if p.is_file() and p.suffix == ".gguf":
+        reader = gguf.GGUFReader(str(p))
+        meta = read_metadata(reader)
+        cfg = gguf_model_config(meta, {t.name for t in reader.tensors})
+        model = _build(cfg, iter_gguf_weights(reader, cfg, meta["general.architecture"]), dtype, device)
+        return LoadedModel(model, cfg, Tokenizer.from_gguf_fields(meta))
+    if not p.exists():
+        raise FileNotFoundError(f"model path {path!r} does not exist (no model hub access: pass a local path)")
+    raise ValueError(f"{path!r} is neither a Hugging Face model directory nor a .gguf file")
+
+
+def _build(cfg: ModelConfig, weights, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    # Built on the meta device and cast there, so no memory or time goes into a float32 random init
+    # that the weights overwrite anyway.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    model.rotary.reset_table(device)
+    model.load_weights(weights)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,120 @@
+"""The sampler's logits stages, each batched over rows with per-row parameters.
+
+Every stage edits `logits` [N, V] in place and is a no-op for a row whose parameter is neutral
+(bias absent, penalty 1 / 0, top_p 1, top_k 0, min_p 0), bit for bit: a seeded request must draw the
+same tokens whether or not its batch-mates made the stage run. Masking is done by setting logits to
+-inf, so the final probabilities are always one softmax of the surviving logits.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_NEG_INF = float("-inf")
+
+
+def apply_logit_bias(logits: Tensor, biases: list[dict[int, float] | None]) -> None:
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    vocab = logits.shape[1]
+    for i, bias in enumerate(biases):
+        for tok, b in (bias or {}).items():
+            if tok < vocab:  # ids past the model's vocabulary can never be sampled anyway
+                rows.append(i)
+                cols.append(tok)
+                vals.append(b)
+    if rows:
+        idx = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
+def apply_token_mask(logits: Tensor, banned: list[list[int]]) -> None:
+    """Set banned[i]'s ids to -inf in row i (used for min_tokens)."""
+    rows = [i for i, ids in enumerate(banned) for _ in ids]
+    cols = [t for ids in banned for t in ids]
+    keep = [k for k, t in enumerate(cols) if t < logits.shape[1]]
+    if keep:
+        r = torch.tensor([rows[k] for k in keep], device=logits.device)
+        c = torch.tensor([cols[k] for k in keep], device=logits.device)
+        logits[r, c] = _NEG_INF
+
+
+def _pad(seqs: list[list[int]], pad: int, device: torch.device) -> Tensor:
+    width = max(1, max((len(s) for s in seqs), default=0))
+    return torch.tensor([s + [pad] * (width - len(s)) for s in seqs], dtype=torch.long, device=device)
+
+
+def apply_penalties(
+    logits: Tensor,
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    repetition: Tensor,   # [N]; 1.0 = off
+    presence: Tensor,     # [N]; 0.0 = off
+    frequency: Tensor,    # [N]; 0.0 = off
+) -> None:
+    """Repetition penalty over prompt+output tokens (HF/vLLM: positive logits divided, negative
+    multiplied); presence/frequency over output-token counts (OpenAI: logit -= p*(c>0) + f*c)."""
+    n, vocab = logits.shape
+    # One scratch column at index `vocab` absorbs the padding, so ragged lists scatter in one call.
+    out_ids = _pad(output_token_ids, vocab, logits.device).clamp_(max=vocab)
+    counts = torch.zeros(n, vocab + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+
+    if bool((repetition != 1.0).any()):
+        prompt_ids = _pad(prompt_token_ids, vocab, logits.device).clamp_(max=vocab)
+        seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=logits.device)
+        seen.scatter_(1, prompt_ids, True)
+        seen = seen[:, :vocab] | (counts > 0)
+        rep = repetition.unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits.copy_(torch.where(seen, penalised, logits))
+
+    if bool((presence != 0.0).any()) or bool((frequency != 0.0).any()):
+        logits -= presence.unsqueeze(1) * (counts > 0).to(logits.dtype) + frequency.unsqueeze(1) * counts
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> None:
+    """Drop tokens whose probability is below min_p times the row's largest probability."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+def apply_top_k(logits: Tensor, top_k: Tensor) -> None:
+    """Keep each row's top_k logits (0 = all). Ties with the k-th value are all kept, as in vLLM."""
+    vocab = logits.shape[1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.ones_like(top_k))  # 1: unused, keeps topk small
+    max_k = int(k.max())
+    kth = logits.topk(max_k, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    kth = torch.where((top_k > 0).unsqueeze(1), kth, torch.full_like(kth, _NEG_INF))
+    logits.masked_fill_(logits < kth, _NEG_INF)
+
+
+def apply_top_p(logits: Tensor, top_p: Tensor) -> None:
+    """Keep the smallest most-likely set whose probability reaches top_p (at least one token).
+
+    The set is cut at a probability threshold, so tokens tied with the last one kept are kept too
+    (as apply_top_k does), whatever order a sort puts ties in. Rows with top_p == 1 keep everything
+    outright: rounding in the cumsum could otherwise drop a tail token and make a seeded row's draw
+    depend on whether a batch-mate enabled top_p."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = torch.zeros(logits.shape[0], 1, dtype=probs.dtype, device=probs.device)
+    rows = (top_p < 1.0).nonzero().squeeze(1)
+    # Usually the set closes within the few hundred most likely tokens, and a partial topk is much
+    # cheaper than sorting the vocabulary; rows it doesn't cover (flat distributions) sort fully.
+    for k in (min(_TOP_P_CANDIDATES, logits.shape[1]), logits.shape[1]):
+        if rows.numel() == 0:
+            break
+        p = top_p[rows].unsqueeze(1)
+        vals = probs[rows].topk(k, dim=-1).values                 # descending
+        mass = vals.cumsum(dim=-1)
+        n_keep = ((mass - vals) < p).sum(dim=-1, keepdim=True)    # mass before each token < top_p
+        closed = (mass[:, -1:] >= p).squeeze(1) | (k == logits.shape[1])
+        threshold[rows[closed]] = vals.gather(1, n_keep - 1)[closed]
+        rows = rows[~closed]
+    logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+_TOP_P_CANDIDATES = 256

@@ -1,0 +1,153 @@
+"""Batched sampling: one pass per step over every sequence that samples, with per-row parameters.
+
+Stage order (vLLM's): logit_bias -> min_tokens -> repetition penalty -> presence/frequency penalties
+-> [greedy rows: argmax here] -> temperature -> min_p -> top_k -> top_p -> exponential-race draw.
+Stages no row needs are skipped, so an all-greedy batch without penalties is one argmax.
+
+min_tokens: while a row has fewer than min_tokens outputs, its stop_token_ids and (unless ignore_eos)
+the model's EOS ids are masked to -inf, as vLLM does; with ignore_eos, EOS cannot end the sequence
+anyway, so it stays an ordinary token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvserve.outputs import PositionLogprobs
+from kvserve.sampling import logits_processors as lp
+from kvserve.sampling.logprobs import gather_logprobs
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingInputs:
+    """One row per sequence that samples this step, in the order of the logits rows."""
+    params: list[SamplingParams]
+    # A seeded request's own generator (make_generator, on the logits' device), kept across steps.
+    generators: list[torch.Generator | None]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]          # tokens generated so far (before this step's)
+    eos_token_ids: list[int]                   # the model's EOS ids
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]    # per row; None unless params.logprobs is not None
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The per-request generator for a seeded request (create once, pass every step)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+class Sampler:
+    def __call__(self, logits: Tensor, inputs: SamplingInputs) -> SamplerOutput:
+        params = inputs.params
+        n = logits.shape[0]
+        assert n == len(params) == len(inputs.generators) == len(inputs.output_token_ids)
+        raw = logits.float()  # never modified in place below: logprobs are taken from it at the end
+
+        processed = self._apply_penalties(raw, inputs)
+        greedy = [p.temperature == 0.0 for p in params]
+        if all(greedy):
+            token_ids = processed.argmax(dim=-1)  # first maximum: ties go to the lowest id
+        else:
+            token_ids = self._sample(processed, inputs, greedy)
+
+        # Logprobs describe the model's own distribution, before any processing (vLLM's default).
+        logprobs: list[PositionLogprobs | None] = [None] * n
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if rows:
+            idx = torch.tensor(rows, device=raw.device)
+            gathered = gather_logprobs(torch.log_softmax(raw[idx], dim=-1), token_ids[idx],
+                                       [params[i].logprobs or 0 for i in rows])
+            for i, entry in zip(rows, gathered):
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def _apply_penalties(self, logits: Tensor, inputs: SamplingInputs) -> Tensor:
+        """Returns a copy of logits when any stage applies (the caller's tensor stays untouched)."""
+        params = inputs.params
+        needs = any(p.logit_bias or p.min_tokens > 0 or p.repetition_penalty != 1.0
+                    or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        if not needs:
+            return logits
+        logits = logits.clone()
+        if any(p.logit_bias for p in params):
+            lp.apply_logit_bias(logits, [p.logit_bias for p in params])
+
+        banned = [
+            (p.stop_token_ids + ([] if p.ignore_eos else inputs.eos_token_ids))
+            if len(out) < p.min_tokens else []
+            for p, out in zip(params, inputs.output_token_ids)
+        ]
+        if any(banned):
+            lp.apply_token_mask(logits, banned)
+
+        rows = [i for i, p in enumerate(params)
+                if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
+        if rows:
+            # Only the penalised rows pay for the [rows, V] count tensors.
+            idx = torch.tensor(rows, device=logits.device)
+            sub = logits[idx]
+            lp.apply_penalties(
+                sub,
+                [inputs.prompt_token_ids[i] for i in rows],
+                [inputs.output_token_ids[i] for i in rows],
+                self._per_row([params[i].repetition_penalty for i in rows], logits),
+                self._per_row([params[i].presence_penalty for i in rows], logits),
+                self._per_row([params[i].frequency_penalty for i in rows], logits),
+            )
+            logits[idx] = sub
+        return logits
+
+    def _sample(self, logits: Tensor, inputs: SamplingInputs, greedy: list[bool]) -> Tensor:
+        params = inputs.params
+        greedy_ids = logits.argmax(dim=-1) if any(greedy) else None
+        rand_rows = [i for i, g in enumerate(greedy) if not g]
+        all_random = len(rand_rows) == len(params)
+        idx = torch.tensor(rand_rows, device=logits.device)
+        sub = logits if all_random else logits[idx]  # indexing copies
+        sub_params = [params[i] for i in rand_rows]
+
+        temps = [p.temperature for p in sub_params]
+        if any(t != 1.0 for t in temps):
+            sub = sub / self._per_row(temps, sub).unsqueeze(1)
+        elif all_random:
+            sub = sub.clone()  # the stages below work in place, and logits may be the caller's tensor
+        if any(p.min_p > 0.0 for p in sub_params):
+            lp.apply_min_p(sub, self._per_row([p.min_p for p in sub_params], sub))
+        if any(p.top_k > 0 for p in sub_params):
+            lp.apply_top_k(sub, torch.tensor([p.top_k for p in sub_params], device=sub.device))
+        if any(p.top_p < 1.0 for p in sub_params):
+            lp.apply_top_p(sub, self._per_row([p.top_p for p in sub_params], sub))
+
+        probs = torch.softmax(sub, dim=-1)
+        sampled = (probs / self._exponential_noise(probs, [inputs.generators[i] for i in rand_rows])).argmax(dim=-1)
+
+        if greedy_ids is None:
+            return sampled
+        return greedy_ids.index_copy(0, idx, sampled)
+
+    @staticmethod
+    def _exponential_noise(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+        """Exp(1) noise, so argmax(probs / noise) is a draw from probs (the exponential race).
+
+        Seeded rows draw their own row from their own generator, so their tokens do not depend on
+        the rest of the batch; unseeded rows share one draw from the default generator."""
+        uniform = torch.rand_like(probs)
+        for i, g in enumerate(generators):
+            if g is not None:
+                uniform[i] = torch.rand(probs.shape[1], generator=g, device=probs.device, dtype=probs.dtype)
+        # -log(U) is Exp(1), and several times cheaper than exponential_ on CPU. U < 1, so the noise
+        # is > 0 (no 0/0 = NaN, which would win the argmax); U = 0 gives inf: that token just loses.
+        return uniform.log_().neg_()
+
+    @staticmethod
+    def _per_row(values: list[float], like: Tensor) -> Tensor:
+        return torch.tensor(values, dtype=like.dtype, device=like.device)

@@ -1,0 +1,93 @@
+"""Incremental detokenization of one output sequence, with stop strings.
+
+Text comes from tokenizers' DecodeStream: each step decodes only the tokens since the last emitted
+chunk (O(1) per token), and holds a token back while its text would end in a broken UTF-8 char.
+The stream is seeded with the prompt's last tokens so the first output token decodes as it does
+inside the full text (a tokenizer whose decoder strips a leading space would otherwise drop it).
+"""
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer.stop_checker import find_stop_string, partial_stop_len
+
+# Prompt tokens that seed the stream: enough for any decoder's context (a space, a multi-byte char).
+_PROMPT_CONTEXT = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self.output_text = ""            # full output text so far (after any stop truncation)
+        self.stop_reason: str | None = None
+        self._skip_special = params.skip_special_tokens
+        self._stream = DecodeStream(prompt_token_ids[-_PROMPT_CONTEXT:], skip_special_tokens=self._skip_special)
+        # The ids whose text output_text already holds (a short tail, as context for the final flush)
+        # and the ids the stream is still holding back.
+        self._decoded_tail: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self._held: list[int] = []
+        self._sent = 0                   # chars of output_text already returned by get_delta
+        self._max_stop_len = max((len(s) for s in params.stop), default=0)
+
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
+        """Append generated tokens. Returns the stop string if one now occurs in the output (the
+        text is then cut before it, or after it with include_stop_str_in_output), else None.
+
+        stop_terminated: the last token ended the sequence (EOS or a stop_token_id); as in vLLM its
+        text is left out unless include_stop_str_in_output."""
+        assert self.stop_reason is None, "update() after a stop string ended the sequence"
+        if stop_terminated and not self.params.include_stop_str_in_output:
+            new_token_ids = new_token_ids[:-1]
+        checked = len(self.output_text)
+        for tok in new_token_ids:
+            self._held.append(tok)
+            chunk = self._stream.step(self.tokenizer, tok)
+            if chunk is not None:
+                self.output_text += chunk
+                self._decoded_tail = (self._decoded_tail + self._held)[-_PROMPT_CONTEXT:]
+                self._held = []
+        if self.params.stop and len(self.output_text) > checked:
+            return self._check_stop(checked)
+        return None
+
+    def get_delta(self, finished: bool) -> str:
+        """Text not returned before that is safe to show. Held back until finished: a broken UTF-8
+        tail, and a tail that the next tokens could turn into a stop string."""
+        if finished:
+            self._flush()
+            end = len(self.output_text)
+        else:
+            end = len(self.output_text) - self._stop_holdback()
+        assert end >= self._sent, (end, self._sent)
+        delta = self.output_text[self._sent:end]
+        self._sent = end
+        return delta
+
+    def _check_stop(self, checked: int) -> str | None:
+        match = find_stop_string(self.output_text, checked, self.params.stop)
+        if match is None:
+            return None
+        cut = match.end if self.params.include_stop_str_in_output else match.start
+        self.output_text = self.output_text[:cut]
+        self.stop_reason = match.stop
+        return match.stop
+
+    def _stop_holdback(self) -> int:
+        # With include_stop_str_in_output a stop string's text is shown anyway, so nothing waits.
+        if self.stop_reason is not None or not self.params.stop or self.params.include_stop_str_in_output:
+            return 0
+        return partial_stop_len(self.output_text[-self._max_stop_len:], self.params.stop)
+
+    def _flush(self) -> None:
+        """At the end, show what the stream still holds (e.g. a final broken char as '\ufffd'),
+        exactly as a full decode would render it."""
+        if not self._held or self.stop_reason is not None:
+            return
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self._skip_special)  # noqa: E731
+        before = decode(self._decoded_tail)
+        after = decode(self._decoded_tail + self._held)
+        self.output_text += after[len(before):]
+        self._held = []

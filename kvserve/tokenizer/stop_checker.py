@@ -1,0 +1,63 @@
+"""When a sequence stops: on a token (EOS, stop_token_ids, max_tokens) or on a stop string."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class StopMatch:
+    stop: str
+    start: int   # index of the stop string's first char in the text
+    end: int     # index just past its last char
+
+
+def find_stop_string(text: str, new_from: int, stops: list[str]) -> StopMatch | None:
+    """The first stop string to complete in `text`, given that text[:new_from] was already checked.
+
+    "First to complete" (smallest end, then smallest start) is what a char-by-char stream would see,
+    so the result does not depend on how the text was split into tokens: with stops ["abc", "b"],
+    "abc" stops at "b"."""
+    best: StopMatch | None = None
+    for stop in stops:
+        # A match must end in the new text, so it starts at most len(stop)-1 chars before it.
+        i = text.find(stop, max(0, new_from - len(stop) + 1))
+        if i < 0:
+            continue
+        m = StopMatch(stop, i, i + len(stop))
+        if best is None or (m.end, m.start) < (best.end, best.start):
+            best = m
+    return best
+
+
+def partial_stop_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some stop string: the text a
+    stream must hold back because the next token may complete the stop string."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+def check_token_stop(
+    params: SamplingParams, output_token_ids: list[int], eos_token_ids: list[int]
+) -> tuple[str, int | None] | None:
+    """(finish_reason, stop_reason) once the last generated token ends the sequence, else None.
+
+    vLLM's rules: nothing stops before min_tokens; EOS stops unless ignore_eos (stop_reason None); a
+    stop_token_id stops with that id as stop_reason; then max_tokens gives "length"."""
+    n = len(output_token_ids)
+    if n == 0 or n < params.min_tokens:
+        return None
+    last = output_token_ids[-1]
+    if not params.ignore_eos and last in eos_token_ids:
+        return "stop", None
+    if last in params.stop_token_ids:
+        return "stop", last
+    if params.max_tokens is not None and n >= params.max_tokens:
+        return "length", None
+    return None

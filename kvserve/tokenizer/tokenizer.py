@@ -1,0 +1,159 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus the model's chat template and special-token ids.
+
+Built from a Hugging Face directory (tokenizer.json read as-is: transformers 5's AutoTokenizer may
+rebuild some tokenizers its own way and give different ids) or from GGUF metadata (byte-level BPE
+rebuilt from tokenizer.ggml.*)."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer as BackendTokenizer, decoders, models, pre_tokenizers, processors
+
+# GGUF token_type values (llama.cpp's llama_token_type).
+_GGUF_CONTROL = 3
+_GGUF_USER_DEFINED = 4
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        eos_token_ids: list[int] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
+        ids = list(eos_token_ids or [])
+        eos_id = backend.token_to_id(eos_token) if eos_token else None
+        if eos_id is not None and eos_id not in ids:
+            ids.insert(0, eos_id)
+        self.eos_token_ids: list[int] = ids
+        self.all_special_ids: list[int] = sorted(
+            {backend.token_to_id(t.content) for t in backend.get_added_tokens_decoder().values() if t.special}
+            | set(ids)
+            | ({self.bos_token_id} if self.bos_token_id is not None else set())
+        )
+        self._template: jinja2.Template | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        if not self.chat_template:
+            raise ValueError("model has no chat template")
+        if self._template is None:
+            self._template = _jinja_env().from_string(self.chat_template)
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
+        except jinja2.TemplateError as e:
+            # Usually the caller's messages (e.g. a role the template rejects via raise_exception).
+            raise ValueError(f"chat template error: {e}") from e
+
+    # ---- constructors ----
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path, eos_token_ids: list[int] | None = None) -> "Tokenizer":
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.exists():
+            raise FileNotFoundError(f"{path} has no tokenizer.json (only fast tokenizers are supported)")
+        backend = BackendTokenizer.from_file(str(tok_file))
+        cfg: dict = {}
+        if (path / "tokenizer_config.json").exists():
+            cfg = json.loads((path / "tokenizer_config.json").read_text())
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        elif template is None and (path / "chat_template.json").exists():
+            template = json.loads((path / "chat_template.json").read_text()).get("chat_template")
+        return cls(backend, template, _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token")), eos_token_ids)
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict[str, Any]) -> "Tokenizer":
+        """`fields`: GGUF metadata key -> decoded value (see kvserve.models.gguf.read_metadata)."""
+        model = fields.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
+        tokens: list[str] = fields["tokenizer.ggml.tokens"]
+        types: list[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        backend = BackendTokenizer(
+            # Byte-level BPE covers every byte, so no unknown token is needed.
+            models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False)
+        )
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        )
+        backend.decoder = decoders.ByteLevel()
+        added = [
+            AddedToken(t, special=ty == _GGUF_CONTROL, normalized=False)
+            for t, ty in zip(tokens, types)
+            if ty in (_GGUF_CONTROL, _GGUF_USER_DEFINED)
+        ]
+        backend.add_tokens([a for a in added if not a.special])
+        backend.add_special_tokens([a for a in added if a.special])
+
+        bos_id = fields.get("tokenizer.ggml.bos_token_id")
+        eos_id = fields.get("tokenizer.ggml.eos_token_id")
+        bos = tokens[bos_id] if bos_id is not None else None
+        if fields.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+            )
+        else:
+            backend.post_processor = processors.ByteLevel(trim_offsets=False)
+        eos_ids = [i for i in (eos_id, fields.get("tokenizer.ggml.eot_token_id")) if i is not None]
+        return cls(
+            backend,
+            fields.get("tokenizer.chat_template"),
+            bos,
+            tokens[eos_id] if eos_id is not None else None,
+            list(dict.fromkeys(eos_ids)),
+        )
+
+
+def _token_str(tok: Any) -> str | None:
+    if isinstance(tok, dict):  # serialized AddedToken
+        return tok.get("content")
+    return tok
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+    # Same settings and globals that transformers gives chat templates, so templates render identically.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False, ensure_ascii=False: json.dumps(
+        x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii
+    )
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env

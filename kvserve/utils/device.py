@@ -1,0 +1,44 @@
+"""Pick the device and the compute dtype ("auto" resolves to what runs fastest without losing accuracy)."""
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {name!r}")
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type == "cpu":
+        # Without native bf16 instructions, bf16 matmuls are emulated and slower than fp32.
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return torch.float32
+
+
+@cache
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    # No /proc (macOS, Windows): torch's own view of the CPU.
+    return torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX")

@@ -1,0 +1,108 @@
+"""Tensors in, tokens out: turns a SchedulerOutput into one forward pass and one sampling pass."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.engine.sequence import Sequence
+from kvserve.layers.attention_metadata import AttentionMetadata
+from kvserve.outputs import PositionLogprobs
+from kvserve.models.kv_cache import KVCacheSpec, allocate_kv_caches
+from kvserve.sampling.logprobs import compute_prompt_logprobs
+from kvserve.sampling.sampler import Sampler, SamplingInputs
+
+
+@dataclass
+class ModelRunnerOutput:
+    # For each scheduled sequence that reached the end of its tokens: the sampled token (and logprobs).
+    sampled: dict[int, tuple[int, PositionLogprobs | None]]          # seq_id -> (token, logprobs)
+    # For sequences that asked for prompt logprobs: this step's chunk of them, in prompt order.
+    prompt_logprobs: dict[int, list[PositionLogprobs]]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_spec: KVCacheSpec, num_blocks: int, device: torch.device,
+                 eos_token_ids: list[int]) -> None:
+        self.model = model
+        self.block_size = kv_spec.block_size
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []          # rows of the flat batch whose logits we sample from
+        sample_seqs: list[Sequence] = []
+        prompt_lp: list[tuple[Sequence, int, int, int]] = []  # (seq, first row, first position, count)
+
+        for seq, n in sched.scheduled:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            row0 = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            if n == 1:
+                slot_mapping.append(table[start // bs] * bs + start % bs)
+            else:
+                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(end)
+            if end == seq.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sample_seqs.append(seq)
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                # Row p predicts token p + 1; only positions whose next token is in the prompt.
+                count = min(end, seq.num_prompt_tokens - 1) - start
+                prompt_lp.append((seq, row0, start, count))
+
+        max_blocks = max(len(s.block_table) for s, _ in sched.scheduled)
+        tables = torch.zeros((len(sched.scheduled), max_blocks), dtype=torch.int64)
+        for i, (seq, _) in enumerate(sched.scheduled):
+            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
+            query_start_loc_list=query_start_loc,
+            seq_lens_list=seq_lens,
+            block_size=bs,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+            self.kv_caches,
+        )
+
+        result = ModelRunnerOutput(sampled={}, prompt_logprobs={})
+        for seq, row0, start, count in prompt_lp:
+            logits = self.model.compute_logits(hidden[row0:row0 + count])
+            targets = seq.token_ids[start + 1:start + 1 + count]
+            result.prompt_logprobs[seq.seq_id] = compute_prompt_logprobs(
+                logits, targets, seq.params.prompt_logprobs)
+
+        if sample_seqs:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            inputs = SamplingInputs(
+                params=[s.params for s in sample_seqs],
+                generators=[s.generator for s in sample_seqs],
+                prompt_token_ids=[s.prompt_token_ids for s in sample_seqs],
+                output_token_ids=[s.output_token_ids for s in sample_seqs],
+                eos_token_ids=self.eos_token_ids,
+            )
+            sampled = self.sampler(logits, inputs)
+            for seq, tok, lp in zip(sample_seqs, sampled.token_ids, sampled.logprobs):
+                result.sampled[seq.seq_id] = (tok, lp)
+        return result

@@ -1,0 +1,77 @@
+"""Hand-built paged-attention batches for model tests: a sequential block allocator, slot mapping and
+block tables, independent of the engine's own block manager."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.layers.attention_metadata import AttentionMetadata
+
+
+@dataclass
+class PagedSeqs:
+    """Tracks, for several sequences, how many tokens are cached and which blocks hold them."""
+    block_size: int
+    num_blocks: int
+    next_free: int = 1  # block 0 stays unused so a wrong "unused entry = 0" read shows up as garbage
+    blocks: dict[int, list[int]] = field(default_factory=dict)
+    lens: dict[int, int] = field(default_factory=dict)
+
+    def _grow(self, seq: int, new_len: int) -> None:
+        blocks = self.blocks.setdefault(seq, [])
+        while len(blocks) * self.block_size < new_len:
+            assert self.next_free < self.num_blocks, "test ran out of KV blocks"
+            blocks.append(self.next_free)
+            self.next_free += 1
+
+    def batch(self, chunks: dict[int, list[int]], device: torch.device = torch.device("cpu")) -> tuple[
+        torch.Tensor, torch.Tensor, AttentionMetadata
+    ]:
+        """Append `chunks[seq]` (new token ids) to each sequence; returns input_ids, positions, metadata."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        for seq, toks in chunks.items():
+            old = self.lens.get(seq, 0)
+            new = old + len(toks)
+            self._grow(seq, new)
+            for p in range(old, new):
+                positions.append(p)
+                slots.append(self.blocks[seq][p // self.block_size] * self.block_size + p % self.block_size)
+            ids.extend(toks)
+            starts.append(starts[-1] + len(toks))
+            seq_lens.append(new)
+            self.lens[seq] = new
+        width = max(len(self.blocks[s]) for s in chunks)
+        tables = [self.blocks[s] + [0] * (width - len(self.blocks[s])) for s in chunks]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.long, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+            query_start_loc_list=starts,
+            seq_lens_list=seq_lens,
+            block_size=self.block_size,
+        )
+        return (
+            torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            meta,
+        )
+
+
+def make_kv_caches(
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Random, not zero: a read of a slot that was never written then shifts the logits visibly. (Not NaN:
+    # padded decode rows read unwritten slots under a zero attention weight, and 0 * NaN is NaN.)
+    g = torch.Generator().manual_seed(1234)
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    return [
+        (torch.randn(shape, generator=g).to(dtype) * 3, torch.randn(shape, generator=g).to(dtype) * 3)
+        for _ in range(cfg.num_hidden_layers)
+    ]

@@ -1,0 +1,111 @@
+"""The embedded default model (SmolLM2-135M-Instruct GGUF) through the whole engine, against
+transformers loading the same GGUF file with its own code."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.models.default import default_model_path
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Name three colours."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Explain gravity in one line."}],
+]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", block_size=16, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def hf_reference():
+    from transformers import AutoModelForCausalLM
+    path = Path(default_model_path())
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype=torch.float32).eval()
+
+
+def greedy_argmax(model, ids: list[int], n: int) -> list[int]:
+    """Plain argmax decoding with transformers' KV cache. (generate()'s min_new_tokens would mask EOS,
+    which ignore_eos does not: it only keeps going past it.)"""
+    out, past, x = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            res = model(x, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            nxt = int(res.logits[0, -1].argmax())
+            out.append(nxt)
+            x = torch.tensor([[nxt]])
+    return out
+
+
+def test_greedy_chat_matches_transformers_for_32_tokens(llm, hf_reference):
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = llm.chat(CHATS, params, use_tqdm=False)
+    tok = llm.get_tokenizer()
+    for conv, out in zip(CHATS, outs):
+        ids = tok.encode(tok.apply_chat_template(conv), add_special_tokens=False)
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == greedy_argmax(hf_reference, ids, 32)
+
+
+def test_capital_of_france(llm):
+    out = llm.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0]
+    assert out.text == "The capital of France is Paris."
+    assert out.finish_reason == "stop"
+
+
+def test_stop_string_cuts_text_before_it(llm):
+    out = llm.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=32, stop=["Paris"]),
+                   use_tqdm=False)[0].outputs[0]
+    assert out.text == "The capital of France is "
+    assert out.finish_reason == "stop" and out.stop_reason == "Paris"
+    kept = llm.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=32, stop=["Paris"],
+                                             include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == "The capital of France is Paris"
+
+
+def test_generate_text_prompts_and_token_prompts_agree(llm):
+    tok = llm.get_tokenizer()
+    prompt = "The capital of France is"
+    params = SamplingParams(temperature=0, max_tokens=8)
+    by_text = llm.generate(prompt, params, use_tqdm=False)[0]
+    by_ids = llm.generate([tok.encode(prompt)], params, use_tqdm=False)[0]
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    assert by_text.outputs[0].text == tok.decode(by_text.outputs[0].token_ids)
+
+
+def test_streamed_deltas_add_up_to_the_text(llm):
+    engine = llm.engine
+    engine.add_request("s", "Write a haiku about the sea.", SamplingParams(temperature=0.8, seed=3, max_tokens=40))
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.new_texts[0])
+            final = out
+    assert "".join(deltas) == final.outputs[0].text
+    assert "\ufffd" not in final.outputs[0].text
+
+
+def test_seeded_sampling_reproduces(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=7, max_tokens=24)
+    a = llm.chat(CHATS[1], params, use_tqdm=False)[0].outputs[0].token_ids
+    b = llm.chat(CHATS[1], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert a == b
+
+
+def test_prompt_logprobs_with_prefix_cache_hit(llm, hf_reference):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 4)
+    llm.generate([ids], SamplingParams(max_tokens=1), use_tqdm=False)  # warms the prefix cache
+    out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_reference(torch.tensor([ids])).logits[0].float(), -1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for pos in range(1, len(ids)):
+        lp = out.prompt_logprobs[pos]
+        assert lp[ids[pos]].logprob == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=1e-3)
+        assert len(lp) <= 3

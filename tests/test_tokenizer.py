@@ -1,0 +1,120 @@
+"""kvserve's Tokenizer vs transformers' PreTrainedTokenizerFast on the same tokenizer.json (the form
+the transformers-5 trap note in MODELS.md recommends comparing against), plus chat-template sources
+and the GGUF rebuild's BOS handling."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as BackendTokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from kvserve.tokenizer.tokenizer import Tokenizer
+
+CHATML = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role ' + m['role']) }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Numbers like 12345 and 3.14159 appear in text.",
+    "Unicode: naïve café, 日本語, emoji 😀.",
+    "Tokenizers split words into byte-level pieces.",
+] * 20
+TEXTS = ["Hello, world!", "The year 2024 had 366 days.", "naïve 日本 😀", "  spaces\tand\nnewlines", "<|im_start|>x<|im_end|>"]
+
+
+def write_hf_dir(path: Path, template_in: str | None = "config") -> None:
+    tok = BackendTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    cfg = {"bos_token": "<s>", "eos_token": {"content": "<|im_end|>", "special": True}}
+    if template_in == "config":
+        cfg["chat_template"] = CHATML
+    elif template_in == "jinja":
+        (path / "chat_template.jinja").write_text(CHATML)
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+def reference(path: Path) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), chat_template=CHATML)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_ids_and_text_match_transformers(tmp_path: Path, text: str) -> None:
+    write_hf_dir(tmp_path)
+    ours, ref = Tokenizer.from_hf_dir(tmp_path), reference(tmp_path)
+    ids = ours.encode(text)
+    assert ids == ref.encode(text)
+    assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False) == text
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("template_in", ["config", "jinja"])
+def test_chat_template_matches_transformers(tmp_path: Path, template_in: str) -> None:
+    write_hf_dir(tmp_path, template_in)
+    ours, ref = Tokenizer.from_hf_dir(tmp_path), reference(tmp_path)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 123"}]
+    for gen in (True, False):
+        assert ours.apply_chat_template(messages, add_generation_prompt=gen) == ref.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=gen
+        )
+
+
+def test_chat_template_errors(tmp_path: Path) -> None:
+    write_hf_dir(tmp_path)
+    with pytest.raises(ValueError, match="bad role tool"):
+        Tokenizer.from_hf_dir(tmp_path).apply_chat_template([{"role": "tool", "content": "x"}])
+    write_hf_dir(tmp_path, template_in=None)
+    with pytest.raises(ValueError, match="model has no chat template"):
+        Tokenizer.from_hf_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_special_token_ids(tmp_path: Path) -> None:
+    write_hf_dir(tmp_path)
+    ours = Tokenizer.from_hf_dir(tmp_path, eos_token_ids=[1])
+    ids = {t: ours.backend.token_to_id(t) for t in SPECIALS}
+    assert ours.bos_token_id == ids["<s>"]
+    assert ours.eos_token_ids == [ids["<|im_end|>"], 1]  # tokenizer's eos first, then the model config's
+    assert set(ids.values()) <= set(ours.all_special_ids)
+    assert ours.vocab_size == len(reference(tmp_path))
+
+
+def gguf_fields(add_bos: bool) -> dict:
+    # A minimal byte-level BPE in GGUF metadata form: 256 byte tokens, one merge, two control tokens.
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = alphabet + ["he", "<s>", "</s>"]
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * 257 + [3, 3],
+        "tokenizer.ggml.merges": ["h e"],
+        "tokenizer.ggml.bos_token_id": 257,
+        "tokenizer.ggml.eos_token_id": 258,
+        "tokenizer.ggml.add_bos_token": add_bos,
+        "tokenizer.chat_template": CHATML,
+    }
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_gguf_rebuild_adds_bos_only_when_asked(add_bos: bool) -> None:
+    tok = Tokenizer.from_gguf_fields(gguf_fields(add_bos))
+    ids = tok.encode("hello 42")
+    he = tok.backend.token_to_id("he")
+    digits = [tok.backend.token_to_id(c) for c in "42"]
+    body = [he] + [tok.backend.token_to_id(c) for c in "llo"] + [tok.backend.token_to_id("Ġ")] + digits
+    assert ids == ([257] if add_bos else []) + body
+    assert tok.encode("hello 42", add_special_tokens=False) == body
+    assert tok.decode(ids) == "hello 42"
+    assert tok.eos_token_ids == [258] and tok.bos_token_id == 257
+    assert tok.encode("<s>", add_special_tokens=False) == [257]  # control tokens are atomic
