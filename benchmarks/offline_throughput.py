@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +22,8 @@ import torch
 
 from common import git_rev, machine_info, save
 from kvserve import LLM, SamplingParams
-from kvserve.models.default import default_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_workload(n: int, seed: int, vocab_lo: int = 100, vocab_hi: int = 40000):
@@ -43,10 +46,13 @@ def run_kvserve(llm: LLM, prompts, outputs) -> dict:
 
 
 def load_hf(dtype: torch.dtype):
+    """transformers' own LlamaForCausalLM on the default model's weights, dense, as a user would run it.
+    The directory comes from benchmarks/peers/export_default.py (run here if missing)."""
     from transformers import AutoModelForCausalLM
-    path = Path(default_model_path())
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    return model.eval()
+    hf_dir = ROOT / "third_party" / "models" / "SmolLM2-135M-Instruct-hf"
+    if not (hf_dir / "config.json").exists():
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "export_default.py")], check=True)
+    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).eval()
 
 
 @torch.inference_mode()
@@ -190,7 +196,8 @@ def main() -> None:
           f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} "
           f"({info['torch_threads']} threads).\n\nModel: SmolLM2-135M-Instruct (embedded GGUF, Q4_1 "
           f"dequantized to {args.dtype} for both engines). Workload: {args.num_requests} requests, prompts "
-          f"32-512 random tokens, outputs 16-256 tokens (seed {args.seed}, ignore_eos, greedy). transformers "
+          f"32-512 random tokens, outputs 16-256 tokens (seed {args.seed}, ignore_eos, greedy); transformers "
+          f"runs the same weights as a dense Hugging Face model (SDPA attention). transformers "
           f"one-at-a-time ran the first {args.hf_sequential} requests, padded batches the first "
           f"{args.hf_batched}.\n\n{table}\n\nBounds measured in the same run: copy bandwidth "
           f"{bounds['copy_bandwidth_gb_s']:.1f} GB/s, {args.dtype} matmul "

@@ -95,6 +95,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
         params.validate()
+        vocab = self.model_config.vocab_size
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -103,7 +104,6 @@ class LLMEngine:
         else:
             prompt_text = None
             token_ids = list(prompt)
-            vocab = self.model_config.vocab_size
             bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
             if bad is not None:
                 raise ValueError(f"prompt contains token id {bad!r}, outside the vocabulary [0, {vocab})")
@@ -119,10 +119,10 @@ class LLMEngine:
         elif n_prompt + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {n_prompt} tokens exceeds "
                              f"max_model_len={self.max_model_len}")
-        if params.logit_bias:
-            bad = next((t for t in params.logit_bias if t >= self.model_config.vocab_size), None)
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
-                raise ValueError(f"logit_bias has token id {bad}, outside the vocabulary")
+                raise ValueError(f"{name} has token id {bad}, outside the vocabulary [0, {vocab})")
 
         now = time.monotonic()
         arrival = now if arrival_time is None else arrival_time

@@ -1,0 +1,29 @@
+"""When each request is sent: a Poisson process (burstiness 1) or, generally, gamma-distributed
+inter-arrival gaps with shape = burstiness and the same mean 1/rate (as `vllm bench serve`).
+Burstiness < 1 clumps requests together, > 1 spaces them more evenly than Poisson."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def arrival_offsets(num_requests: int, request_rate: float, burstiness: float = 1.0,
+                    seed: int = 0) -> list[float]:
+    """Seconds from the benchmark start at which request i is due; offsets[0] == 0.
+
+    Offsets are absolute (a cumulative sum), so time lost sleeping or scheduling never accumulates
+    into a lower real rate than asked for."""
+    if num_requests <= 0:
+        return []
+    if burstiness <= 0:
+        raise ValueError("--burstiness must be > 0")
+    if math.isinf(request_rate):
+        return [0.0] * num_requests  # everything at once; --max-concurrency does the pacing
+    if request_rate <= 0:
+        raise ValueError("--request-rate must be > 0 (or inf)")
+    rng = np.random.default_rng(seed)
+    # Gamma(shape=k, scale=1/(rate*k)) has mean 1/rate for any k; k == 1 is the exponential.
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num_requests - 1)
+    return [0.0] + np.cumsum(gaps).tolist()

