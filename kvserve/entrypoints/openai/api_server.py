@@ -1,0 +1,256 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes, admission middleware, lifecycle and graceful SIGTERM.
+
+The engine runs behind AsyncLLM (its own process by default), so this process only parses requests,
+tokenizes, and streams; it never imports torch in that mode."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvserve.config import EngineConfig
+from kvserve.entrypoints.async_llm import AsyncLLM, EngineMode
+from kvserve.entrypoints.openai.errors import bad_request, error_body, install_error_handlers
+from kvserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from kvserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from kvserve.metrics.prometheus import ServerMetrics
+from kvserve.metrics.stat_logger import log_stats_periodically
+
+logger = logging.getLogger("kvserve.server")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class ServerArgs:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: list[str] = field(default_factory=list)
+    engine_mode: EngineMode = "process"
+    max_request_body_bytes: int = 16 * 2**20
+    shutdown_grace_s: float = 30.0
+    log_stats_interval_s: float = 5.0
+    log_level: str = "info"
+
+    def model_names(self) -> list[str]:
+        if self.served_model_names:
+            return self.served_model_names
+        return [self.engine.model or DEFAULT_MODEL_NAME]
+
+
+@dataclass
+class ServerState:
+    draining: bool = False
+    in_flight: int = 0          # /v1 and tokenize requests still being answered (streams included)
+
+
+class GuardMiddleware:
+    """Pure ASGI (so streaming and disconnect detection pass through untouched): 503 while draining,
+    401 without the API key on /v1, 413 for oversized bodies; counts in-flight requests for draining."""
+
+    def __init__(self, app: ASGIApp, args: ServerArgs, state: ServerState) -> None:
+        self.app, self.args, self.state = app, args, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path: str = scope["path"]
+        guarded = path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+        if not guarded:
+            return await self.app(scope, receive, send)
+        if self.state.draining:
+            return await _send_error(send, 503, "server is shutting down", {"Retry-After": "5"})
+        if self.args.api_key is not None and not _authorized(scope, self.args.api_key):
+            return await _send_error(send, 401, "missing or invalid API key (Authorization: Bearer <key>)",
+                                     {"WWW-Authenticate": "Bearer"})
+        limit = self.args.max_request_body_bytes
+        length = _header(scope, b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return await _send_error(send, 413, f"request body exceeds {limit} bytes")
+        # Read the body here (bounded), then replay it, so a chunked upload cannot exceed the limit either.
+        body = bytearray()
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                return await _send_error(send, 413, f"request body exceeds {limit} bytes")
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            self.state.in_flight -= 1
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope.get("headers", []):
+        if k.lower() == name:
+            return v.decode("latin-1")
+    return None
+
+
+def _authorized(scope: Scope, api_key: str) -> bool:
+    value = _header(scope, b"authorization") or ""
+    scheme, _, token = value.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+async def _send_error(send: Send, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    await JSONResponse(error_body(status, message), status_code=status, headers=headers)(
+        {"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def build_app(args: ServerArgs, state: ServerState | None = None) -> FastAPI:
+    state = state or ServerState()
+    names = args.model_names()
+    engine = AsyncLLM(args.engine, mode=args.engine_mode)
+    metrics = ServerMetrics(names[0])
+    completions = OpenAIServingCompletion(engine, names, args.engine.max_waiting)
+    chat = OpenAIServingChat(engine, names, args.engine.max_waiting)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        engine.step_listeners.append(metrics.on_step)
+        engine.end_listeners.append(metrics.on_request_end)
+        stat_task = asyncio.create_task(log_stats_periodically(lambda: engine.stats, args.log_stats_interval_s))
+        logger.info("engine ready (%s mode, pid %s): serving %s, max_model_len=%d", args.engine_mode,
+                    engine.engine_pid, ", ".join(names), engine.max_model_len)
+        try:
+            yield
+        finally:
+            stat_task.cancel()
+            await engine.shutdown()
+
+    app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
+    app.state.engine, app.state.metrics, app.state.server_state = engine, metrics, state
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, args=args, state=state)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead is not None or state.draining:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=n, root=names[0], max_model_len=engine.max_model_len) for n in names])
+
+    @app.post("/v1/completions")
+    async def create_completion(req: CompletionRequest, raw_request: Request) -> Response:
+        return await completions.create(req, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chat.create(req, raw_request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        chat.model_name(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            ids = await chat.render_prompt(req.messages, req.add_generation_prompt)
+        else:
+            ids = await chat.encode(req.prompt, req.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        chat.model_name(req.model)
+        bad = next((t for t in req.tokens if t >= engine.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of range [0, {engine.vocab_size})", "tokens")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens, skip_special_tokens=False))
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": "0.1.0"}
+
+    return app
+
+
+class _GracefulServer(uvicorn.Server):
+    """On the first SIGTERM/SIGINT: refuse new requests (503), let in-flight ones finish (up to the grace
+    period), then stop uvicorn and exit 0. A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace_s: float) -> None:
+        super().__init__(config)
+        self.state, self.grace_s = state, grace_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:  # type: ignore[override]
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:  # type: ignore[override]
+        if self.state.draining or self._loop is None:
+            # A second signal, or one before startup finished: stop now.
+            self.force_exit = self.state.draining
+            self.should_exit = True
+            return
+        self.state.draining = True
+        logger.info("received signal %d: draining %d in-flight requests (grace %.0fs)",
+                    sig, self.state.in_flight, self.grace_s)
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = self._loop.time() + self.grace_s
+        while self.state.in_flight > 0 and self._loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.state.in_flight:
+            logger.warning("grace period over; %d requests still in flight", self.state.in_flight)
+        self.should_exit = True
+
+
+def run_server(args: ServerArgs) -> int:
+    """Serves until SIGTERM/SIGINT; returns the process exit code (0 after a clean shutdown)."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    state = ServerState()
+    app = build_app(args, state)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5, access_log=False)
+    server = _GracefulServer(config, state, args.shutdown_grace_s)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,192 @@
+"""What completions and chat share: model check, admission control, prompt validation, max_tokens, running
+requests so that a client that goes away aborts them, SSE framing, logprob token strings."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+
+from kvserve.entrypoints.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, EngineRequestError
+from kvserve.entrypoints.openai.errors import OpenAIError, bad_request, error_body
+from kvserve.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_waiting: int | None) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.max_waiting = max_waiting
+
+    @property
+    def tokenizer(self):  # kvserve.tokenizer.Tokenizer, available once the engine is ready
+        return self.engine.tokenizer
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # A long text takes a while to tokenize: do it off the event loop so /health and streams keep going.
+        if len(text) < 20_000:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+
+    def model_name(self, requested: str | None) -> str:
+        if requested is None or requested == "":
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise OpenAIError(404, f"The model `{requested}` does not exist.", "model")
+        return requested
+
+    def check_admission(self, num_new: int) -> None:
+        """A cheap early refusal; AsyncLLM.generate makes the binding check as it submits."""
+        if self.engine.dead is not None:
+            raise OpenAIError(503, f"engine is not running: {self.engine.dead}")
+        if self.max_waiting is not None and self.engine.num_waiting + num_new > self.max_waiting:
+            raise OpenAIError(429, f"too many requests waiting (max_waiting={self.max_waiting}); retry later",
+                              headers={"Retry-After": "1"})
+
+    def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
+        if not token_ids:
+            raise bad_request("prompt must not be empty", param)
+        vocab = self.engine.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of range [0, {vocab})", param)
+
+    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, param: str = "max_tokens") -> int:
+        room = self.engine.max_model_len - prompt_len
+        if room < 1:
+            raise bad_request(f"This model's maximum context length is {self.engine.max_model_len} tokens; "
+                              f"the prompt has {prompt_len} tokens, leaving no room to generate.", "prompt")
+        if max_tokens is None:
+            return room
+        if max_tokens < 1:
+            raise bad_request(f"{param} must be an integer >= 1, got {max_tokens}", param)
+        if max_tokens > room:
+            raise bad_request(f"This model's maximum context length is {self.engine.max_model_len} tokens. "
+                              f"However, you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+                              f"prompt, {max_tokens} for the completion).", param)
+        return max_tokens
+
+    def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None) -> SamplingParams:
+        if req.n > self.engine.config.max_num_seqs:
+            raise bad_request(f"n must be <= max_num_seqs={self.engine.config.max_num_seqs}, got {req.n}", "n")
+        if req.logit_bias:
+            for key in req.logit_bias:
+                if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.engine.vocab_size:
+                    raise bad_request(f"logit_bias key {key!r} is not a token id in [0, {self.engine.vocab_size})",
+                                      "logit_bias")
+        try:
+            params = req.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        if params.top_k >= self.engine.vocab_size:  # keeping every token is the same as no top-k
+            params.top_k = 0
+        return params
+
+    async def generate(self, raw_request: Request, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int, request_id: str) -> AsyncIterator[RequestOutput]:
+        """AsyncLLM.generate with engine errors mapped to HTTP errors."""
+        gen = self.engine.generate(prompt_token_ids, params, request_id=request_id, priority=priority)
+        async with contextlib.aclosing(gen):
+            try:
+                async for out in gen:
+                    yield out
+            except EngineRequestError as e:
+                if e.client_error:
+                    raise bad_request(str(e)) from None
+                raise OpenAIError(500, str(e)) from None
+            except EngineDeadError as e:
+                raise OpenAIError(503, f"engine is not running: {e}") from None
+            except EngineOverloadedError as e:
+                raise OpenAIError(429, str(e), headers={"Retry-After": "1"}) from None
+
+
+async def merge(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as their items arrive; closes them all if the consumer stops."""
+    if len(gens) == 1:
+        async for item in gens[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen: AsyncIterator[T]) -> None:
+        try:
+            async for item in gen:
+                await queue.put((i, item))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((i, e))
+            return
+        await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnected(raw_request: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`, cancelling it (and so aborting its requests) if the client disconnects first."""
+    work = asyncio.ensure_future(awaitable)
+
+    async def watch() -> None:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        watcher.cancel()
+        await asyncio.gather(work, watcher, return_exceptions=True)
+        raise
+    watcher.cancel()
+    if not work.done():
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        raise ClientDisconnected()
+    return work.result()
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def sse_error(e: OpenAIError) -> str:
+    return sse(error_body(e.status, e.message, e.param))
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+def token_str(tokenizer, token_id: int, decoded: str | None) -> str:
+    return decoded if decoded is not None else tokenizer.decode([token_id], skip_special_tokens=False)

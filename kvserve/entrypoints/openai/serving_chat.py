@@ -1,0 +1,196 @@
+"""POST /v1/chat/completions: render the model's chat template, generate n samples, answer as OpenAI's
+chat.completion object or as a stream of chat.completion.chunk events; chat-format logprobs."""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvserve.entrypoints.openai.errors import OpenAIError, bad_request
+from kvserve.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    DeltaMessage,
+    random_id,
+)
+from kvserve.entrypoints.openai.serving_base import (
+    ClientDisconnected,
+    OpenAIServing,
+    sse,
+    sse_error,
+    token_str,
+    until_disconnected,
+    usage,
+)
+from kvserve.outputs import PositionLogprobs, RequestOutput
+
+
+def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"messages[{i}].content: only text content parts are supported",
+                                      f"messages.{i}.content")
+                parts.append(part["text"])
+            content = "".join(parts)
+        d = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def render_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+        if not messages:
+            raise bad_request("messages must not be empty", "messages")
+        dicts = messages_to_dicts(messages)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                dicts, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                **(template_kwargs or {}))
+        except (jinja2.TemplateError, ValueError, TypeError) as e:
+            raise bad_request(f"cannot apply the chat template to these messages: {e}", "messages") from None
+        if continue_final_message:
+            # Cut after the last message's text so the model continues it rather than closing the turn.
+            final = dicts[-1]["content"]
+            cut = text.rfind(final)
+            if final and cut >= 0:
+                text = text[: cut + len(final)]
+        # The template already holds the special tokens it wants (BOS etc.).
+        return await self.encode(text, add_special_tokens=False)
+
+    async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        model = self.model_name(req.model)
+        ids = await self.render_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                 req.chat_template_kwargs)
+        self.check_prompt(ids, "messages")
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self.resolve_max_tokens(
+            len(ids), requested, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        num_top = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens, num_top, None)
+        self.check_admission(1)
+
+        request_id = req.request_id or random_id("chatcmpl")
+        gen = self.generate(raw_request, ids, params, req.priority, request_id)
+        if req.stream:
+            return await self._stream(req, raw_request, request_id, model, len(ids), gen)
+
+        async def collect() -> RequestOutput:
+            final = None
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    final = out
+            return final  # type: ignore[return-value]
+
+        try:
+            out = await until_disconnected(raw_request, collect())
+        except ClientDisconnected:
+            return Response(status_code=499)
+        choices = []
+        for c in out.outputs:
+            logprobs = self._logprobs(c.token_ids, c.logprobs or [], num_top) if num_top is not None else None
+            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                                      logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        body = ChatCompletionResponse(id=request_id, model=model, choices=choices,
+                                      usage=usage(len(ids), completion_tokens, out.num_cached_tokens))
+        return JSONResponse(body.model_dump())
+
+    def _logprobs(self, token_ids: list[int], entries: list[PositionLogprobs], num_top: int) -> ChatChoiceLogprobs:
+        content = []
+        for tid, entry in zip(token_ids, entries):
+            if tid not in entry:
+                continue
+            s = token_str(self.tokenizer, tid, entry[tid].decoded_token)
+            tops = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= num_top), key=lambda x: x[1].rank)
+            content.append(ChatTokenLogprob(
+                token=s, logprob=entry[tid].logprob, bytes=list(s.encode("utf-8")),
+                top_logprobs=[ChatTopLogprob(token=(ts := token_str(self.tokenizer, t, lp.decoded_token)),
+                                             logprob=lp.logprob, bytes=list(ts.encode("utf-8")))
+                              for t, lp in tops[:num_top]]))
+        return ChatChoiceLogprobs(content=content)
+
+    async def _stream(self, req: ChatCompletionRequest, raw_request: Request, request_id: str, model: str,
+                      prompt_len: int, gen: AsyncIterator[RequestOutput]) -> Response:
+        # First output before headers: an engine-side rejection is still a proper HTTP error.
+        try:
+            first = await until_disconnected(raw_request, anext(gen))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except BaseException:
+            await gen.aclose()
+            raise
+        created = int(time.time())
+        n = req.n
+        num_top = (req.top_logprobs or 0) if req.logprobs else None
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
+        sent = [0] * n
+        finished = [False] * n
+        cached = 0
+
+        def chunk(choices: list[ChatStreamChoice], with_usage: bool) -> str:
+            u = usage(prompt_len, sum(sent), cached) if with_usage else None
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
+                                           usage=u).model_dump())
+
+        def deltas(out: RequestOutput) -> list[str]:
+            nonlocal cached
+            cached = out.num_cached_tokens
+            lines = []
+            for j, c in enumerate(out.outputs):
+                if finished[j]:
+                    continue
+                text = out.new_texts[j] if j < len(out.new_texts) else ""
+                new_ids = c.token_ids[sent[j]:]
+                new_lps = (c.logprobs or [])[sent[j]:]
+                sent[j] = len(c.token_ids)
+                if not text and not new_ids and c.finish_reason is None:
+                    continue
+                finished[j] = c.finish_reason is not None
+                logprobs = self._logprobs(new_ids, new_lps, num_top) if num_top is not None else None
+                lines.append(chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text),
+                                                     logprobs=logprobs, finish_reason=c.finish_reason,
+                                                     stop_reason=c.stop_reason)], continuous))
+            return lines
+
+        async def body() -> AsyncIterator[str]:
+            async with contextlib.aclosing(gen):
+                try:
+                    # OpenAI opens each choice with a role-only delta.
+                    for j in range(n):
+                        yield chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))],
+                                    continuous)
+                    for line in deltas(first):
+                        yield line
+                    async for out in gen:
+                        for line in deltas(out):
+                            yield line
+                    if include_usage:
+                        yield chunk([], True)
+                except OpenAIError as e:
+                    yield sse_error(e)
+                yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")

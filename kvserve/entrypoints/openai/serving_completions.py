@@ -1,0 +1,207 @@
+"""POST /v1/completions: text or token-id prompts (one or several), n samples each, streamed or not,
+with OpenAI's legacy logprobs format (tokens, token_logprobs, top_logprobs, text_offset) and echo."""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvserve.entrypoints.openai.errors import OpenAIError, bad_request
+from kvserve.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from kvserve.entrypoints.openai.serving_base import (
+    ClientDisconnected,
+    OpenAIServing,
+    merge,
+    sse,
+    sse_error,
+    token_str,
+    until_disconnected,
+    usage,
+)
+from kvserve.outputs import PositionLogprobs, RequestOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
+        model = self.model_name(req.model)
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of must equal n (best-of selection is not supported)", "best_of")
+        prompts = await self._prompts(req)
+        if req.echo and req.logprobs is not None:
+            prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs
+        else:
+            prompt_logprobs = req.prompt_logprobs
+        params = []
+        for _, ids in prompts:
+            self.check_prompt(ids)
+            max_tokens = self.resolve_max_tokens(len(ids), req.max_tokens)
+            params.append(self.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs))
+        self.check_admission(len(prompts))
+
+        request_id = req.request_id or random_id("cmpl")
+        gens = [self.generate(raw_request, ids, p, req.priority, f"{request_id}-{i}")
+                for i, ((_, ids), p) in enumerate(zip(prompts, params))]
+        merged = merge(gens)
+        if req.stream:
+            return await self._stream(req, raw_request, request_id, model, prompts, merged)
+
+        async def collect() -> list[RequestOutput]:
+            finals: list[RequestOutput | None] = [None] * len(prompts)
+            async with contextlib.aclosing(merged):
+                async for i, out in merged:
+                    finals[i] = out
+            return finals  # type: ignore[return-value]
+
+        try:
+            finals = await until_disconnected(raw_request, collect())
+        except ClientDisconnected:
+            return Response(status_code=499)
+        choices: list[CompletionChoice] = []
+        prompt_tokens = completion_tokens = cached = 0
+        for (text, ids), out in zip(prompts, finals):
+            prompt_tokens += len(ids)
+            cached += out.num_cached_tokens
+            prompt_text = text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                logprobs = None
+                if req.logprobs is not None:
+                    tok_ids, entries = list(c.token_ids), list(c.logprobs or [])
+                    if req.echo:
+                        tok_ids = ids + tok_ids
+                        entries = list(out.prompt_logprobs or [None] * len(ids)) + entries
+                    logprobs = self._logprobs(tok_ids, entries, 0)
+                choices.append(CompletionChoice(
+                    index=len(choices), text=(prompt_text if req.echo else "") + c.text, logprobs=logprobs,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        body = CompletionResponse(id=request_id, model=model, choices=choices,
+                                  usage=usage(prompt_tokens, completion_tokens, cached))
+        return JSONResponse(body.model_dump())
+
+    async def _prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """[(text or None, token ids)] for each prompt of the request."""
+        p = req.prompt
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        if isinstance(p, str):
+            items: list = [p]
+        elif not p:
+            raise bad_request("prompt must not be empty", "prompt")
+        elif isinstance(p[0], int):
+            items = [p]
+        else:
+            items = list(p)
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                out.append((item, await self.encode(item, add_special)))
+            else:
+                out.append((None, list(item)))
+        return out
+
+    def _logprobs(self, token_ids: list[int], entries: list[PositionLogprobs | None],
+                  text_offset: int) -> CompletionLogprobs:
+        result = CompletionLogprobs()
+        for tid, entry in zip(token_ids, entries):
+            if entry is None or tid not in entry:
+                s = token_str(self.tokenizer, tid, None)
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+            else:
+                s = token_str(self.tokenizer, tid, entry[tid].decoded_token)
+                result.token_logprobs.append(entry[tid].logprob)
+                result.top_logprobs.append({token_str(self.tokenizer, t, lp.decoded_token): lp.logprob
+                                            for t, lp in entry.items()})
+            result.tokens.append(s)
+            result.text_offset.append(text_offset)
+            text_offset += len(s)
+        return result
+
+    async def _stream(self, req: CompletionRequest, raw_request: Request, request_id: str, model: str,
+                      prompts: list[tuple[str | None, list[int]]],
+                      merged: AsyncIterator[tuple[int, RequestOutput]]) -> Response:
+        # Wait for the first output before sending headers, so that an engine-side rejection is still a
+        # proper HTTP error rather than an error inside a 200 stream.
+        try:
+            first = await until_disconnected(raw_request, anext(merged))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except BaseException:
+            await merged.aclose()
+            raise
+        created = int(time.time())
+        n = req.n
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
+        sent_tokens = [[0] * n for _ in prompts]     # tokens already streamed per (prompt, completion)
+        offsets = [[0] * n for _ in prompts]         # text_offset of the next token per (prompt, completion)
+        finished = [[False] * n for _ in prompts]
+        started = [False] * len(prompts)
+        prompt_tokens = [len(ids) for _, ids in prompts]
+        cached = [0] * len(prompts)
+
+        def usage_now() -> UsageInfo:
+            completion = sum(sum(row) for row in sent_tokens)
+            return usage(sum(prompt_tokens), completion, sum(cached))
+
+        def chunks(i: int, out: RequestOutput) -> list[str]:
+            lines = []
+            cached[i] = out.num_cached_tokens
+            text, ids = prompts[i]
+            for j, c in enumerate(out.outputs):
+                if finished[i][j]:
+                    continue
+                delta_text = out.new_texts[j] if j < len(out.new_texts) else ""
+                new_ids = list(c.token_ids[sent_tokens[i][j]:])
+                new_lps = list((c.logprobs or [])[sent_tokens[i][j]:])
+                if req.echo and not started[i]:
+                    prompt_text = text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
+                    delta_text = prompt_text + delta_text
+                    new_ids = ids + new_ids
+                    new_lps = list(out.prompt_logprobs or [None] * len(ids)) + new_lps
+                sent_tokens[i][j] = len(c.token_ids)
+                if not delta_text and not new_ids and c.finish_reason is None:
+                    continue
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self._logprobs(new_ids, new_lps, offsets[i][j])
+                    offsets[i][j] = logprobs.text_offset[-1] + len(logprobs.tokens[-1]) if logprobs.tokens \
+                        else offsets[i][j]
+                finished[i][j] = c.finish_reason is not None
+                chunk = CompletionResponse(
+                    id=request_id, created=created, model=model,
+                    choices=[CompletionChoice(index=i * n + j, text=delta_text, logprobs=logprobs,
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+                    usage=usage_now() if continuous else None)
+                lines.append(sse(chunk.model_dump(exclude_none=False)))
+            started[i] = True
+            return lines
+
+        async def body() -> AsyncIterator[str]:
+            async with contextlib.aclosing(merged):
+                try:
+                    for line in chunks(*first):
+                        yield line
+                    async for i, out in merged:
+                        for line in chunks(i, out):
+                            yield line
+                    if include_usage:
+                        final = CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                                   usage=usage_now())
+                        yield sse(final.model_dump())
+                except OpenAIError as e:
+                    yield sse_error(e)
+                yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")

@@ -1,0 +1,41 @@
+"""A log line every few seconds while the engine is busy, in the spirit of vLLM's:
+throughput, running/waiting, KV usage, prefix-cache hit rate."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from kvserve.engine.stats import EngineStats
+
+logger = logging.getLogger("kvserve.stats")
+
+
+def format_stats_line(now: EngineStats, before: EngineStats, interval_s: float) -> str:
+    prompt_tps = (now.num_prompt_tokens - before.num_prompt_tokens) / interval_s
+    gen_tps = (now.num_generation_tokens - before.num_generation_tokens) / interval_s
+    queries = now.prefix_cache_queries - before.prefix_cache_queries
+    hits = now.prefix_cache_hits - before.prefix_cache_hits
+    hit_rate = 100.0 * hits / queries if queries else 0.0
+    return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: {gen_tps:.1f} tokens/s, "
+            f"Running: {now.num_running} reqs, Waiting: {now.num_waiting} reqs, "
+            f"KV cache usage: {100.0 * now.kv_cache_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%, "
+            f"Preemptions: {now.num_preemptions - before.num_preemptions}")
+
+
+def _busy(now: EngineStats, before: EngineStats) -> bool:
+    return (now.num_running > 0 or now.num_waiting > 0
+            or now.num_generation_tokens != before.num_generation_tokens
+            or now.num_prompt_tokens != before.num_prompt_tokens)
+
+
+async def log_stats_periodically(get_stats: Callable[[], EngineStats], interval_s: float = 5.0) -> None:
+    """Runs until cancelled; stays quiet while idle."""
+    before, t_before = get_stats(), time.monotonic()
+    while True:
+        await asyncio.sleep(interval_s)
+        now, t_now = get_stats(), time.monotonic()
+        if _busy(now, before):
+            logger.info("%s", format_stats_line(now, before, max(t_now - t_before, 1e-9)))
+        before, t_before = now, t_now

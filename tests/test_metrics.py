@@ -1,0 +1,101 @@
+"""ServerMetrics and the stats log line, fed step results built by hand (the server tests check them against
+the real engine over HTTP)."""
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve.engine.core_process import StepResult
+from kvserve.engine.stats import EngineStats
+from kvserve.metrics.prometheus import ServerMetrics
+from kvserve.metrics.stat_logger import _busy, format_stats_line
+from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+EXPECTED = {
+    "gauge": ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"],
+    "counter": ["prompt_tokens", "generation_tokens", "request_success", "num_preemptions",
+                "prefix_cache_queries", "prefix_cache_hits"],
+    "histogram": ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                  "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                  "iteration_tokens_total"],
+}
+
+
+def samples(m: ServerMetrics) -> dict[str, float]:
+    out = {}
+    for fam in text_string_to_metric_families(m.render().decode()):
+        for s in fam.samples:
+            if "le" not in s.labels:
+                extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+                out[s.name + (f"{{{extra}}}" if extra else "")] = s.value
+    return out
+
+
+def output(rid: str, step: int, n_new: int, finished: bool, t0: float = 100.0) -> RequestOutput:
+    m = RequestMetrics(arrival_time=t0, first_scheduled_time=t0 + 0.5, first_token_time=t0 + 1.0,
+                       last_token_time=t0 + 1.0 + 0.1 * step, finished_time=(t0 + 1.0 + 0.1 * step) if finished else None)
+    c = CompletionOutput(0, "x" * (step + 1), list(range(step + 1)), finish_reason="length" if finished else None)
+    return RequestOutput(rid, None, [1, 2, 3, 4], [c], finished, metrics=m, new_token_ids=[[7] * n_new],
+                         new_texts=["x"])
+
+
+def test_names_types_and_labels():
+    m = ServerMetrics("my-model")
+    fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    for kind, names in EXPECTED.items():
+        for name in names:
+            fam = fams.get("kvserve:" + name)
+            assert fam is not None and fam.type == kind, name
+    ttft = [s for s in fams["kvserve:time_to_first_token_seconds"].samples if s.name.endswith("_bucket")]
+    assert ttft[0].labels == {"model_name": "my-model", "le": "0.001"}
+
+
+def test_request_histograms_and_token_counters():
+    m = ServerMetrics("m")
+    stats = EngineStats(num_running=1, kv_cache_usage=0.25, num_preemptions=2, prefix_cache_queries=10,
+                        prefix_cache_hits=4, last_step_num_tokens=4)
+    m.on_step(StepResult([output("a", 0, 1, False)], [], stats, 1, 0.01, True))
+    for step in (1, 2):
+        m.on_step(StepResult([output("a", step, 1, step == 2)], [], EngineStats(last_step_num_tokens=1), 1, 0.01,
+                             True))
+    s = samples(m)
+    assert s["kvserve:time_to_first_token_seconds_count"] == 1
+    assert abs(s["kvserve:time_to_first_token_seconds_sum"] - 1.0) < 1e-9
+    assert s["kvserve:inter_token_latency_seconds_count"] == 2
+    assert s["kvserve:e2e_request_latency_seconds_count"] == 1
+    assert abs(s["kvserve:e2e_request_latency_seconds_sum"] - 1.2) < 1e-9
+    assert abs(s["kvserve:request_queue_time_seconds_sum"] - 0.5) < 1e-9
+    assert abs(s["kvserve:request_prefill_time_seconds_sum"] - 0.5) < 1e-9
+    assert abs(s["kvserve:request_decode_time_seconds_sum"] - 0.2) < 1e-9
+    assert s["kvserve:prompt_tokens_total"] == 4      # once per request
+    assert s["kvserve:generation_tokens_total"] == 3
+    assert s["kvserve:request_success_total{finished_reason=length}"] == 1
+    assert s["kvserve:iteration_tokens_total_count"] == 3
+    # engine counters are cumulative; a later, lower snapshot never makes a Prometheus counter go down
+    assert s["kvserve:num_preemptions_total"] == 2 and s["kvserve:prefix_cache_hits_total"] == 4
+    assert s["kvserve:num_requests_running"] == 0 and s["kvserve:kv_cache_usage_perc"] == 0
+
+
+def test_aborted_request_is_forgotten():
+    m = ServerMetrics("m")
+    m.on_step(StepResult([output("a", 0, 1, False)], [], EngineStats(), 1, 0.01, True))
+    m.on_request_end("a")
+    assert not m._tracked  # noqa: SLF001
+
+
+def test_registries_are_independent():
+    a, b = ServerMetrics("a"), ServerMetrics("b")
+    a.on_step(StepResult([output("r", 0, 1, True)], [], EngineStats(), 1, 0.01, True))
+    assert samples(a)["kvserve:generation_tokens_total"] == 1
+    assert samples(b)["kvserve:generation_tokens_total"] == 0
+
+
+def test_stats_line():
+    before = EngineStats(num_prompt_tokens=100, num_generation_tokens=50, prefix_cache_queries=100,
+                         prefix_cache_hits=20)
+    now = EngineStats(num_running=3, num_waiting=2, kv_cache_usage=0.125, num_prompt_tokens=600,
+                      num_generation_tokens=150, prefix_cache_queries=200, prefix_cache_hits=70)
+    line = format_stats_line(now, before, 5.0)
+    assert "prompt throughput: 100.0 tokens/s" in line and "generation throughput: 20.0 tokens/s" in line
+    assert "Running: 3 reqs" in line and "Waiting: 2 reqs" in line
+    assert "KV cache usage: 12.5%" in line and "Prefix cache hit rate: 50.0%" in line
+    assert _busy(now, before) and not _busy(EngineStats(), EngineStats())

@@ -1,0 +1,458 @@
+"""The OpenAI-compatible server, started as a real subprocess and driven over HTTP by real clients
+(the official `openai` package, httpx). One server for the whole module; the SIGTERM test runs last and
+ends it."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve.entrypoints.openai.launcher import RemoteServer
+
+API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 512
+MAX_NUM_SEQS = 16
+MAX_WAITING = 100
+BODY_LIMIT = 1 << 20
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def server():
+    args = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256",
+            "--max-waiting", str(MAX_WAITING), "--api-key", API_KEY, "--max-request-body-bytes", str(BODY_LIMIT),
+            "--log-stats-interval", "2", "--max-num-batched-tokens", "512"]
+    with RemoteServer(args) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from kvserve import LLM
+    return LLM(max_model_len=MAX_MODEL_LEN, num_threads=1)
+
+
+def metrics(http: httpx.Client) -> dict[str, float]:
+    """{sample name with labels: value} from /metrics."""
+    out = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "le"))
+            key = s.name + (f"{{{labels}}}" if labels else "")
+            if "le" in s.labels:
+                continue
+            out[key] = s.value
+    return out
+
+
+def wait_for(pred, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def wait_idle(http: httpx.Client) -> dict[str, float]:
+    wait_for(lambda: (m := metrics(http))["kvserve:num_requests_running"] == 0
+             and m["kvserve:num_requests_waiting"] == 0, 30, "the engine to go idle")
+    return metrics(http)
+
+
+# ---------------------------------------------------------------- basics
+
+def test_health_models_and_tokenize(server, http):
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    models = http.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    tok = http.post("/tokenize", json={"prompt": "Hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    assert http.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"].endswith("Hello world")
+    chat_tok = http.post("/tokenize", json={"messages": CHAT}).json()
+    assert chat_tok["count"] > tok["count"]
+
+
+def test_greedy_matches_offline_generation(client, offline):
+    from kvserve import SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0)
+    expected = [o.outputs[0].text for o in offline.generate(PROMPTS, params, use_tqdm=False)]
+    for prompt, want in zip(PROMPTS, expected):
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == want
+    want_chat = offline.chat(CHAT, params, use_tqdm=False)[0].outputs[0].text
+    got_chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=12, temperature=0)
+    assert got_chat.choices[0].message.content == want_chat and want_chat
+
+
+def test_streaming_equals_non_streaming(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    full_chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        full_chat.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == full_chat.usage.total_tokens
+    assert all(c.usage is not None for c in chunks)  # continuous_usage_stats
+
+
+def test_n_seed_and_stop(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, n=3, seed=1234)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # same seed, same samples
+    assert 3 <= a.usage.completion_tokens <= 3 * 8
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=1.0, n=2, seed=5)
+    assert [c.index for c in chat.choices] == [0, 1]
+
+    stopped = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0, stop=["."])
+    assert "." not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+
+
+def test_completion_logprobs_and_echo(client):
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(2 <= len(t) <= 3 for t in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset)
+
+    echo = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, logprobs=1,
+                                     echo=True)
+    assert echo.choices[0].text.startswith(PROMPTS[0])
+    elp = echo.choices[0].logprobs
+    assert len(elp.tokens) == echo.usage.prompt_tokens + echo.usage.completion_tokens
+    assert elp.token_logprobs[0] is None and all(v is not None for v in elp.token_logprobs[1:])
+
+
+def test_chat_logprobs(client):
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
+                                         top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    assert "".join(c.token for c in content) == out.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token  # greedy picks the top one
+
+
+def test_prompt_forms_and_cached_tokens(client, http):
+    ids = http.post("/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
+    by_text = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    several = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in several.choices] == [0, 1, 2, 3]
+    several_ids = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=4, temperature=0)
+    assert len(several_ids.choices) == 2
+    # A long prompt sent twice: the second is served from the prefix cache.
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 12
+    client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=1)
+    again = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_extra_fields_accepted(http):
+    r = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": CHAT, "max_completion_tokens": 3, "ignore_eos": True, "min_tokens": 3,
+        "user": "someone", "priority": 1, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1,
+        "logit_bias": {"0": -5}, "some_client_specific_field": {"x": 1}, "stream": False})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+
+
+# ---------------------------------------------------------------- concurrency, disconnects
+
+async def _stream_one(c: httpx.AsyncClient, i: int) -> list[str]:
+    body = {"model": MODEL, "prompt": f"Request {i}: count to ten.", "max_tokens": 8, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    events = []
+    async with c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line:
+                assert line.startswith("data: ")
+                events.append(line[6:])
+    return events
+
+
+def test_64_concurrent_streams(server, http):
+    async def run() -> list[list[str]]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"},
+                                     timeout=120, limits=limits) as c:
+            return await asyncio.gather(*(_stream_one(c, i) for i in range(64)))
+
+    results = asyncio.run(run())
+    for events in results:
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks and all(ch["object"] == "text_completion" for ch in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    wait_idle(http)
+
+
+def test_disconnect_aborts_request_and_frees_kv(server, http):
+    before = wait_idle(http)
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                while not next(lines):
+                    pass
+            during = metrics(http)
+            assert during["kvserve:num_requests_running"] == 1
+            assert during["kvserve:kv_cache_usage_perc"] > before["kvserve:kv_cache_usage_perc"]
+        # leaving the block closes the connection mid-stream
+    wait_for(lambda: metrics(http)["kvserve:num_requests_running"] == 0, 10, "the aborted request to leave")
+    after = metrics(http)
+    assert after["kvserve:kv_cache_usage_perc"] == before["kvserve:kv_cache_usage_perc"]
+    assert after["kvserve:num_requests_waiting"] == 0
+
+
+def test_disconnect_non_streaming(server, http):
+    before = wait_idle(http)
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.base_url + "/v1/completions", json=body, timeout=1.5,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    wait_for(lambda: metrics(http)["kvserve:num_requests_running"] == 0, 10, "the aborted request to leave")
+    assert metrics(http)["kvserve:kv_cache_usage_perc"] == before["kvserve:kv_cache_usage_perc"]
+
+
+# ---------------------------------------------------------------- errors
+
+COMPLETION = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
+CHAT_REQ = {"model": MODEL, "messages": CHAT, "max_tokens": 4}
+
+BAD_REQUESTS = [
+    ("max_tokens<1", "/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens"),
+    ("temperature<0", "/v1/completions", {**COMPLETION, "temperature": -0.5}, "temperature"),
+    ("top_p=0", "/v1/completions", {**COMPLETION, "top_p": 0}, "top_p"),
+    ("top_p>1", "/v1/chat/completions", {**CHAT_REQ, "top_p": 1.5}, "top_p"),
+    ("n<1", "/v1/completions", {**COMPLETION, "n": 0}, "n"),
+    ("max_tokens wrong type", "/v1/completions", {**COMPLETION, "max_tokens": "many"}, "max_tokens"),
+    ("messages wrong type", "/v1/chat/completions", {**CHAT_REQ, "messages": "hello"}, "messages"),
+    ("empty messages", "/v1/chat/completions", {**CHAT_REQ, "messages": []}, "messages"),
+    ("empty prompt list", "/v1/completions", {**COMPLETION, "prompt": []}, "prompt"),
+    ("no prompt", "/v1/completions", {"model": MODEL}, "prompt"),
+    ("over the context", "/v1/completions", {**COMPLETION, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    ("chat over the context", "/v1/chat/completions", {**CHAT_REQ, "max_completion_tokens": 10**6},
+     "max_completion_tokens"),
+    ("token id out of range", "/v1/completions", {**COMPLETION, "prompt": [1, 10**9]}, "prompt"),
+    ("huge int", "/v1/completions", {**COMPLETION, "seed": 10**40}, "seed"),
+    ("huge n", "/v1/completions", {**COMPLETION, "n": 10**6}, "n"),
+    ("logprobs > 20", "/v1/completions", {**COMPLETION, "logprobs": 50}, "logprobs"),
+    ("bad logit_bias", "/v1/completions", {**COMPLETION, "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("min_tokens > max_tokens", "/v1/completions", {**COMPLETION, "min_tokens": 10}, "min_tokens"),
+    ("image content", "/v1/chat/completions",
+     {**CHAT_REQ, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     None),
+]
+
+
+@pytest.mark.parametrize("path,body,param", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
+def test_invalid_parameters_are_400(http, path, body, param):
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == 400 and err["message"]
+    if param is not None:
+        assert err["param"] is not None and err["param"].startswith(param), err
+
+
+RAW_BODIES = [
+    ("malformed JSON", b'{"model": "x", "prompt": '),
+    ("not an object", b"[1, 2, 3]"),
+    ("non-UTF-8", b'{"prompt": "\xff\xfe\xfa", "max_tokens": 2}'),
+    ("huge float", b'{"prompt": "hi", "max_tokens": 1e400}'),
+    ("huge temperature", b'{"prompt": "hi", "max_tokens": 2, "temperature": 1e999}'),
+    ("enormous integer", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}"),
+    ("deep nesting", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    ("NaN", b'{"prompt": "hi", "max_tokens": 2, "top_p": NaN}'),
+    ("empty body", b""),
+]
+
+
+@pytest.mark.parametrize("body", [b[1] for b in RAW_BODIES], ids=[b[0] for b in RAW_BODIES])
+def test_malformed_bodies_are_400(http, body):
+    r = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == 400
+
+
+def test_auth_model_and_size_errors(server, http):
+    url = server.base_url + "/v1/completions"
+    missing = httpx.post(url, json=COMPLETION)
+    wrong = httpx.post(url, json=COMPLETION, headers={"Authorization": "Bearer nope"})
+    for r in (missing, wrong):
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401
+    assert httpx.get(server.base_url + "/health").status_code == 200  # unauthenticated
+    assert httpx.get(server.base_url + "/metrics").status_code == 200
+
+    r = http.post("/v1/completions", json={**COMPLETION, "model": "gpt-4"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0).chat.completions.create(
+            model="nope", messages=CHAT)
+
+    big = http.post("/v1/completions", json={**COMPLETION, "prompt": "x" * (BODY_LIMIT + 10)})
+    assert big.status_code == 413 and big.json()["error"]["code"] == 413
+
+    def chunked():
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"y" * (BODY_LIMIT // 10)
+        yield b'"}'
+
+    assert http.post("/v1/completions", content=chunked()).status_code == 413
+    assert http.get("/v1/nothing-here").status_code == 404
+    assert http.get("/v1/completions").status_code == 405
+
+
+def test_too_many_waiting_is_429(server, http):
+    wait_idle(http)
+    total = MAX_NUM_SEQS + MAX_WAITING + 20
+
+    async def run() -> list[int]:
+        limits = httpx.Limits(max_connections=total)
+        async with httpx.AsyncClient(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"},
+                                     timeout=60, limits=limits) as c:
+            body = {**COMPLETION, "max_tokens": 64, "ignore_eos": True}
+            tasks = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(total)]
+            statuses = []
+            for fut in asyncio.as_completed(tasks):
+                r = await fut
+                statuses.append(r.status_code)
+                if r.status_code == 429:
+                    assert r.headers["retry-after"] and r.json()["error"]["code"] == 429
+                    break
+            for t in tasks:
+                t.cancel()  # closes the connections: the admitted requests are aborted
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return statuses
+
+    assert 429 in asyncio.run(run())
+    wait_idle(http)
+    assert http.post("/v1/completions", json=COMPLETION).status_code == 200
+
+
+# ---------------------------------------------------------------- metrics, fuzz, shutdown
+
+def test_metrics_are_consistent(client, http):
+    before = wait_idle(http)
+    n_requests, prompt_tokens, completion_tokens = 5, 0, 0
+    for i in range(n_requests):
+        if i % 2:
+            r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3 + i, temperature=0)
+        else:
+            r = client.completions.create(model=MODEL, prompt=f"Number {i} is", max_tokens=3 + i, temperature=0)
+        prompt_tokens += r.usage.prompt_tokens
+        completion_tokens += r.usage.completion_tokens
+    after = wait_idle(http)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("kvserve:time_to_first_token_seconds_count") == n_requests
+    assert delta("kvserve:e2e_request_latency_seconds_count") == n_requests
+    assert delta("kvserve:request_queue_time_seconds_count") == n_requests
+    assert delta("kvserve:request_prefill_time_seconds_count") == n_requests
+    assert delta("kvserve:request_decode_time_seconds_count") == n_requests
+    assert delta("kvserve:prompt_tokens_total") == prompt_tokens
+    assert delta("kvserve:generation_tokens_total") == completion_tokens
+    assert delta("kvserve:inter_token_latency_seconds_count") == completion_tokens - n_requests
+    finished = sum(v for k, v in after.items() if k.startswith("kvserve:request_success_total"))
+    finished_before = sum(v for k, v in before.items() if k.startswith("kvserve:request_success_total"))
+    assert finished - finished_before == n_requests
+    assert delta("kvserve:iteration_tokens_total_count") > 0
+    for name in ("kvserve:num_preemptions_total", "kvserve:prefix_cache_queries_total",
+                 "kvserve:prefix_cache_hits_total"):
+        assert name in after
+    assert after["kvserve:kv_cache_usage_perc"] == 0
+
+
+def test_schema_fuzz_never_500(server, http):
+    import hypothesis
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
+    strategy = st.one_of(schema.as_strategy(GenerationMode.POSITIVE), schema.as_strategy(GenerationMode.NEGATIVE))
+    statuses: list[int] = []
+
+    @settings(max_examples=120, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck), phases=[hypothesis.Phase.generate])
+    @given(case=strategy)
+    def fuzz(case) -> None:
+        try:
+            r = case.call(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=3)
+        except Exception as e:  # noqa: BLE001 - a valid request that runs long: the client gives up
+            if "timed out" not in str(e).lower() and "timeout" not in type(e).__name__.lower():
+                raise
+            return
+        statuses.append(r.status_code)
+        assert r.status_code < 500, (case.path, case.body, r.text)
+        if r.status_code >= 400:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+    fuzz()
+    assert any(s == 200 for s in statuses) and any(s == 400 for s in statuses)
+    assert http.get("/health").status_code == 200
+    assert http.post("/v1/completions", json=COMPLETION).status_code == 200
+
+
+def test_sigterm_finishes_inflight_stream_then_exits_0(server):
+    """Runs last: it stops the module's server."""
+    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=server.base_url, headers=headers, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line)
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            # New requests are refused while the stream drains.
+            refused = httpx.post(server.base_url + "/v1/completions", json=COMPLETION, headers=headers, timeout=10)
+            assert refused.status_code == 503
+            events = [first] + [line for line in lines if line]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(1 for ch in chunks if ch["choices"][0]["text"]) >= 30
+    assert server.proc.wait(60) == 0, server.output()[-3000:]
