@@ -6,7 +6,6 @@ import random
 
 import gguf
 import pytest
-from tokenizers import Tokenizer as BackendTokenizer
 
 from kvserve.models.default import default_model_path
 from kvserve.models.gguf import read_metadata

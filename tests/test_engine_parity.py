@@ -8,6 +8,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
+from engine_helpers import drain
 from tiny_models import hf_greedy
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -74,19 +75,11 @@ def test_batch_invariance_greedy_alone_and_among_32(tiny_model_dirs):
     target = [rng.randrange(256) for _ in range(11)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     engine.add_request("alone", target, params)
-    alone = _drain(engine)["alone"].outputs[0].token_ids
+    alone = drain(engine)["alone"].outputs[0].token_ids
     for i in range(32):
         engine.add_request(f"o{i}", [rng.randrange(256) for _ in range(rng.randint(2, 40))],
                            SamplingParams(temperature=0.8, max_tokens=rng.randint(1, 20), ignore_eos=True))
     engine.add_request("target", target, params)
-    crowd = _drain(engine)["target"].outputs[0].token_ids
+    crowd = drain(engine)["target"].outputs[0].token_ids
     assert alone == crowd
 
-
-def _drain(engine: LLMEngine) -> dict:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done

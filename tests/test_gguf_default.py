@@ -22,15 +22,6 @@ CHATS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The 2 cores are shared with other test processes; torch's 2-thread OpenMP barriers then stall on
-    # every op (measured 20x slower than 1 thread under load).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def ours() -> LoadedModel:

@@ -66,15 +66,6 @@ ARCHS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The 2 cores are shared with other test processes; torch's 2-thread OpenMP barriers then stall on
-    # every op (measured 20x slower than 1 thread under load).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def write_tokenizer(path: Path) -> None:
     # A word-level tokenizer made offline: the loader needs a tokenizer.json next to the weights.

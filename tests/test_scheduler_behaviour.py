@@ -6,6 +6,7 @@ import pytest
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
+from engine_helpers import assert_no_leaks, drain
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -16,28 +17,11 @@ def make_engine(path, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(**cfg))
 
 
-def drain(engine: LLMEngine) -> dict:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
 def run(engine: LLMEngine, prompts, params=GREEDY, priorities=None) -> list[list[int]]:
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params, priority=priorities[i] if priorities else 0)
     done = drain(engine)
     return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
-
-
-def assert_no_leaks(engine: LLMEngine) -> None:
-    """Every block is free or held only by the evictable prefix cache."""
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
-    assert all(b.ref_count == 0 for b in bm.blocks)
-    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.requests
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +210,14 @@ def test_stop_token_ids_end_the_sequence_with_that_token(path):
     res = drain(engine)["s"].outputs[0]
     assert res.token_ids == full[: full.index(full[4]) + 1]
     assert res.finish_reason == "stop" and res.stop_reason == full[4]
+
+
+def test_cache_salt_keeps_prefixes_apart(path):
+    engine = make_engine(path)
+    prompt = prompts_(1, 30, 30, seed=20)[0]
+    engine.add_request("a", prompt, GREEDY, cache_salt="tenant-a")
+    drain(engine)
+    engine.add_request("b", prompt, GREEDY, cache_salt="tenant-b")
+    assert drain(engine)["b"].num_cached_tokens == 0
+    engine.add_request("c", prompt, GREEDY, cache_salt="tenant-a")
+    assert drain(engine)["c"].num_cached_tokens == 28

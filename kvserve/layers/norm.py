@@ -1,7 +1,9 @@
-"""RMSNorm, computed in float32 like the reference implementations so bf16 weights keep fp32 accuracy."""
+"""RMSNorm through torch's fused kernel (faster on CPU than the composite square-mean-rsqrt; it runs 61
+times a step on the default model)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -12,8 +14,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        # HF casts back to the activation dtype before scaling by the weight.
-        return self.weight * xf.to(dtype)
+        # Normalise in float32 and cast back before the weight, as the reference implementations do:
+        # in bf16 the variance alone is too coarse (the default model's answers change).
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
