@@ -29,7 +29,7 @@ from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_BYTES = 1 << 30        # like vLLM's CPU default (a fixed KV space), sized for small machines
+DEFAULT_CPU_KV_BYTES = 1 << 30        # a fixed KV space, as vLLM sizes it on CPU; ~46k tokens of the default model
 DEFAULT_GPU_KV_FRACTION = 0.8         # of free device memory after loading the weights
 
 
