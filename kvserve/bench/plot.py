@@ -50,11 +50,7 @@ def plot_curves(results: list[dict], out_png: Path, title: str = "") -> Path:
     axes.flat[0].legend()
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return out_png
+    return _save(fig, out_png)
 
 
 def _point_value(r: dict) -> float:
@@ -96,6 +92,12 @@ def plot_cdf(results: list[dict], metric: str, out_png: Path, title: str = "") -
     ax.legend(fontsize=8)
     if title:
         ax.set_title(title)
+    return _save(fig, out_png)
+
+
+def _save(fig, out_png: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=120)
