@@ -351,7 +351,7 @@ def test_too_many_waiting_is_429(server, http):
         limits = httpx.Limits(max_connections=total)
         async with httpx.AsyncClient(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"},
                                      timeout=60, limits=limits) as c:
-            body = {**COMPLETION, "max_tokens": 64, "ignore_eos": True}
+            body = {**COMPLETION, "max_tokens": 256, "ignore_eos": True}  # long enough to keep the running set full
             tasks = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(total)]
             statuses = []
             for fut in asyncio.as_completed(tasks):

@@ -22,6 +22,7 @@ from kvserve.engine.stats import EngineStats
 from kvserve.models.kv_cache import kv_cache_spec
 from kvserve.models.loader import load_model
 from kvserve.outputs import PositionLogprobs, RequestMetrics, RequestOutput
+from kvserve.sampling.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
 from kvserve.utils.device import resolve_device, resolve_dtype
@@ -144,7 +145,7 @@ class LLMEngine:
                 skip_prefix_cache=params.prompt_logprobs is not None,
             )
             if params.seed is not None:
-                seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
+                seq.generator = make_generator(params.seed + i, self.device)
             seqs.append(seq)
         backend = self.tokenizer.backend
         detoks = [IncrementalDetokenizer(backend, token_ids, params) for _ in seqs]

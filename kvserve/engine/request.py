@@ -8,6 +8,7 @@ from kvserve.engine.sequence import Sequence
 from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
+from kvserve.tokenizer.stop_checker import check_token_stop
 
 
 @dataclass(eq=False)
@@ -49,18 +50,15 @@ class Request:
         if logprobs is not None and self.logprobs[i] is not None:
             self.logprobs[i].append(logprobs)
         detok = self.detokenizers[i]
-        # The sampler masks EOS and stop_token_ids until min_tokens are out, so these checks need not.
-        if not p.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
-            detok.update([token], stop_terminated=True)
-        elif token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
+        token_stop = check_token_stop(p, seq.output_token_ids, self.eos_token_ids)
+        if token_stop is not None and token_stop[0] == "stop":  # EOS or a stop_token_id
+            seq.finish_reason, seq.stop_reason = token_stop
             detok.update([token], stop_terminated=True)
         else:
             stop_str = detok.update([token])
             if stop_str is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop_str
-            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif token_stop is not None or seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = "length"
         finished = seq.finish_reason is not None
         delta = detok.get_delta(finished)

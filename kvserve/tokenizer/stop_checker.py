@@ -1,6 +1,7 @@
 """When a sequence stops: on a token (EOS, stop_token_ids, max_tokens) or on a stop string."""
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from kvserve.sampling_params import SamplingParams
@@ -44,7 +45,7 @@ def partial_stop_len(text: str, stops: list[str]) -> int:
 
 
 def check_token_stop(
-    params: SamplingParams, output_token_ids: list[int], eos_token_ids: list[int]
+    params: SamplingParams, output_token_ids: list[int], eos_token_ids: Collection[int]
 ) -> tuple[str, int | None] | None:
     """(finish_reason, stop_reason) once the last generated token ends the sequence, else None.
 
