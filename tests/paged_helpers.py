@@ -8,6 +8,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.layers.attention_metadata import AttentionMetadata
+from kvserve.models.kv_cache import kv_cache_spec
 
 
 @dataclass
@@ -70,7 +71,7 @@ def make_kv_caches(
     # Random, not zero: a read of a slot that was never written then shifts the logits visibly. (Not NaN:
     # padded decode rows read unwritten slots under a zero attention weight, and 0 * NaN is NaN.)
     g = torch.Generator().manual_seed(1234)
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    shape = kv_cache_spec(cfg, block_size, dtype).block_shape(num_blocks)
     return [
         (torch.randn(shape, generator=g).to(dtype) * 3, torch.randn(shape, generator=g).to(dtype) * 3)
         for _ in range(cfg.num_hidden_layers)

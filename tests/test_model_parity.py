@@ -23,6 +23,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from kvserve.layers import attention_metadata
 from kvserve.models.kv_cache import kv_cache_spec
 from kvserve.models.loader import load_model
 from paged_helpers import PagedSeqs, make_kv_caches
@@ -98,8 +99,12 @@ def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-decode-group", "decode-group-per-row"])
 @pytest.mark.parametrize("name", list(ARCHS))
-def test_paged_model_matches_transformers(name: str, tmp_path: Path) -> None:
+def test_paged_model_matches_transformers(name: str, grouped: bool, tmp_path: Path, monkeypatch) -> None:
+    if grouped:  # free groups: every decode row is gathered on its own, padded only to its own length
+        monkeypatch.setattr(attention_metadata, "_GROUP_STRIDE", 1)
+        monkeypatch.setattr(attention_metadata, "_GROUP_COST_BLOCKS", 0)
     ref = build_hf_model(name, tmp_path)
     loaded = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
     model, cfg = loaded.model, loaded.config
@@ -150,13 +155,22 @@ def test_paged_model_matches_transformers(name: str, tmp_path: Path) -> None:
             check(out[i], texts[i], 1)
 
 
+def test_decode_rows_split_where_padding_costs_more_than_a_group() -> None:
+    split = attention_metadata.split_by_length
+    cost = attention_metadata._GROUP_COST_BLOCKS
+    assert split([3] * 40) == [40]                               # equal lengths: nothing to save
+    assert split([1] * 8 + [4 * cost] * 8) == [8, 16]            # short rows padded to long ones: worth a group
+    assert split([10] * 8 + [10 + cost // 16] * 8) == [16]       # saving less than a group costs
+    assert split([2, 3]) == [2]                                  # fewer rows than a group boundary step
+
+
 def test_kv_cache_spec_counts_k_and_v_of_every_layer() -> None:
     from kvserve.config import ModelConfig
 
     cfg = ModelConfig("llama", 100, 64, 128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=16, max_position_embeddings=64)
     spec = kv_cache_spec(cfg, block_size=8, dtype=torch.bfloat16)
-    assert spec.block_shape(10) == (10, 8, 2, 16)
+    assert spec.block_shape(10) == (2, 10, 8, 16)
     assert spec.bytes_per_block == 2 * 3 * 8 * 2 * 16 * 2
 
 

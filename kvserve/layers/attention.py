@@ -1,12 +1,17 @@
-"""Paged attention on top of torch's scaled_dot_product_attention, device-agnostic.
+"""Paged attention on top of torch's matmuls and scaled_dot_product_attention, device-agnostic.
 
-Each call first writes the new tokens' K/V into the layer's paged cache at `slot_mapping`, then reads
-every sequence's K/V back from the cache through its block table: the cache is the only copy kept
-between steps. Gathers made here are transient.
+Each call first writes the new tokens' K/V into the layer's paged cache, then reads every sequence's
+K/V back from the cache through its block table: the cache is the only copy kept between steps.
+Gathers made here are transient.
 
-Decode rows (q_len == 1) of all sequences go through one SDPA call, padded to the longest context with
-a length mask. Prefill / chunked-prefill rows go one SDPA call per sequence with a causal mask offset by
-the cached prefix.
+The cache is head-major ([Hkv, num_blocks, block_size, D]), so one index_select over whole
+(head, block) rows yields [Hkv * B, L, D], contiguous, which batched matmuls read as they are. With the
+cache block-major, the same gather came out [B, L, Hkv, D] and every matmul first copied it into
+shape: 2-3x slower a layer at batch 64 (benchmarks/results/decode_attention.md).
+
+Decode rows (q_len == 1) go through a pair of batched matmuls per group of similar context lengths,
+each padded to its group's longest context with a -inf bias. Prefill / chunked-prefill rows go one SDPA
+call per sequence with a causal mask offset by the cached prefix.
 """
 from __future__ import annotations
 
@@ -14,23 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.layers.attention_metadata import AttentionMetadata
-
-
-def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
-
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """Tokens [0, length) of each row's sequence: [B, length, num_kv_heads, head_dim]."""
-    block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
-    blocks = cache[block_tables[:, :num_blocks]]  # [B, nb, block_size, Hkv, D]
-    return blocks.flatten(1, 2)[:, :length]
+from kvserve.layers.attention_metadata import AttentionMetadata, DecodeGroup, PrefillPlan
 
 
 class PagedAttention(nn.Module):
@@ -53,87 +42,48 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        Hkv, num_blocks, block_size, D = k_cache.shape
+        plan = meta.plan(Hkv, num_blocks, self.sliding_window)
+        # Write the new tokens: one row per (head, token) of the cache seen as [Hkv * NB * bs, D].
+        k_rows, v_rows = k_cache.view(-1, D), v_cache.view(-1, D)
+        k_rows.index_copy_(0, plan.write_idx, k.transpose(0, 1).reshape(-1, D).to(k_cache.dtype))
+        v_rows.index_copy_(0, plan.write_idx, v.transpose(0, 1).reshape(-1, D).to(v_cache.dtype))
 
-        starts = meta.query_start_loc_list
-        decode_rows = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
-        if decode_rows:
-            self._decode(q, out, k_cache, v_cache, meta, decode_rows)
-        if len(decode_rows) < meta.num_seqs:
-            is_decode = set(decode_rows)
-            for i in range(meta.num_seqs):
-                if i not in is_decode:
-                    self._prefill(q, out, k_cache, v_cache, meta, i)
+        out = torch.empty_like(q)
+        k_blocks, v_blocks = k_cache.view(Hkv * num_blocks, block_size, D), v_cache.view(Hkv * num_blocks, block_size, D)
+        for group in plan.decode:
+            self._decode(q, out, k_blocks, v_blocks, group)
+        for p in plan.prefills:
+            self._prefill(q, out, k_blocks, v_blocks, meta, p)
         return out.flatten(1)
 
-    def _decode(
-        self,
-        q: torch.Tensor,
-        out: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        rows: list[int],
-    ) -> None:
-        B = len(rows)
-        if B == meta.num_seqs:
-            # Pure decode step (the common case): no index tensors to build.
-            token_idx = None
-            block_tables, seq_lens = meta.block_tables, meta.seq_lens
-        else:
-            row_t = torch.tensor(rows, device=q.device)
-            token_idx = torch.tensor([meta.query_start_loc_list[i] for i in rows], device=q.device)
-            block_tables, seq_lens = meta.block_tables[row_t], meta.seq_lens[row_t]
-        max_len = max(meta.seq_lens_list[i] for i in rows)
-
-        k = gather_kv(k_cache, block_tables, max_len).transpose(1, 2)  # [B, Hkv, L, D]
-        v = gather_kv(v_cache, block_tables, max_len).transpose(1, 2)
+    def _decode(self, q: torch.Tensor, out: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                plan: DecodeGroup) -> None:
+        B, L, Hkv, D = len(plan.token_idx), plan.max_len, self.num_kv_heads, self.head_dim
+        k = k_blocks.index_select(0, plan.gather_idx).view(Hkv * B, L, D)
+        v = v_blocks.index_select(0, plan.gather_idx).view(Hkv * B, L, D)
         # With one query token, the G query heads sharing a KV head become G query rows of that head:
-        # GQA without repeating K/V, and no causal mask needed, only the per-sequence length.
-        group = self.num_heads // self.num_kv_heads
-        qd = q if token_idx is None else q[token_idx]
-        qd = qd.view(B, self.num_kv_heads, group, self.head_dim).to(k.dtype)
-        key_pos = torch.arange(max_len, device=q.device)[None, :]
-        mask = key_pos < seq_lens[:, None]  # [B, L]
-        if self.sliding_window is not None and max_len > self.sliding_window:
-            mask &= key_pos >= seq_lens[:, None] - self.sliding_window
+        # GQA without repeating K/V, and no causal mask, only the per-sequence length (in plan.bias).
+        group = self.num_heads // Hkv
+        qd = q.index_select(0, plan.token_idx).view(B, Hkv, group, D)
+        qd = qd.transpose(0, 1).reshape(Hkv * B, group, D).to(k.dtype)
         # Two plain matmuls beat SDPA here: with a handful of query rows per KV head, its CPU kernel ran
-        # at ~11 GFLOP/s (3.1 ms vs 1.9 ms a layer at batch 64, bf16). Softmax in float32.
-        scores = torch.matmul(qd, k.transpose(-1, -2)).float() * self.scale  # [B, Hkv, G, L]
-        scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-        o = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
-        o = o.reshape(B, self.num_heads, self.head_dim).to(out.dtype)
-        if token_idx is None:
-            out.copy_(o)
-        else:
-            out[token_idx] = o
+        # at ~11 GFLOP/s. Softmax in float32.
+        scores = torch.bmm(qd, k.transpose(1, 2)).float().mul_(self.scale).add_(plan.bias)  # [Hkv*B, G, L]
+        o = torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), v)                           # [Hkv*B, G, D]
+        o = o.view(Hkv, B, group, D).transpose(0, 1).reshape(B, self.num_heads, D)
+        out.index_copy_(0, plan.token_idx, o.to(out.dtype))
 
-    def _prefill(
-        self,
-        q: torch.Tensor,
-        out: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        i: int,
-    ) -> None:
+    def _prefill(self, q: torch.Tensor, out: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                 meta: AttentionMetadata, plan: PrefillPlan) -> None:
+        i = plan.row
         start, end = meta.query_start_loc_list[i], meta.query_start_loc_list[i + 1]
-        q_len, seq_len = end - start, meta.seq_lens_list[i]
-        prefix = seq_len - q_len
-        k = gather_kv(k_cache, meta.block_tables[i : i + 1], seq_len).transpose(1, 2)  # [1, Hkv, S, D]
-        v = gather_kv(v_cache, meta.block_tables[i : i + 1], seq_len).transpose(1, 2)
+        seq_len, Hkv, D = meta.seq_lens_list[i], self.num_kv_heads, self.head_dim
+        k = k_blocks.index_select(0, plan.gather_idx).view(1, Hkv, -1, D)[:, :, :seq_len]  # [1, Hkv, S, D]
+        v = v_blocks.index_select(0, plan.gather_idx).view(1, Hkv, -1, D)[:, :, :seq_len]
         qi = q[start:end].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, H, q_len, D]
-        windowed = self.sliding_window is not None and seq_len > self.sliding_window
-        if prefix == 0 and not windowed:
+        if plan.mask is None:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
-            # Query j sits at position prefix + j and sees keys 0 .. prefix + j (is_causal would align
-            # the diagonal to the top-left, ignoring the cached prefix).
-            q_pos = torch.arange(prefix, seq_len, device=q.device)[:, None]
-            key_pos = torch.arange(seq_len, device=q.device)[None, :]
-            mask = key_pos <= q_pos  # [q_len, S]
-            if windowed:
-                mask &= key_pos > q_pos - self.sliding_window
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=plan.mask, scale=self.scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1).to(out.dtype)

@@ -1,7 +1,9 @@
 """What one forward pass tells attention about the batch. Built by the model runner each step.
 
 The KV cache of each layer is a pair of tensors (k_cache, v_cache), each shaped
-[num_blocks, block_size, num_kv_heads, head_dim]. A token's flat slot is block_id * block_size + offset.
+[num_kv_heads, num_blocks, block_size, head_dim]: head-major, so that gathering one sequence's blocks
+for one head yields rows that batched matmuls read in place (see attention.py). A token's flat slot is
+block_id * block_size + offset, the same in every head.
 
 The batch is a flat list of T new tokens from B sequences, sequence i owning rows
 query_start_loc[i]:query_start_loc[i+1] (its "query", q_len_i tokens). Sequence i has
@@ -11,9 +13,52 @@ seq_lens[i] - q_len_i ... seq_lens[i] - 1. block_tables[i, j] is the block holdi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+# Decode rows are gathered padded to the longest context of their group. One group per step pads short
+# sequences up to the longest one; splitting the rows (sorted by length) into groups trades that padding
+# against a fixed cost per group (a handful of ops per layer), expressed here in gathered blocks per row.
+_GROUP_COST_BLOCKS = 64
+_GROUP_STRIDE = 4  # candidate group boundaries every this many rows, which keeps the split's search tiny
+
+
+def split_by_length(num_blocks: list[int]) -> list[int]:
+    """Boundaries that split rows sorted by ascending block count into groups minimising
+    sum(group rows * group max blocks) + _GROUP_COST_BLOCKS * groups. Returns the end index of each group."""
+    n = len(num_blocks)
+    cuts = list(range(_GROUP_STRIDE, n, _GROUP_STRIDE)) + [n]
+    best = {0: (0, [])}  # end -> (cost, boundaries)
+    for j in cuts:
+        best[j] = min((cost + (j - i) * num_blocks[j - 1] + _GROUP_COST_BLOCKS, ends + [j])
+                      for i, (cost, ends) in best.items() if i < j)
+    return best[n][1]
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows gathered together, padded to the longest of them."""
+    token_idx: torch.Tensor           # [B]: their rows in the flat batch
+    gather_idx: torch.Tensor          # [Hkv * B * nb]: (head, sequence, block) rows of the cache viewed [Hkv*NB, bs, D]
+    bias: torch.Tensor                # [Hkv * B, 1, L] float32: 0 where a key is visible, -inf elsewhere
+    max_len: int                      # L = nb * block_size
+
+
+@dataclass
+class PrefillPlan:
+    """One sequence with several new tokens: its cache rows and its causal mask (None: plain is_causal)."""
+    row: int
+    gather_idx: torch.Tensor          # [Hkv * nb]
+    mask: torch.Tensor | None         # [q_len, S] bool
+
+
+@dataclass
+class AttentionPlan:
+    write_idx: torch.Tensor           # [Hkv * T]: where each head of each new token goes, cache viewed [Hkv*NB*bs, D]
+    decode: list[DecodeGroup]        # sequences with one new token, grouped by context length
+    prefills: list[PrefillPlan]
 
 
 @dataclass
@@ -25,6 +70,7 @@ class AttentionMetadata:
     query_start_loc_list: list[int]   # host copies: attention branches on them without syncing
     seq_lens_list: list[int]
     block_size: int
+    _plans: dict[tuple[int, int, int | None], AttentionPlan] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -32,3 +78,61 @@ class AttentionMetadata:
 
     def query_len(self, i: int) -> int:
         return self.query_start_loc_list[i + 1] - self.query_start_loc_list[i]
+
+    def plan(self, num_kv_heads: int, num_blocks: int, sliding_window: int | None) -> AttentionPlan:
+        """The step's index tensors for a cache of this geometry, built by the first layer that asks and
+        reused by the rest: per-layer Python and index building would otherwise repeat num_layers times."""
+        key = (num_kv_heads, num_blocks, sliding_window)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._build_plan(num_kv_heads, num_blocks, sliding_window)
+        return plan
+
+    def _build_plan(self, num_kv_heads: int, num_blocks: int, window: int | None) -> AttentionPlan:
+        dev = self.slot_mapping.device
+        bs = self.block_size
+        heads = torch.arange(num_kv_heads, device=dev)
+        write_idx = (heads[:, None] * (num_blocks * bs) + self.slot_mapping[None, :]).flatten()
+
+        starts, lens = self.query_start_loc_list, self.seq_lens_list
+        decode_rows = sorted((i for i in range(self.num_seqs) if starts[i + 1] - starts[i] == 1), key=lambda i: lens[i])
+        decode = []
+        if decode_rows:
+            row_blocks = [-(-lens[i] // bs) for i in decode_rows]
+            begin = 0
+            for end in split_by_length(row_blocks):
+                rows = decode_rows[begin:end]
+                nb = row_blocks[end - 1]
+                rows_t = torch.tensor(rows, device=dev)
+                seq_lens = self.seq_lens[rows_t]
+                gather_idx = (heads[:, None, None] * num_blocks + self.block_tables[rows_t, :nb][None]).flatten()
+                key_pos = torch.arange(nb * bs, device=dev)[None, :]
+                hidden = key_pos >= seq_lens[:, None]
+                if window is not None:
+                    hidden |= key_pos < seq_lens[:, None] - window
+                bias = torch.zeros(hidden.shape, device=dev).masked_fill_(hidden, float("-inf"))
+                token_idx = torch.tensor([starts[i] for i in rows], device=dev)
+                decode.append(DecodeGroup(token_idx, gather_idx, bias.repeat(num_kv_heads, 1)[:, None, :], nb * bs))
+                begin = end
+
+        prefills = []
+        for i in range(self.num_seqs):
+            q_len = starts[i + 1] - starts[i]
+            if q_len == 1:
+                continue
+            seq_len = lens[i]
+            nb = -(-seq_len // bs)
+            gather_idx = (heads[:, None] * num_blocks + self.block_tables[i, None, :nb]).flatten()
+            prefix = seq_len - q_len
+            windowed = window is not None and seq_len > window
+            mask = None
+            if prefix > 0 or windowed:
+                # Query j sits at position prefix + j and sees keys 0 .. prefix + j (is_causal would align
+                # the diagonal to the top-left, ignoring the cached prefix).
+                q_pos = torch.arange(prefix, seq_len, device=dev)[:, None]
+                key_pos = torch.arange(seq_len, device=dev)[None, :]
+                mask = key_pos <= q_pos
+                if windowed:
+                    mask &= key_pos > q_pos - window
+            prefills.append(PrefillPlan(i, gather_idx, mask))
+        return AttentionPlan(write_idx, decode, prefills)

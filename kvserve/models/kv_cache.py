@@ -17,8 +17,8 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     def block_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
-        """Shape of one layer's k_cache (and of its v_cache)."""
-        return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        """Shape of one layer's k_cache (and of its v_cache): head-major, see layers/attention_metadata.py."""
+        return (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
 
     @property
     def bytes_per_block(self) -> int:
