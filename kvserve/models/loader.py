@@ -8,6 +8,7 @@ import gguf
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.layers.linear import pack_linears
 from kvserve.models.default import default_model_path
 from kvserve.models.gguf import gguf_model_config, iter_gguf_weights, read_metadata
 from kvserve.models.hf import iter_hf_weights, read_hf_config
@@ -52,4 +53,5 @@ def _build(cfg: ModelConfig, weights, dtype: torch.dtype, device: torch.device) 
     model.tie_weights()
     model.rotary.reset_table(device)
     model.load_weights(weights)
+    pack_linears(model)  # bf16 on CPU only; a no-op elsewhere
     return model.eval().requires_grad_(False)
