@@ -1,16 +1,29 @@
-"""Shared by the benchmark scripts: where results go, and a record of the machine they ran on."""
+"""Shared by the benchmark scripts: where results go, a record of the machine they ran on, and a timer."""
 from __future__ import annotations
 
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def median_seconds(fn, repeat: int) -> float:
+    """Median wall time of fn() over `repeat` calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def machine_info() -> dict:

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
 
 import torch
 
-from common import git_rev, machine_info, save
+from common import git_rev, machine_info, median_seconds, save
 from kvserve.layers import attention_metadata
 from kvserve.layers.attention import PagedAttention
 from kvserve.layers.attention_metadata import AttentionMetadata
@@ -59,16 +57,6 @@ def block_major(q, k_new, v_new, cache_bm, meta: AttentionMetadata) -> torch.Ten
     return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v).reshape(B, H * D)
 
 
-def time_it(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=64)
@@ -101,9 +89,9 @@ def main() -> None:
             torch.testing.assert_close(one_group.float(), want, atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(attn(q, k, v, cache, meta_grouped).float(), want, atol=2e-2, rtol=2e-2)
             groups = len(meta_grouped.plan(HKV, cache[0].shape[1], None).decode)
-            t_bm = time_it(lambda: block_major(q, k, v, cache_bm, meta), args.repeat)
-            t_one = time_it(lambda: attn(q, k, v, cache, meta_one), args.repeat)
-            t_grouped = time_it(lambda: attn(q, k, v, cache, meta_grouped), args.repeat)
+            t_bm = median_seconds(lambda: block_major(q, k, v, cache_bm, meta), args.repeat)
+            t_one = median_seconds(lambda: attn(q, k, v, cache, meta_one), args.repeat)
+            t_grouped = median_seconds(lambda: attn(q, k, v, cache, meta_grouped), args.repeat)
             rows[name] = {"block_major_ms": t_bm * 1e3, "head_major_one_group_ms": t_one * 1e3,
                           "head_major_grouped_ms": t_grouped * 1e3, "groups": groups}
             lines.append(f"| {name} | {t_bm * 1e3:.2f} | {t_one * 1e3:.2f} | {t_grouped * 1e3:.2f} | "

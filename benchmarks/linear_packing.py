@@ -6,28 +6,16 @@
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import git_rev, machine_info, save
+from common import git_rev, machine_info, median_seconds, save
 from kvserve.layers.linear import PackedLinear
 
 # SmolLM2-135M: fused qkv, o_proj, fused gate/up, down_proj, LM head ([out, in]).
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
-
-
-def median_time(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -44,8 +32,8 @@ def main() -> None:
                 lin = nn.Linear(k, n, bias=False).to(torch.bfloat16)
                 packed = PackedLinear(lin)
                 x = torch.randn(rows, k).to(torch.bfloat16)
-                t_plain = median_time(lambda: F.linear(x, lin.weight), args.repeat)
-                t_packed = median_time(lambda: packed(x), args.repeat)
+                t_plain = median_seconds(lambda: F.linear(x, lin.weight), args.repeat)
+                t_packed = median_seconds(lambda: packed(x), args.repeat)
                 # The layers run 30 times a step, the LM head once.
                 mult = 1 if name == "lm_head" else 30
                 tot_plain, tot_packed = tot_plain + mult * t_plain, tot_packed + mult * t_packed
