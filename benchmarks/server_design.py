@@ -6,8 +6,8 @@ throughput over the same window.
     python benchmarks/server_design.py     # 4 designs x N=32,64, ~6 min; writes benchmarks/results/server_design.*
     python benchmarks/server_design.py --designs process-passive thread-passive --concurrency 64 --repeat 2
 
-A design is `process` or `thread` (--engine-mode), optionally `-passive`: OMP_WAIT_POLICY=PASSIVE in the
-server's environment (ACTIVE otherwise, OpenMP's spinning default).
+A design is `process` or `thread` (--engine-mode), optionally `-passive` (OMP_WAIT_POLICY=PASSIVE in the
+server's environment) or `-default` (libgomp's own policy: spin for a while, then sleep); ACTIVE otherwise.
 """
 from __future__ import annotations
 
@@ -99,10 +99,10 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def measure(variant: str, args: argparse.Namespace) -> dict:
-    # "<mode>" or "<mode>-passive": the latter runs the server with OMP_WAIT_POLICY=PASSIVE, so idle OpenMP
-    # threads sleep instead of spinning on cores the HTTP side needs.
-    mode, _, passive = variant.partition("-")
-    env = {"OMP_WAIT_POLICY": "PASSIVE" if passive else "ACTIVE"}
+    # "<mode>", "<mode>-passive" or "<mode>-default": OMP_WAIT_POLICY=ACTIVE (spin), PASSIVE (sleep at
+    # once) or set but empty, which leaves libgomp's default (spin a while, then sleep) in force.
+    mode, _, policy = variant.partition("-")
+    env = {"OMP_WAIT_POLICY": {"": "ACTIVE", "passive": "PASSIVE", "default": ""}[policy]}
     server_args = ["--engine-mode", mode, "--max-num-seqs", str(args.concurrency), "--max-model-len", "2048",
                    "--num-kv-blocks", str(max(256, args.concurrency * (args.max_tokens // 16 + 4))),
                    "--log-level", "warning"]
@@ -186,7 +186,7 @@ def write_results(results: list[dict], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    variants = ["process", "thread", "process-passive", "thread-passive"]
+    variants = ["process", "thread", "process-passive", "thread-passive", "process-default", "thread-default"]
     p.add_argument("--designs", nargs="+", default=variants, choices=variants)
     p.add_argument("--repeat", type=int, default=1, help="run each design this many times (interleaved)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[32, 64])

@@ -186,9 +186,9 @@ def run_loop(core: EngineCore, recv: Callable[[float | None], list], send: Calla
 
 
 def use_passive_openmp() -> None:
-    """Let idle OpenMP threads sleep rather than spin. The engine shares the cores with the HTTP side;
-    spinning threads starve it (measured under load: several times the generation throughput with PASSIVE,
-    see benchmarks/results/server_design.md). Must run before torch loads its OpenMP runtime; an explicit
+    """Let idle OpenMP threads sleep at once rather than spin: for the engine *thread* design, where the
+    engine's OpenMP threads share a process and the cores with the HTTP loop, and spinning starved it
+    (benchmarks/results/server_design.md). Must run before torch loads its OpenMP runtime; an explicit
     OMP_WAIT_POLICY in the environment wins."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -203,7 +203,9 @@ def run_engine_core_process(config: EngineConfig, input_addr: str, output_addr: 
     # a Ctrl-C or SIGTERM delivered to the whole process group must not kill the engine under it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    use_passive_openmp()
+    # OpenMP keeps libgomp's default wait policy here (spin a while, then sleep): against PASSIVE it gave
+    # 1.35x the generation throughput at 32 streams with /health p99 still under 10 ms
+    # (benchmarks/results/server_wait_policy.md). An explicit OMP_WAIT_POLICY in the environment wins.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     ctx = zmq.Context()
