@@ -94,6 +94,10 @@ class AttentionMetadata:
         heads = torch.arange(num_kv_heads, device=dev)
         write_idx = (heads[:, None] * (num_blocks * bs) + self.slot_mapping[None, :]).flatten()
 
+        def cache_rows(tables: torch.Tensor) -> torch.Tensor:
+            """[S, nb] block ids -> their (head, sequence, block) rows in the cache viewed [Hkv*NB, bs, D]."""
+            return (heads[:, None, None] * num_blocks + tables[None]).flatten()
+
         starts, lens = self.query_start_loc_list, self.seq_lens_list
         decode_rows = sorted((i for i in range(self.num_seqs) if starts[i + 1] - starts[i] == 1), key=lambda i: lens[i])
         decode = []
@@ -105,7 +109,7 @@ class AttentionMetadata:
                 nb = row_blocks[end - 1]
                 rows_t = torch.tensor(rows, device=dev)
                 seq_lens = self.seq_lens[rows_t]
-                gather_idx = (heads[:, None, None] * num_blocks + self.block_tables[rows_t, :nb][None]).flatten()
+                gather_idx = cache_rows(self.block_tables[rows_t, :nb])
                 key_pos = torch.arange(nb * bs, device=dev)[None, :]
                 hidden = key_pos >= seq_lens[:, None]
                 if window is not None:
@@ -122,7 +126,7 @@ class AttentionMetadata:
                 continue
             seq_len = lens[i]
             nb = -(-seq_len // bs)
-            gather_idx = (heads[:, None] * num_blocks + self.block_tables[i, None, :nb]).flatten()
+            gather_idx = cache_rows(self.block_tables[i : i + 1, :nb])
             prefix = seq_len - q_len
             windowed = window is not None and seq_len > window
             mask = None
