@@ -173,6 +173,19 @@ async def until_disconnected(raw_request: Request, awaitable: Awaitable[T]) -> T
     return work.result()
 
 
+async def first_output(raw_request: Request, gen: AsyncIterator[T]) -> T | None:
+    """A stream's first item, awaited before any header is sent, so that an engine-side rejection is still
+    a proper HTTP error rather than an error inside a 200 stream. None if the client left first; on any
+    error the generator is closed (aborting its requests) before the error propagates."""
+    try:
+        return await until_disconnected(raw_request, anext(gen))
+    except ClientDisconnected:
+        return None
+    except BaseException:
+        await gen.aclose()
+        raise
+
+
 def sse(payload: dict | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     return f"data: {data}\n\n"

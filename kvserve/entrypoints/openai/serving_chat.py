@@ -28,6 +28,7 @@ from kvserve.entrypoints.openai.protocol import (
 from kvserve.entrypoints.openai.serving_base import (
     ClientDisconnected,
     OpenAIServing,
+    first_output,
     sse,
     sse_error,
     token_str,
@@ -133,14 +134,9 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, req: ChatCompletionRequest, raw_request: Request, request_id: str, model: str,
                       prompt_len: int, gen: AsyncIterator[RequestOutput]) -> Response:
-        # First output before headers: an engine-side rejection is still a proper HTTP error.
-        try:
-            first = await until_disconnected(raw_request, anext(gen))
-        except ClientDisconnected:
+        first = await first_output(raw_request, gen)
+        if first is None:
             return Response(status_code=499)
-        except BaseException:
-            await gen.aclose()
-            raise
         created = int(time.time())
         n = req.n
         num_top = (req.top_logprobs or 0) if req.logprobs else None

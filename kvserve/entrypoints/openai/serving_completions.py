@@ -21,6 +21,7 @@ from kvserve.entrypoints.openai.protocol import (
 from kvserve.entrypoints.openai.serving_base import (
     ClientDisconnected,
     OpenAIServing,
+    first_output,
     merge,
     sse,
     sse_error,
@@ -131,15 +132,9 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, req: CompletionRequest, raw_request: Request, request_id: str, model: str,
                       prompts: list[tuple[str | None, list[int]]],
                       merged: AsyncIterator[tuple[int, RequestOutput]]) -> Response:
-        # Wait for the first output before sending headers, so that an engine-side rejection is still a
-        # proper HTTP error rather than an error inside a 200 stream.
-        try:
-            first = await until_disconnected(raw_request, anext(merged))
-        except ClientDisconnected:
+        first = await first_output(raw_request, merged)
+        if first is None:
             return Response(status_code=499)
-        except BaseException:
-            await merged.aclose()
-            raise
         created = int(time.time())
         n = req.n
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
