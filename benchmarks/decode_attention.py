@@ -1,9 +1,10 @@
-"""Decode attention, one layer of the default model's geometry, three ways in one run:
+"""Decode attention, one layer of the default model's geometry, four ways in one run:
 
 - block-major: the cache as [blocks, bs, Hkv, D] (kvserve before 5c3a26a): the gather comes out
   [B, L, Hkv, D] and the matmuls copy it into [B, Hkv, L, D] first;
 - head-major, one group: kvserve's PagedAttention with every decode row padded to the longest context;
-- head-major, grouped: kvserve's PagedAttention as it runs (rows grouped by context length).
+- head-major, grouped: kvserve's torch path (rows grouped by context length);
+- native kernel: kvserve/kernels/cpu, K/V read in place (the default where it builds: AVX-512 CPUs).
 
     python benchmarks/decode_attention.py            # batch 64, contexts 32-768 and all-equal 320
 """
@@ -69,16 +70,17 @@ def main() -> None:
                  "contexts all 320": [320] * args.batch}
     attn = PagedAttention(H, HKV, D)
     rows, lines = {}, ["| workload | block-major ms | head-major, one group ms | head-major, grouped ms | "
-                       "grouped vs block-major |", "|---|---:|---:|---:|---:|"]
+                       "native kernel ms | grouped vs block-major | kernel vs grouped |",
+                       "|---|---:|---:|---:|---:|---:|---:|"]
     with torch.inference_mode():
         for name, lens in workloads.items():
             meta, cache, (q, k, v) = make_batch(lens, 8192, dtype)
             cache_bm = tuple(c.permute(1, 2, 0, 3).contiguous() for c in cache)
             # Plans are built once per step and shared by all layers, so each variant keeps its own metadata.
-            fresh = lambda: AttentionMetadata(**{f: getattr(meta, f) for f in (  # noqa: E731
+            fresh = lambda kernel: AttentionMetadata(**{f: getattr(meta, f) for f in (  # noqa: E731
                 "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "query_start_loc_list",
-                "seq_lens_list", "block_size")})
-            meta_grouped, meta_one = fresh(), fresh()
+                "seq_lens_list", "block_size")}, decode_kernel=kernel)
+            meta_grouped, meta_one, meta_kernel = fresh(False), fresh(False), fresh(True)
             saved = attention_metadata._GROUP_COST_BLOCKS
             attention_metadata._GROUP_COST_BLOCKS = 10 ** 9  # one group whatever the lengths
             try:
@@ -88,14 +90,18 @@ def main() -> None:
             want = block_major(q, k, v, cache_bm, meta).float()
             torch.testing.assert_close(one_group.float(), want, atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(attn(q, k, v, cache, meta_grouped).float(), want, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(attn(q, k, v, cache, meta_kernel).float(), want, atol=2e-2, rtol=2e-2)
+            assert meta_kernel.plan(HKV, cache[0].shape[1], None, True).kernel_decode is not None, "kernel not used"
             groups = len(meta_grouped.plan(HKV, cache[0].shape[1], None).decode)
             t_bm = median_seconds(lambda: block_major(q, k, v, cache_bm, meta), args.repeat)
             t_one = median_seconds(lambda: attn(q, k, v, cache, meta_one), args.repeat)
             t_grouped = median_seconds(lambda: attn(q, k, v, cache, meta_grouped), args.repeat)
+            t_kernel = median_seconds(lambda: attn(q, k, v, cache, meta_kernel), args.repeat)
             rows[name] = {"block_major_ms": t_bm * 1e3, "head_major_one_group_ms": t_one * 1e3,
-                          "head_major_grouped_ms": t_grouped * 1e3, "groups": groups}
+                          "head_major_grouped_ms": t_grouped * 1e3, "native_kernel_ms": t_kernel * 1e3,
+                          "groups": groups}
             lines.append(f"| {name} | {t_bm * 1e3:.2f} | {t_one * 1e3:.2f} | {t_grouped * 1e3:.2f} | "
-                         f"{t_bm / t_grouped:.2f}x |")
+                         f"{t_kernel * 1e3:.2f} | {t_bm / t_grouped:.2f}x | {t_grouped / t_kernel:.2f}x |")
     table = "\n".join(lines)
     print(table)
     info = machine_info()

@@ -16,6 +16,7 @@ class PagedSeqs:
     """Tracks, for several sequences, how many tokens are cached and which blocks hold them."""
     block_size: int
     num_blocks: int
+    decode_kernel: bool = True  # passed on to AttentionMetadata
     next_free: int = 1  # block 0 stays unused so a wrong "unused entry = 0" read shows up as garbage
     blocks: dict[int, list[int]] = field(default_factory=dict)
     lens: dict[int, int] = field(default_factory=dict)
@@ -57,6 +58,7 @@ class PagedSeqs:
             query_start_loc_list=starts,
             seq_lens_list=seq_lens,
             block_size=self.block_size,
+            decode_kernel=self.decode_kernel,
         )
         return (
             torch.tensor(ids, dtype=torch.long, device=device),
@@ -76,3 +78,14 @@ def make_kv_caches(
         (torch.randn(shape, generator=g).to(dtype) * 3, torch.randn(shape, generator=g).to(dtype) * 3)
         for _ in range(cfg.num_hidden_layers)
     ]
+
+
+def require_native_kernel() -> None:
+    """Skip where the CPU has no AVX-512; where it has, the kernel must have built (a failed build fails)."""
+    import pytest
+
+    from kvserve.kernels.cpu import paged_decode_available
+
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("the native paged-decode kernel needs AVX-512")
+    assert paged_decode_available(), "the native paged-decode kernel did not build (see the log)"

@@ -26,7 +26,7 @@ from transformers import (
 from kvserve.layers import attention_metadata
 from kvserve.models.kv_cache import kv_cache_spec
 from kvserve.models.loader import load_model
-from paged_helpers import PagedSeqs, make_kv_caches
+from paged_helpers import PagedSeqs, make_kv_caches, require_native_kernel
 
 VOCAB = 320
 BLOCK_SIZE = 4
@@ -99,10 +99,12 @@ def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["one-decode-group", "decode-group-per-row"])
+@pytest.mark.parametrize("decode", ["native-kernel", "one-decode-group", "decode-group-per-row"])
 @pytest.mark.parametrize("name", list(ARCHS))
-def test_paged_model_matches_transformers(name: str, grouped: bool, tmp_path: Path, monkeypatch) -> None:
-    if grouped:  # free groups: every decode row is gathered on its own, padded only to its own length
+def test_paged_model_matches_transformers(name: str, decode: str, tmp_path: Path, monkeypatch) -> None:
+    if decode == "native-kernel":
+        require_native_kernel()
+    if decode == "decode-group-per-row":  # free groups: every row is gathered on its own, padded to its own length
         monkeypatch.setattr(attention_metadata, "_GROUP_STRIDE", 1)
         monkeypatch.setattr(attention_metadata, "_GROUP_COST_BLOCKS", 0)
     ref = build_hf_model(name, tmp_path)
@@ -114,7 +116,7 @@ def test_paged_model_matches_transformers(name: str, grouped: bool, tmp_path: Pa
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 11, 18)]
-    seqs = PagedSeqs(BLOCK_SIZE, num_blocks=64)
+    seqs = PagedSeqs(BLOCK_SIZE, num_blocks=64, decode_kernel=decode == "native-kernel")
     kv = make_kv_caches(cfg, 64, BLOCK_SIZE)
 
     def step(chunks: dict[int, list[int]]) -> list[torch.Tensor]:

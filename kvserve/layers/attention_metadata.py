@@ -47,6 +47,14 @@ class DecodeGroup:
 
 
 @dataclass
+class KernelDecode:
+    """Decode rows for the native paged-decode kernel, which reads K/V in place: no gather, no groups."""
+    token_idx: torch.Tensor           # [B]: their rows in the flat batch
+    block_tables: torch.Tensor        # [B, W]
+    seq_lens: torch.Tensor            # [B]
+
+
+@dataclass
 class PrefillPlan:
     """One sequence with several new tokens: its cache rows and its causal mask (None: plain is_causal)."""
     row: int
@@ -57,7 +65,8 @@ class PrefillPlan:
 @dataclass
 class AttentionPlan:
     write_idx: torch.Tensor           # [Hkv * T]: where each head of each new token goes, cache viewed [Hkv*NB*bs, D]
-    decode: list[DecodeGroup]        # sequences with one new token, grouped by context length
+    decode: list[DecodeGroup]        # sequences with one new token, grouped by context length ...
+    kernel_decode: KernelDecode | None  # ... or all of them for the native kernel (then decode is empty)
     prefills: list[PrefillPlan]
 
 
@@ -70,7 +79,9 @@ class AttentionMetadata:
     query_start_loc_list: list[int]   # host copies: attention branches on them without syncing
     seq_lens_list: list[int]
     block_size: int
-    _plans: dict[tuple[int, int, int | None], AttentionPlan] = field(default_factory=dict, repr=False)
+    # Let attention run decode rows through the native kernel where it applies (kvserve/kernels).
+    decode_kernel: bool = True
+    _plans: dict[tuple[int, int, int | None, bool], AttentionPlan] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -79,16 +90,18 @@ class AttentionMetadata:
     def query_len(self, i: int) -> int:
         return self.query_start_loc_list[i + 1] - self.query_start_loc_list[i]
 
-    def plan(self, num_kv_heads: int, num_blocks: int, sliding_window: int | None) -> AttentionPlan:
+    def plan(self, num_kv_heads: int, num_blocks: int, sliding_window: int | None, kernel: bool = False
+             ) -> AttentionPlan:
         """The step's index tensors for a cache of this geometry, built by the first layer that asks and
-        reused by the rest: per-layer Python and index building would otherwise repeat num_layers times."""
-        key = (num_kv_heads, num_blocks, sliding_window)
+        reused by the rest: per-layer Python and index building would otherwise repeat num_layers times.
+        kernel: decode rows go to the native kernel instead of gathered groups."""
+        key = (num_kv_heads, num_blocks, sliding_window, kernel)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._build_plan(num_kv_heads, num_blocks, sliding_window)
+            plan = self._plans[key] = self._build_plan(num_kv_heads, num_blocks, sliding_window, kernel)
         return plan
 
-    def _build_plan(self, num_kv_heads: int, num_blocks: int, window: int | None) -> AttentionPlan:
+    def _build_plan(self, num_kv_heads: int, num_blocks: int, window: int | None, kernel: bool) -> AttentionPlan:
         dev = self.slot_mapping.device
         bs = self.block_size
         heads = torch.arange(num_kv_heads, device=dev)
@@ -99,9 +112,16 @@ class AttentionMetadata:
             return (heads[:, None, None] * num_blocks + tables[None]).flatten()
 
         starts, lens = self.query_start_loc_list, self.seq_lens_list
-        decode_rows = sorted((i for i in range(self.num_seqs) if starts[i + 1] - starts[i] == 1), key=lambda i: lens[i])
-        decode = []
-        if decode_rows:
+        decode_rows = [i for i in range(self.num_seqs) if starts[i + 1] - starts[i] == 1]
+        decode, kernel_decode = [], None
+        if decode_rows and kernel:
+            # Batch order, not sorted: the kernel's threads take contiguous ranges of rows, and sorted
+            # rows would give one thread all the long contexts.
+            rows_t = torch.tensor(decode_rows, device=dev)
+            token_idx = torch.tensor([starts[i] for i in decode_rows], device=dev)
+            kernel_decode = KernelDecode(token_idx, self.block_tables[rows_t], self.seq_lens[rows_t])
+        elif decode_rows:
+            decode_rows.sort(key=lambda i: lens[i])
             row_blocks = [-(-lens[i] // bs) for i in decode_rows]
             begin = 0
             for end in split_by_length(row_blocks):
@@ -139,4 +159,4 @@ class AttentionMetadata:
                 if windowed:
                     mask &= key_pos > q_pos - window
             prefills.append(PrefillPlan(i, gather_idx, mask))
-        return AttentionPlan(write_idx, decode, prefills)
+        return AttentionPlan(write_idx, decode, kernel_decode, prefills)

@@ -7,6 +7,7 @@ import torch
 
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
+from kvserve.kernels.cpu import paged_decode_available
 from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.outputs import PositionLogprobs
 from kvserve.models.kv_cache import KVCacheSpec, allocate_kv_caches
@@ -31,6 +32,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
         self.sampler = Sampler()
+        if device.type == "cpu":
+            paged_decode_available()  # build (or load) the native kernel now, not in a first request's step
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

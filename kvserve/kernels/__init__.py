@@ -1,0 +1,1 @@
+"""Native kernels, each optional: the torch code they replace stays the fallback and the reference."""

@@ -1,0 +1,52 @@
+"""C++ kernels for CPUs with AVX-512, compiled on first use with torch's extension builder.
+
+The build is cached by torch (under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), so only the
+first process on a machine pays for it (~11 s on the 2-core dev machine). Anything that stops it (no
+compiler, no AVX-512, KVSERVE_CPU_KERNELS=0) leaves the torch paths in place, and is logged once.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).with_name("paged_decode.cpp")]
+# -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP region; without the flag it
+# runs on one thread. The library resolves to the libgomp torch has already loaded.
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-fopenmp"]
+
+
+@functools.cache
+def paged_decode_available() -> bool:
+    """True once torch.ops.kvserve.paged_decode_ is registered (building it if need be)."""
+    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
+        return False
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        logger.info("CPU kernels off: this CPU has no AVX-512 (torch reports %s)",
+                    torch.backends.cpu.get_cpu_capability())
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+        _put_ninja_on_path()
+        load(name="kvserve_cpu_kernels", sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no ninja, a failed build: the torch path still works
+        logger.warning("CPU kernels off, the build failed: %s", str(e).strip().splitlines()[-1] if str(e) else e)
+        return False
+    return hasattr(torch.ops.kvserve, "paged_decode_")
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; a venv used without activating it has the wheel's ninja off PATH."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
