@@ -79,7 +79,7 @@ def main() -> None:
             # Plans are built once per step and shared by all layers, so each variant keeps its own metadata.
             fresh = lambda kernel: AttentionMetadata(**{f: getattr(meta, f) for f in (  # noqa: E731
                 "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "query_start_loc_list",
-                "seq_lens_list", "block_size")}, decode_kernel=kernel)
+                "seq_lens_list", "block_size")}, native_kernel=kernel)
             meta_grouped, meta_one, meta_kernel = fresh(False), fresh(False), fresh(True)
             saved = attention_metadata._GROUP_COST_BLOCKS
             attention_metadata._GROUP_COST_BLOCKS = 10 ** 9  # one group whatever the lengths
@@ -91,7 +91,7 @@ def main() -> None:
             torch.testing.assert_close(one_group.float(), want, atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(attn(q, k, v, cache, meta_grouped).float(), want, atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(attn(q, k, v, cache, meta_kernel).float(), want, atol=2e-2, rtol=2e-2)
-            assert meta_kernel.plan(HKV, cache[0].shape[1], None, True).kernel_decode is not None, "kernel not used"
+            assert meta_kernel.plan(HKV, cache[0].shape[1], None, True).kernel_rows is not None, "kernel not used"
             groups = len(meta_grouped.plan(HKV, cache[0].shape[1], None).decode)
             t_bm = median_seconds(lambda: block_major(q, k, v, cache_bm, meta), args.repeat)
             t_one = median_seconds(lambda: attn(q, k, v, cache, meta_one), args.repeat)

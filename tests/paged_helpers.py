@@ -16,7 +16,7 @@ class PagedSeqs:
     """Tracks, for several sequences, how many tokens are cached and which blocks hold them."""
     block_size: int
     num_blocks: int
-    decode_kernel: bool = True  # passed on to AttentionMetadata
+    native_kernel: bool = True  # passed on to AttentionMetadata
     next_free: int = 1  # block 0 stays unused so a wrong "unused entry = 0" read shows up as garbage
     blocks: dict[int, list[int]] = field(default_factory=dict)
     lens: dict[int, int] = field(default_factory=dict)
@@ -58,7 +58,7 @@ class PagedSeqs:
             query_start_loc_list=starts,
             seq_lens_list=seq_lens,
             block_size=self.block_size,
-            decode_kernel=self.decode_kernel,
+            native_kernel=self.native_kernel,
         )
         return (
             torch.tensor(ids, dtype=torch.long, device=device),
@@ -84,8 +84,8 @@ def require_native_kernel() -> None:
     """Skip where the CPU has no AVX-512; where it has, the kernel must have built (a failed build fails)."""
     import pytest
 
-    from kvserve.kernels.cpu import paged_decode_available
+    from kvserve.kernels.cpu import paged_attention_available
 
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("the native paged-decode kernel needs AVX-512")
-    assert paged_decode_available(), "the native paged-decode kernel did not build (see the log)"
+    assert paged_attention_available(), "the native paged-decode kernel did not build (see the log)"

@@ -99,11 +99,14 @@ def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.mark.parametrize("decode", ["native-kernel", "one-decode-group", "decode-group-per-row"])
+@pytest.mark.parametrize("decode", ["native-kernel", "native-kernel-long-prefills-sdpa", "one-decode-group",
+                                    "decode-group-per-row"])
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_paged_model_matches_transformers(name: str, decode: str, tmp_path: Path, monkeypatch) -> None:
-    if decode == "native-kernel":
+    if decode.startswith("native-kernel"):
         require_native_kernel()
+    if decode == "native-kernel-long-prefills-sdpa":  # the 11- and 18-token prefills go to SDPA, the rest to the kernel
+        monkeypatch.setattr(attention_metadata, "_KERNEL_MAX_PREFILL_CONTEXT", 10)
     if decode == "decode-group-per-row":  # free groups: every row is gathered on its own, padded to its own length
         monkeypatch.setattr(attention_metadata, "_GROUP_STRIDE", 1)
         monkeypatch.setattr(attention_metadata, "_GROUP_COST_BLOCKS", 0)
@@ -116,7 +119,7 @@ def test_paged_model_matches_transformers(name: str, decode: str, tmp_path: Path
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 11, 18)]
-    seqs = PagedSeqs(BLOCK_SIZE, num_blocks=64, decode_kernel=decode == "native-kernel")
+    seqs = PagedSeqs(BLOCK_SIZE, num_blocks=64, native_kernel=decode.startswith("native-kernel"))
     kv = make_kv_caches(cfg, 64, BLOCK_SIZE)
 
     def step(chunks: dict[int, list[int]]) -> list[torch.Tensor]:

@@ -1,19 +1,19 @@
-"""Paged attention on top of torch's matmuls and scaled_dot_product_attention, device-agnostic.
+"""Paged attention: a native CPU kernel where it applies, else torch's matmuls and SDPA (any device).
 
 Each call first writes the new tokens' K/V into the layer's paged cache, then reads every sequence's
 K/V back from the cache through its block table: the cache is the only copy kept between steps.
 Gathers made here are transient.
 
-The cache is head-major ([Hkv, num_blocks, block_size, D]), so one index_select over whole
-(head, block) rows yields [Hkv * B, L, D], contiguous, which batched matmuls read as they are. With the
-cache block-major, the same gather came out [B, L, Hkv, D] and every matmul first copied it into
-shape: 2-3x slower a layer at batch 64 (benchmarks/results/decode_attention.md).
+Native kernel (CPU with AVX-512, bfloat16 or float32; kvserve/kernels/cpu): every query token is a row
+that reads its sequence's K/V in place; prefills longer than ~1k tokens of context still go to SDPA.
 
-Decode rows (q_len == 1) go to the native kernel where it applies (CPU with AVX-512, bfloat16 or
-float32; kvserve/kernels/cpu), which reads K/V in place. Elsewhere they go through a pair of batched
-matmuls per group of similar context lengths, each padded to its group's longest context with a -inf
-bias. Prefill / chunked-prefill rows go one SDPA call per sequence with a causal mask offset by the
-cached prefix.
+Torch path: the cache is head-major ([Hkv, num_blocks, block_size, D]), so one index_select over whole
+(head, block) rows yields [Hkv * B, L, D], contiguous, which batched matmuls read as they are (with the
+cache block-major, every matmul first copied the gather into shape: 2-3x slower a layer at batch 64,
+benchmarks/results/decode_attention.md). Decode rows (q_len == 1) go through a pair of batched matmuls
+per group of similar context lengths, each padded to its group's longest context with a -inf bias.
+Prefill / chunked-prefill rows go one SDPA call per sequence with a causal mask offset by the cached
+prefix.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels.cpu import paged_decode_available
+from kvserve.kernels.cpu import paged_attention_available
 from kvserve.layers.attention_metadata import AttentionMetadata, DecodeGroup, PrefillPlan
 
 
@@ -46,7 +46,7 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         Hkv, num_blocks, block_size, D = k_cache.shape
-        kernel = meta.decode_kernel and self._kernel_applies(q, k_cache)
+        kernel = meta.native_kernel and self._kernel_applies(q, k_cache)
         plan = meta.plan(Hkv, num_blocks, self.sliding_window, kernel)
         # Write the new tokens: one row per (head, token) of the cache seen as [Hkv * NB * bs, D].
         k_rows, v_rows = k_cache.view(-1, D), v_cache.view(-1, D)
@@ -55,10 +55,10 @@ class PagedAttention(nn.Module):
 
         q = q.contiguous()
         out = torch.empty_like(q)
-        if plan.kernel_decode is not None:
-            kd = plan.kernel_decode
-            torch.ops.kvserve.paged_decode_(q, out, k_cache, v_cache, kd.token_idx, kd.block_tables, kd.seq_lens,
-                                            self.scale, self.sliding_window or 0)
+        if plan.kernel_rows is not None:
+            rows = plan.kernel_rows
+            torch.ops.kvserve.paged_attention_(q, out, k_cache, v_cache, rows.token, rows.seq, rows.len,
+                                               meta.block_tables, self.scale, self.sliding_window or 0)
         k_blocks, v_blocks = k_cache.view(Hkv * num_blocks, block_size, D), v_cache.view(Hkv * num_blocks, block_size, D)
         for group in plan.decode:
             self._decode(q, out, k_blocks, v_blocks, group)
@@ -69,7 +69,7 @@ class PagedAttention(nn.Module):
     def _kernel_applies(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return (q.device.type == "cpu" and q.dtype == k_cache.dtype and q.dtype in (torch.bfloat16, torch.float32)
                 and self.head_dim in (16, 32, 64, 128) and self.num_heads // self.num_kv_heads <= 16
-                and paged_decode_available())
+                and paged_attention_available())
 
     def _decode(self, q: torch.Tensor, out: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
                 plan: DecodeGroup) -> None:

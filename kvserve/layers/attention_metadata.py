@@ -23,6 +23,7 @@ import torch
 # against a fixed cost per group (a handful of ops per layer), expressed here in gathered blocks per row.
 _GROUP_COST_BLOCKS = 64
 _GROUP_STRIDE = 4  # candidate group boundaries every this many rows, which keeps the split's search tiny
+_KERNEL_MAX_PREFILL_CONTEXT = 1024  # longer prefills go to SDPA even where the native kernel runs
 
 
 def split_by_length(num_blocks: list[int]) -> list[int]:
@@ -47,11 +48,12 @@ class DecodeGroup:
 
 
 @dataclass
-class KernelDecode:
-    """Decode rows for the native paged-decode kernel, which reads K/V in place: no gather, no groups."""
-    token_idx: torch.Tensor           # [B]: their rows in the flat batch
-    block_tables: torch.Tensor        # [B, W]
-    seq_lens: torch.Tensor            # [B]
+class KernelRows:
+    """Query tokens for the native kernel, which reads K/V in place: each row sees keys [len - window, len)
+    of one sequence. A decode token is one row; a prefill chunk is a row per token (len = position + 1)."""
+    token: torch.Tensor               # [R]: row in the flat batch
+    seq: torch.Tensor                 # [R]: row of block_tables
+    len: torch.Tensor                 # [R]
 
 
 @dataclass
@@ -65,9 +67,9 @@ class PrefillPlan:
 @dataclass
 class AttentionPlan:
     write_idx: torch.Tensor           # [Hkv * T]: where each head of each new token goes, cache viewed [Hkv*NB*bs, D]
-    decode: list[DecodeGroup]        # sequences with one new token, grouped by context length ...
-    kernel_decode: KernelDecode | None  # ... or all of them for the native kernel (then decode is empty)
-    prefills: list[PrefillPlan]
+    kernel_rows: KernelRows | None   # every query token, for the native kernel (then the lists are empty)
+    decode: list[DecodeGroup]        # torch path: sequences with one new token, grouped by context length
+    prefills: list[PrefillPlan]      # torch path: sequences with several new tokens
 
 
 @dataclass
@@ -79,8 +81,8 @@ class AttentionMetadata:
     query_start_loc_list: list[int]   # host copies: attention branches on them without syncing
     seq_lens_list: list[int]
     block_size: int
-    # Let attention run decode rows through the native kernel where it applies (kvserve/kernels).
-    decode_kernel: bool = True
+    # Let attention run query tokens through the native kernel where it applies (kvserve/kernels).
+    native_kernel: bool = True
     _plans: dict[tuple[int, int, int | None, bool], AttentionPlan] = field(default_factory=dict, repr=False)
 
     @property
@@ -94,7 +96,7 @@ class AttentionMetadata:
              ) -> AttentionPlan:
         """The step's index tensors for a cache of this geometry, built by the first layer that asks and
         reused by the rest: per-layer Python and index building would otherwise repeat num_layers times.
-        kernel: decode rows go to the native kernel instead of gathered groups."""
+        kernel: every query token goes to the native kernel instead of gathered groups and SDPA."""
         key = (num_kv_heads, num_blocks, sliding_window, kernel)
         plan = self._plans.get(key)
         if plan is None:
@@ -112,16 +114,17 @@ class AttentionMetadata:
             return (heads[:, None, None] * num_blocks + tables[None]).flatten()
 
         starts, lens = self.query_start_loc_list, self.seq_lens_list
-        decode_rows = [i for i in range(self.num_seqs) if starts[i + 1] - starts[i] == 1]
-        decode, kernel_decode = [], None
-        if decode_rows and kernel:
-            # Batch order, not sorted: the kernel's threads take contiguous ranges of rows, and sorted
-            # rows would give one thread all the long contexts.
-            rows_t = torch.tensor(decode_rows, device=dev)
-            token_idx = torch.tensor([starts[i] for i in decode_rows], device=dev)
-            kernel_decode = KernelDecode(token_idx, self.block_tables[rows_t], self.seq_lens[rows_t])
-        elif decode_rows:
-            decode_rows.sort(key=lambda i: lens[i])
+        kernel_rows, torch_seqs = None, range(self.num_seqs)
+        if kernel:
+            # Long prefills stay with SDPA: the kernel reads a sequence's K/V once per query row, which
+            # stops paying at about 1k tokens of context (benchmarks/results/prefill_attention.md).
+            torch_seqs = [i for i in range(self.num_seqs)
+                          if starts[i + 1] - starts[i] > 1 and lens[i] > _KERNEL_MAX_PREFILL_CONTEXT]
+            kernel_rows = self._kernel_rows(torch_seqs)
+
+        decode_rows = sorted((i for i in torch_seqs if starts[i + 1] - starts[i] == 1), key=lambda i: lens[i])
+        decode = []
+        if decode_rows:
             row_blocks = [-(-lens[i] // bs) for i in decode_rows]
             begin = 0
             for end in split_by_length(row_blocks):
@@ -140,7 +143,7 @@ class AttentionMetadata:
                 begin = end
 
         prefills = []
-        for i in range(self.num_seqs):
+        for i in torch_seqs:
             q_len = starts[i + 1] - starts[i]
             if q_len == 1:
                 continue
@@ -159,4 +162,20 @@ class AttentionMetadata:
                 if windowed:
                     mask &= key_pos > q_pos - window
             prefills.append(PrefillPlan(i, gather_idx, mask))
-        return AttentionPlan(write_idx, decode, kernel_decode, prefills)
+        return AttentionPlan(write_idx, kernel_rows, decode, prefills)
+
+    def _kernel_rows(self, excluded: list[int]) -> KernelRows | None:
+        """Every query token of the batch except those of the excluded sequences, as kernel rows."""
+        dev, T = self.slot_mapping.device, self.query_start_loc_list[-1]
+        token = torch.arange(T, device=dev)
+        seq = torch.repeat_interleave(torch.arange(self.num_seqs, device=dev), self.query_start_loc.diff(),
+                                      output_size=T)
+        if excluded:
+            keep = torch.ones(self.num_seqs, dtype=torch.bool, device=dev)
+            keep[excluded] = False
+            token, seq = token[keep[seq]], seq[keep[seq]]
+            if len(token) == 0:
+                return None
+        # The token at flat row t of sequence i sits at position seq_len_i - (end_i - t) and sees one more key.
+        row_len = self.seq_lens[seq] - (self.query_start_loc[1:][seq] - token) + 1
+        return KernelRows(token, seq, row_len)

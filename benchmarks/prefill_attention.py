@@ -1,0 +1,83 @@
+"""Prefill attention, one layer of the default model's geometry: the native kernel (every query token a
+row reading K/V in place) against the torch path (gather + one SDPA call per sequence), in one run.
+Both include the KV write. This is the measurement behind _KERNEL_MAX_PREFILL_CONTEXT in
+kvserve/layers/attention_metadata.py (longer prefills stay with SDPA).
+
+    python benchmarks/prefill_attention.py
+"""
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+from common import git_rev, machine_info, median_seconds, save
+from kvserve.kernels.cpu import paged_attention_available
+from kvserve.layers.attention import PagedAttention
+from kvserve.layers.attention_metadata import AttentionMetadata
+
+H, HKV, D, BS = 9, 3, 64, 16  # SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64
+# (sequences, new tokens each, cached prefix): a 2048-token step budget filled different ways.
+SHAPES = [(32, 64, 0), (8, 256, 0), (4, 512, 0), (2, 256, 768), (2, 1024, 0), (1, 2048, 0)]
+
+
+def make_step(nseq: int, new: int, prefix: int, num_blocks: int, dtype: torch.dtype):
+    free = list(range(1, num_blocks))
+    random.Random(0).shuffle(free)
+    lens = [prefix + new] * nseq
+    tables = [[free.pop() for _ in range(-(-n // BS))] for n in lens]
+    slots, starts = [], [0]
+    for t, n in zip(tables, lens):
+        slots += [t[p // BS] * BS + p % BS for p in range(prefix, n)]
+        starts.append(starts[-1] + new)
+    g = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(starts[-1], h, D, generator=g).to(dtype) for h in (H, HKV, HKV)]
+
+    def meta(kernel: bool) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts), seq_lens=torch.tensor(lens),
+            block_tables=torch.tensor(tables), query_start_loc_list=starts, seq_lens_list=lens, block_size=BS,
+            native_kernel=kernel)
+    return meta, qkv
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    assert paged_attention_available(), "the native kernel did not build on this machine"
+    dtype = getattr(torch, args.dtype)
+    attn = PagedAttention(H, HKV, D)
+    g = torch.Generator().manual_seed(1)
+    cache = tuple(torch.randn(HKV, 4096, BS, D, generator=g).to(dtype) for _ in range(2))
+    rows, lines = {}, ["| sequences x new tokens (cached prefix) | native kernel ms | torch SDPA ms | kernel is x faster |",
+                       "|---|---:|---:|---:|"]
+    with torch.inference_mode():
+        for nseq, new, prefix in SHAPES:
+            meta, (q, k, v) = make_step(nseq, new, prefix, 4096, dtype)
+            m_kernel, m_torch = meta(True), meta(False)
+            # Force every row through the kernel, whatever the cut-over, to measure both sides of it.
+            plan = m_kernel.plan(HKV, 4096, None, True)
+            plan.kernel_rows, plan.prefills = m_kernel._kernel_rows([]), []
+            torch.testing.assert_close(attn(q, k, v, cache, m_kernel).float(), attn(q, k, v, cache, m_torch).float(),
+                                       atol=3e-2, rtol=3e-2)
+            t_k = median_seconds(lambda: attn(q, k, v, cache, m_kernel), args.repeat)
+            t_t = median_seconds(lambda: attn(q, k, v, cache, m_torch), args.repeat)
+            name = f"{nseq} x {new} ({prefix})"
+            rows[name] = {"native_kernel_ms": t_k * 1e3, "torch_sdpa_ms": t_t * 1e3}
+            lines.append(f"| {name} | {t_k * 1e3:.2f} | {t_t * 1e3:.2f} | {t_t / t_k:.2f}x |")
+    table = "\n".join(lines)
+    print(table)
+    info = machine_info()
+    cmd = f"python benchmarks/prefill_attention.py --repeat {args.repeat} --dtype {args.dtype}"
+    md = (f"# Prefill attention, one layer\n\nCommand: `{cmd}` (git {git_rev()})\n\nMachine: {info['cpu']}, "
+          f"{info['cores']} cores, torch {info['torch']} ({info['torch_threads']} threads). Geometry of "
+          f"SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64), block size {BS}, {args.dtype}, blocks "
+          f"scattered through the pool; median of {args.repeat} calls, each including the KV write.\n\n{table}\n")
+    save("prefill_attention", {"args": vars(args), "machine": info, "git": git_rev(), "results": rows}, md)
+
+
+if __name__ == "__main__":
+    main()
