@@ -12,7 +12,7 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 class EngineConfig:
     # What to load. None means the embedded default (SmolLM2-135M-Instruct, see kvserve/models/default.py).
     model: str | None = None
-    tokenizer: str | None = None          # defaults to the model's own tokenizer
+    tokenizer: str | None = None          # an HF directory or .gguf whose tokenizer replaces the model's own
     dtype: str = "auto"                   # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"                  # "auto" picks CUDA when present, else CPU
     seed: int = 0

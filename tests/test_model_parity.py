@@ -192,3 +192,25 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(cfg)
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+
+
+def test_tokenizer_option_replaces_the_models_own(tmp_path: Path) -> None:
+    from kvserve import LLM, SamplingParams
+
+    model_dir, tok_dir = tmp_path / "model", tmp_path / "tok"
+    model_dir.mkdir()
+    tok_dir.mkdir()
+    build_hf_model("llama3_rope_untied", model_dir)
+    # Another word-level vocabulary: "v7" is token 7 here and unknown (token 0) to the model's own.
+    other = BackendTokenizer(models.WordLevel({f"v{i}": i for i in range(VOCAB)}, unk_token="v0"))
+    other.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    other.save(str(tok_dir / "tokenizer.json"))
+
+    own = LLM(str(model_dir), dtype="float32", num_kv_blocks=64)
+    assert own.get_tokenizer().encode("v7 v9", add_special_tokens=False) == [0, 0]
+    llm = LLM(str(model_dir), tokenizer=str(tok_dir), dtype="float32", num_kv_blocks=64)
+    assert llm.get_tokenizer().encode("v7 v9", add_special_tokens=False) == [7, 9]
+    out = llm.generate(["v7 v9"], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert out.prompt_token_ids == [7, 9] and out.outputs[0].text.split()[0].startswith("v")
+    with pytest.raises(FileNotFoundError, match="tokenizer path"):
+        LLM(str(model_dir), tokenizer=str(tmp_path / "missing"), dtype="float32", num_kv_blocks=64)

