@@ -59,6 +59,7 @@ ARCHS = {
             },
         ),
     ),
+    "llama_tied": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=True)),
     "mistral_tied": (MistralConfig, MistralForCausalLM, dict(tie_word_embeddings=True, sliding_window=None)),
     # Window shorter than the longest prompt, so both prefill and decode masks must apply it.
     "mistral_window_untied": (MistralConfig, MistralForCausalLM, dict(tie_word_embeddings=False, sliding_window=8)),
