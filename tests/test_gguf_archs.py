@@ -61,6 +61,13 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path) -> None:
     w.add_token_merges(["a b"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if getattr(model.config, "rope_parameters", {}).get("rope_type") == "llama3":
+        # llama.cpp stores Llama-3 RoPE scaling as one divisor per frequency: default / scaled inv_freq,
+        # the scaled ones taken from transformers' own rotary module.
+        theta = model.config.rope_parameters["rope_theta"]
+        default = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        scaled = model.model.rotary_emb.inv_freq.double()
+        w.add_tensor("rope_freqs.weight", (default / scaled).float().numpy())
     permuted = arch in ("llama", "mistral")
     for name, t in model.state_dict().items():
         a = t.float().numpy()
@@ -87,8 +94,8 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path) -> None:
 
 
 # llama.cpp writes Mistral checkpoints as "llama" too, so the Llama case covers both.
-@pytest.mark.parametrize("name,arch", [("llama_tied", "llama"), ("qwen2_bias_tied", "qwen2"),
-                                       ("qwen3_qknorm_untied", "qwen3")])
+@pytest.mark.parametrize("name,arch", [("llama_tied", "llama"), ("llama3_rope_untied", "llama"),
+                                       ("qwen2_bias_tied", "qwen2"), ("qwen3_qknorm_untied", "qwen3")])
 def test_gguf_of_each_architecture_matches_transformers(name: str, arch: str, tmp_path: Path) -> None:
     ref = build_hf_model(name, tmp_path)
     path = tmp_path / "model.gguf"

@@ -20,7 +20,13 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None, device
         return (inv_freq / rope_scaling["factor"]).float()
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling).float()
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3)")
+    if rope_type == "freq_factors":  # GGUF rope_freqs: the per-frequency divisors llama3 scaling amounts to
+        factors = torch.tensor(rope_scaling["factors"], dtype=torch.float64, device=device)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors, expected {inv_freq.numel()}")
+        return (inv_freq / factors).float()
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3, "
+                     "freq_factors)")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

@@ -44,12 +44,12 @@ def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     return out
 
 
-def gguf_model_config(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+def gguf_model_config(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
+    """tensors: the reader's tensors by name (names say which optional parts exist; rope_freqs is read)."""
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
-    if "rope_freqs.weight" in tensor_names:
-        raise ValueError("GGUF files with rope_freqs (Llama-3.1 style scaled RoPE) are not supported yet")
+    tensor_names = set(tensors)
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
@@ -59,6 +59,11 @@ def gguf_model_config(meta: dict[str, Any], tensor_names: set[str]) -> ModelConf
     scaling = None
     if get("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if "rope_freqs.weight" in tensors:
+        # Llama-3.x: llama.cpp's converter stores the scaled RoPE as one divisor per frequency.
+        t = tensors["rope_freqs.weight"]
+        scaling = {"rope_type": "freq_factors",
+                   "factors": gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist()}
     vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
     eos = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     return ModelConfig(
@@ -94,6 +99,8 @@ def iter_gguf_weights(reader: gguf.GGUFReader, cfg: ModelConfig, arch: str) -> I
     # llama.cpp permutes Q/K only for archs whose converter targets its "normal" (adjacent-pair) RoPE.
     permuted = arch in ("llama", "mistral")
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # read into the config's rope_scaling, not a weight
+            continue
         if t.name in _GLOBAL_NAMES:
             name = _GLOBAL_NAMES[t.name]
         else:

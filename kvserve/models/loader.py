@@ -56,7 +56,7 @@ def _load(path: str | None, dtype: torch.dtype, device: torch.device) -> LoadedM
     if p.is_file() and p.suffix == ".gguf":
         reader = gguf.GGUFReader(str(p))
         meta = read_metadata(reader)
-        cfg = gguf_model_config(meta, {t.name for t in reader.tensors})
+        cfg = gguf_model_config(meta, {t.name: t for t in reader.tensors})
         model = _build(cfg, iter_gguf_weights(reader, cfg, meta["general.architecture"]), dtype, device)
         return LoadedModel(model, cfg, Tokenizer.from_gguf_fields(meta))
     if not p.exists():
