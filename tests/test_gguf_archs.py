@@ -1,8 +1,9 @@
 """GGUF loading for every supported architecture, not just the default model's Llama: a tiny random
-Llama / Mistral / Qwen2 / Qwen3 is written to GGUF the way llama.cpp's converter lays it out (tensor
-names, metadata keys, Q/K rows permuted for Llama and Mistral only). transformers' own GGUF reader
-must read the file back to the original weights, which checks the writer against an independent
-implementation; then kvserve's logits from the GGUF must match transformers' on the original model.
+Llama (plain, and with Llama-3 RoPE scaling stored as a rope_freqs tensor), Qwen2 and Qwen3 is written
+to GGUF the way llama.cpp's converter lays it out (tensor names, metadata keys, Q/K rows permuted for
+Llama only; Mistral checkpoints become "llama" GGUFs). transformers' own GGUF reader must read the file
+back to the original weights, which checks the writer against an independent implementation; then
+kvserve's logits from the GGUF must match transformers' on the original model.
 (The default model's test, test_gguf_default.py, covers a quantized Llama GGUF made by llama.cpp.)"""
 from __future__ import annotations
 
