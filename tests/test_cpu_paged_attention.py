@@ -70,3 +70,9 @@ def test_kernel_refuses_what_it_cannot_do() -> None:
         call(q, torch.empty_like(q), cache, cache, zero, zero, zero + 1, zero[None], 1.0, 0)
     with pytest.raises(RuntimeError, match="dtype"):
         call(q.double(), q.double(), cache, cache, zero, zero, zero + 1, zero[None], 1.0, 0)
+    # Out-of-range indices are refused before any memory is read.
+    q, cache = torch.zeros(2, 4, 16), torch.zeros(2, 4, 16, 16)
+    tables = torch.tensor([[1, 2]])
+    for token, length, table in ((2, 5, tables), (0, 33, tables), (0, 0, tables), (0, 5, torch.tensor([[1, 4]]))):
+        with pytest.raises(RuntimeError, match="out of range|outside"):
+            call(q, torch.empty_like(q), cache, cache, torch.tensor([token]), zero, torch.tensor([length]), table, 1.0, 0)

@@ -228,6 +228,19 @@ void paged_attention_(const at::Tensor& q, const at::Tensor& out, const at::Tens
   TORCH_CHECK(row_seq.size(0) == row_token.size(0) && row_len.size(0) == row_token.size(0));
   const Rows rows{row_token.data_ptr<int64_t>(), row_seq.data_ptr<int64_t>(), row_len.data_ptr<int64_t>(),
                   row_token.size(0)};
+  // Indices are checked up front (O(rows + table entries)): a bad one would otherwise read out of bounds
+  // inside the parallel region, where an exception cannot be raised.
+  const int64_t T = q.size(0), S = block_tables.size(0), W = block_tables.size(1), NB = k_cache.size(1);
+  const int64_t bs = k_cache.size(2);
+  for (int64_t r = 0; r < rows.count; ++r) {
+    TORCH_CHECK(rows.token[r] >= 0 && rows.token[r] < T && rows.seq[r] >= 0 && rows.seq[r] < S,
+                "paged_attention_: row ", r, " names a token or sequence out of range");
+    TORCH_CHECK(rows.len[r] >= 1 && rows.len[r] <= W * bs, "paged_attention_: row ", r, " has length ",
+                rows.len[r], " outside [1, ", W * bs, "]");
+  }
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < S * W; ++i)
+    TORCH_CHECK(tables[i] >= 0 && tables[i] < NB, "paged_attention_: block id ", tables[i], " out of range");
   auto run = [&](auto tag) {
     using T = decltype(tag);
     switch (D) {
