@@ -13,7 +13,7 @@ import random
 import torch
 
 from common import git_rev, machine_info, median_seconds, save
-from kvserve.kernels.cpu import paged_attention_available
+from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.attention import PagedAttention
 from kvserve.layers.attention_metadata import AttentionMetadata
 
@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
-    assert paged_attention_available(), "the native kernel did not build on this machine"
+    assert cpu_kernels.available(), "the native kernel did not build on this machine"
     dtype = getattr(torch, args.dtype)
     attn = PagedAttention(H, HKV, D)
     g = torch.Generator().manual_seed(1)

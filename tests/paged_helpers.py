@@ -86,10 +86,10 @@ def require_native_kernel() -> None:
 
     import pytest
 
-    from kvserve.kernels.cpu import paged_attention_available
+    from kvserve.kernels import cpu as cpu_kernels
 
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("the native paged-attention kernel needs AVX-512")
     if shutil.which("c++") is None:
         pytest.skip("the native paged-attention kernel needs a C++ compiler (c++ on PATH)")
-    assert paged_attention_available(), "the native paged-attention kernel did not build (see the log)"
+    assert cpu_kernels.available(), "the native paged-attention kernel did not build (see the log)"

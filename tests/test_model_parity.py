@@ -23,6 +23,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers import attention_metadata
 from kvserve.models.kv_cache import kv_cache_spec
 from kvserve.models.loader import load_model
@@ -106,6 +107,8 @@ def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 def test_paged_model_matches_transformers(name: str, decode: str, tmp_path: Path, monkeypatch) -> None:
     if decode.startswith("native-kernel"):
         require_native_kernel()
+    else:  # the torch path throughout: attention and the fused elementwise ops
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     if decode == "native-kernel-long-prefills-sdpa":  # the 11- and 18-token prefills go to SDPA, the rest to the kernel
         monkeypatch.setattr(attention_metadata, "_KERNEL_MAX_PREFILL_CONTEXT", 10)
     if decode == "decode-group-per-row":  # free groups: every row is gathered on its own, padded to its own length

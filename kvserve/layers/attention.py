@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels.cpu import paged_attention_available
+from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.attention_metadata import AttentionMetadata, DecodeGroup, PrefillPlan
 
 
@@ -67,9 +67,8 @@ class PagedAttention(nn.Module):
         return out.flatten(1)
 
     def _kernel_applies(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        return (q.device.type == "cpu" and q.dtype == k_cache.dtype and q.dtype in (torch.bfloat16, torch.float32)
-                and self.head_dim in (16, 32, 64, 128) and self.num_heads // self.num_kv_heads <= 16
-                and paged_attention_available())
+        return (q.dtype == k_cache.dtype and self.head_dim in (16, 32, 64, 128)
+                and self.num_heads // self.num_kv_heads <= 16 and cpu_kernels.applies(q))
 
     def _decode(self, q: torch.Tensor, out: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
                 plan: DecodeGroup) -> None:

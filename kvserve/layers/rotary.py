@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from kvserve.kernels import cpu as cpu_kernels
+
 
 def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None, device: torch.device | None = None) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
@@ -66,6 +68,10 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = self._table(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if cpu_kernels.applies(q) and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k)):
+            torch.ops.kvserve.rotary_(q, positions, self.cos_sin)  # in place: q and k are fresh projections
+            torch.ops.kvserve.rotary_(k, positions, self.cos_sin)
+            return q, k
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
         return _apply(q, cos, sin), _apply(k, cos, sin)
 

@@ -7,7 +7,7 @@ import torch
 
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
-from kvserve.kernels.cpu import paged_attention_available
+from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.outputs import PositionLogprobs
 from kvserve.models.kv_cache import KVCacheSpec, allocate_kv_caches
@@ -33,7 +33,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
         self.sampler = Sampler()
         if device.type == "cpu":
-            paged_attention_available()  # build (or load) the native kernel now, not in a first request's step
+            cpu_kernels.available()  # build (or load) the native kernel now, not in a first request's step
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -15,15 +15,20 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "elementwise.cpp")]
 # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP region; without the flag it
 # runs on one thread. The library resolves to the libgomp torch has already loaded.
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-fopenmp"]
 
 
+def applies(t: torch.Tensor) -> bool:
+    """Whether the kernels can take this tensor: on the CPU, bfloat16 or float32, and built."""
+    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float32) and available()
+
+
 @functools.cache
-def paged_attention_available() -> bool:
-    """True once torch.ops.kvserve.paged_attention_ is registered (building it if need be)."""
+def available() -> bool:
+    """True once torch.ops.kvserve's kernels are registered (building them if need be)."""
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
         return False
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
@@ -38,7 +43,7 @@ def paged_attention_available() -> bool:
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path still works
         logger.warning("CPU kernels off, the build failed: %s", str(e).strip().splitlines()[-1] if str(e) else e)
         return False
-    return hasattr(torch.ops.kvserve, "paged_attention_")
+    return hasattr(torch.ops.kvserve, "paged_attention_") and hasattr(torch.ops.kvserve, "silu_and_mul")
 
 
 def _put_ninja_on_path() -> None:
