@@ -55,3 +55,14 @@ def save(name: str, data: dict, markdown: str) -> None:
     (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2))
     (RESULTS / f"{name}.md").write_text(markdown)
     print(f"wrote {RESULTS / (name + '.json')} and .md")
+
+
+def report(name: str, title: str, args, setup: str, table: str, results: dict) -> None:
+    """Print the table and save it as results/<name>.json and .md, with the command that reproduces it
+    (benchmarks/<name>.py and its arguments), the git revision and the machine."""
+    print(table)
+    info = machine_info()
+    cmd = f"python benchmarks/{name}.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
+    md = (f"# {title}\n\nCommand: `{cmd}` (git {git_rev()})\n\nMachine: {info['cpu']}, {info['cores']} cores, "
+          f"torch {info['torch']} ({info['torch_threads']} threads). {setup}\n\n{table}\n")
+    save(name, {"args": vars(args), "machine": info, "git": git_rev(), "results": results}, md)

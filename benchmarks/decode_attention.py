@@ -15,7 +15,7 @@ import random
 
 import torch
 
-from common import git_rev, machine_info, median_seconds, save
+from common import median_seconds, report
 from kvserve.layers import attention_metadata
 from kvserve.layers.attention import PagedAttention
 from kvserve.layers.attention_metadata import AttentionMetadata
@@ -102,17 +102,11 @@ def main() -> None:
                           "groups": groups}
             lines.append(f"| {name} | {t_bm * 1e3:.2f} | {t_one * 1e3:.2f} | {t_grouped * 1e3:.2f} | "
                          f"{t_kernel * 1e3:.2f} | {t_bm / t_grouped:.2f}x | {t_grouped / t_kernel:.2f}x |")
-    table = "\n".join(lines)
-    print(table)
-    info = machine_info()
-    cmd = f"python benchmarks/decode_attention.py --batch {args.batch} --repeat {args.repeat} --dtype {args.dtype}"
-    md = (f"# Decode attention, one layer\n\nCommand: `{cmd}` (git {git_rev()})\n\nMachine: {info['cpu']}, "
-          f"{info['cores']} cores, torch {info['torch']} ({info['torch_threads']} threads). Geometry of "
-          f"SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64), block size {BS}, batch {args.batch} "
-          f"decode rows, {args.dtype}; median of {args.repeat} calls, each including the KV write; the per-step index "
-          f"plan (built once for all layers) is built outside the timing.\n\n"
-          f"{table}\n")
-    save("decode_attention", {"args": vars(args), "machine": info, "git": git_rev(), "results": rows}, md)
+    report("decode_attention", "Decode attention, one layer", args,
+           f"Geometry of SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64), block size {BS}, batch "
+           f"{args.batch} decode rows, {args.dtype}; median of {args.repeat} calls, each including the KV write; "
+           f"the per-step index plan (built once for all layers) is built outside the timing.",
+           "\n".join(lines), rows)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import types
 import kvserve.layers.activation as activation
 import kvserve.layers.norm as norm
 import kvserve.layers.rotary as rotary
-from common import git_rev, machine_info, save
+from common import report
 from kvserve import LLM, SamplingParams
 from kvserve.kernels import cpu as cpu_kernels
 
@@ -77,15 +77,10 @@ def main() -> None:
         on, off = statistics.median(t[True]), statistics.median(t[False])
         rows[name] = {"fused_ms": t[True], "torch_ms": t[False]}
         lines.append(f"| {name} | {on:.1f} | {off:.1f} | {off / on:.2f}x |")
-    table = "\n".join(lines)
-    print(table)
-    info = machine_info()
-    cmd = f"python benchmarks/fused_elementwise.py --rounds {args.rounds} --steps {args.steps}"
-    md = (f"# Fused elementwise kernels on vs off\n\nCommand: `{cmd}` (git {git_rev()})\n\nMachine: {info['cpu']}, "
-          f"{info['cores']} cores, torch {info['torch']} ({info['torch_threads']} threads). Default model "
-          f"(SmolLM2-135M-Instruct) in bfloat16, whole engine steps; the two arms alternate {args.rounds} times "
-          f"in one process; decode rows have contexts of 32-512 prompt tokens plus what they generated.\n\n{table}\n")
-    save("fused_elementwise", {"args": vars(args), "machine": info, "git": git_rev(), "results": rows}, md)
+    report("fused_elementwise", "Fused elementwise kernels on vs off", args,
+           f"Default model (SmolLM2-135M-Instruct) in bfloat16, whole engine steps; the two arms alternate "
+           f"{args.rounds} times in one process; decode rows have contexts of 32-512 prompt tokens plus what "
+           f"they generated.", "\n".join(lines), rows)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from common import git_rev, machine_info, median_seconds, save
+from common import median_seconds, report
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.attention import PagedAttention
 from kvserve.layers.attention_metadata import AttentionMetadata
@@ -68,15 +68,10 @@ def main() -> None:
             name = f"{nseq} x {new} ({prefix})"
             rows[name] = {"native_kernel_ms": t_k * 1e3, "torch_sdpa_ms": t_t * 1e3}
             lines.append(f"| {name} | {t_k * 1e3:.2f} | {t_t * 1e3:.2f} | {t_t / t_k:.2f}x |")
-    table = "\n".join(lines)
-    print(table)
-    info = machine_info()
-    cmd = f"python benchmarks/prefill_attention.py --repeat {args.repeat} --dtype {args.dtype}"
-    md = (f"# Prefill attention, one layer\n\nCommand: `{cmd}` (git {git_rev()})\n\nMachine: {info['cpu']}, "
-          f"{info['cores']} cores, torch {info['torch']} ({info['torch_threads']} threads). Geometry of "
-          f"SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64), block size {BS}, {args.dtype}, blocks "
-          f"scattered through the pool; median of {args.repeat} calls, each including the KV write.\n\n{table}\n")
-    save("prefill_attention", {"args": vars(args), "machine": info, "git": git_rev(), "results": rows}, md)
+    report("prefill_attention", "Prefill attention, one layer", args,
+           f"Geometry of SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64), block size {BS}, {args.dtype}, "
+           f"blocks scattered through the pool; median of {args.repeat} calls, each including the KV write.",
+           "\n".join(lines), rows)
 
 
 if __name__ == "__main__":

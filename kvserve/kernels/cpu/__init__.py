@@ -7,6 +7,7 @@ compiler, no AVX-512, KVSERVE_CPU_KERNELS=0) leaves the torch paths in place, an
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -15,7 +16,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "elementwise.cpp")]
+_DIR = Path(__file__).parent
+_SOURCES = [_DIR / "paged_attention.cpp", _DIR / "elementwise.cpp"]
 # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP region; without the flag it
 # runs on one thread. The library resolves to the libgomp torch has already loaded.
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-fopenmp"]
@@ -38,7 +40,10 @@ def available() -> bool:
     try:
         from torch.utils.cpp_extension import load
         _put_ninja_on_path()
-        load(name="kvserve_cpu_kernels", sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
+        # torch rebuilds when the sources or flags change, not the headers: the digest flag covers them.
+        digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(_DIR.glob("*.[ch]*")))).hexdigest()[:16]
+        load(name="kvserve_cpu_kernels", sources=[str(s) for s in _SOURCES],
+             extra_cflags=_FLAGS + [f"-DKVSERVE_SOURCES_DIGEST={digest}"],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path still works
         logger.warning("CPU kernels off, the build failed: %s", str(e).strip().splitlines()[-1] if str(e) else e)

@@ -24,17 +24,14 @@
 #include <cstdint>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
+
+using namespace kvserve_cpu;
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 constexpr int64_t kChunk = 16;     // keys scored together (one vector of scores)
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  // bfloat16 is the top half of a float32: widen to 32 bits, shift into place.
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 
 template <typename T, int64_t D>
 inline void prefetch_row(const T* row) {
@@ -57,26 +54,6 @@ inline __m512 sum_each16(const __m512* v) {
                           _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
 }
-
-// e^x for x <= 0 (softmax after subtracting the max): x = n ln2 + r, e^r by a degree-6 polynomial on
-// |r| <= ln2/2 (relative error ~2e-7), times 2^n with scalef. Lanes below -87 flush towards 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
 
 // Walks a sequence's tokens [first, len) through its block table, one cache row at a time.
 template <typename T, int64_t D>
@@ -146,7 +123,7 @@ void attend_row(const T* q, T* out, const T* k_cache, const T* v_cache, const in
     __m512 sum = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
       const __mmask16 lanes = first_lanes(std::min<int64_t>(16, n - i));
-      const __m512 e = _mm512_maskz_mov_ps(lanes, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + i), mv)));
+      const __m512 e = _mm512_maskz_mov_ps(lanes, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + i), mv)));
       _mm512_mask_storeu_ps(s + i, lanes, e);
       sum = _mm512_add_ps(sum, e);
     }
