@@ -67,7 +67,7 @@ class PrefillPlan:
 @dataclass
 class AttentionPlan:
     write_idx: torch.Tensor           # [Hkv * T]: where each head of each new token goes, cache viewed [Hkv*NB*bs, D]
-    kernel_rows: KernelRows | None   # every query token, for the native kernel (then the lists are empty)
+    kernel_rows: KernelRows | None   # query tokens for the native kernel (all but long prefills' ones)
     decode: list[DecodeGroup]        # torch path: sequences with one new token, grouped by context length
     prefills: list[PrefillPlan]      # torch path: sequences with several new tokens
 
@@ -96,7 +96,8 @@ class AttentionMetadata:
              ) -> AttentionPlan:
         """The step's index tensors for a cache of this geometry, built by the first layer that asks and
         reused by the rest: per-layer Python and index building would otherwise repeat num_layers times.
-        kernel: every query token goes to the native kernel instead of gathered groups and SDPA."""
+        kernel: query tokens go to the native kernel instead of gathered groups and SDPA, except those of
+        prefills with more than _KERNEL_MAX_PREFILL_CONTEXT tokens of context."""
         key = (num_kv_heads, num_blocks, sliding_window, kernel)
         plan = self._plans.get(key)
         if plan is None:
@@ -119,10 +120,10 @@ class AttentionMetadata:
             # Long prefills stay with SDPA: the kernel reads a sequence's K/V once per query row, which
             # stops paying at about 1k tokens of context (benchmarks/results/prefill_attention.md).
             torch_seqs = [i for i in range(self.num_seqs)
-                          if starts[i + 1] - starts[i] > 1 and lens[i] > _KERNEL_MAX_PREFILL_CONTEXT]
+                          if self.query_len(i) > 1 and lens[i] > _KERNEL_MAX_PREFILL_CONTEXT]
             kernel_rows = self._kernel_rows(torch_seqs)
 
-        decode_rows = sorted((i for i in torch_seqs if starts[i + 1] - starts[i] == 1), key=lambda i: lens[i])
+        decode_rows = sorted((i for i in torch_seqs if self.query_len(i) == 1), key=lambda i: lens[i])
         decode = []
         if decode_rows:
             row_blocks = [-(-lens[i] // bs) for i in decode_rows]
@@ -144,7 +145,7 @@ class AttentionMetadata:
 
         prefills = []
         for i in torch_seqs:
-            q_len = starts[i + 1] - starts[i]
+            q_len = self.query_len(i)
             if q_len == 1:
                 continue
             seq_len = lens[i]
@@ -173,7 +174,8 @@ class AttentionMetadata:
         if excluded:
             keep = torch.ones(self.num_seqs, dtype=torch.bool, device=dev)
             keep[excluded] = False
-            token, seq = token[keep[seq]], seq[keep[seq]]
+            kept = keep[seq]
+            token, seq = token[kept], seq[kept]
             if len(token) == 0:
                 return None
         # The token at flat row t of sequence i sits at position seq_len_i - (end_i - t) and sees one more key.

@@ -116,13 +116,14 @@ void attend_row(const T* q, T* out, const T* k_cache, const T* v_cache, const in
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores.data() + g * n;
     __m512 mx = _mm512_set1_ps(-3.0e38f);
-    for (int64_t i = 0; i < n; i += 16)
-      mx = _mm512_mask_max_ps(mx, first_lanes(std::min<int64_t>(16, n - i)), mx, _mm512_maskz_loadu_ps(
-          first_lanes(std::min<int64_t>(16, n - i)), s + i));
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 lanes = first_lanes(n - i);
+      mx = _mm512_mask_max_ps(mx, lanes, mx, _mm512_maskz_loadu_ps(lanes, s + i));
+    }
     const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 lanes = first_lanes(std::min<int64_t>(16, n - i));
+      const __mmask16 lanes = first_lanes(n - i);
       const __m512 e = _mm512_maskz_mov_ps(lanes, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + i), mv)));
       _mm512_mask_storeu_ps(s + i, lanes, e);
       sum = _mm512_add_ps(sum, e);
@@ -144,11 +145,8 @@ void attend_row(const T* q, T* out, const T* k_cache, const T* v_cache, const in
       for (int c = 0; c < kC; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
     }
   }
-  alignas(64) float tmp[D];
-  for (int64_t g = 0; g < G; ++g) {
-    for (int c = 0; c < kC; ++c) _mm512_store_ps(tmp + c * 16, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])));
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(tmp[d]);
-  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < kC; ++c) store(out + g * D + c * 16, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])), 16);
 }
 
 struct Rows {
