@@ -1,5 +1,5 @@
-"""bf16 GEMMs of the default model's shapes on CPU: torch's F.linear against kvserve's PackedLinear
-(weight packed once for oneDNN), side by side in one run.
+"""bf16 GEMMs of the default model's shapes on CPU: torch's F.linear against kvserve's float linear layer
+with its weight packed once for oneDNN (FloatMethod.pack), side by side in one run.
 
     python benchmarks/linear_packing.py
 """
@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import git_rev, machine_info, median_seconds, save
-from kvserve.layers.linear import PackedLinear
+from kvserve.layers.linear import ColumnLinear, pack_float_weights
+from kvserve.layers.quantization import FloatMethod
 
 # SmolLM2-135M: fused qkv, o_proj, fused gate/up, down_proj, LM head ([out, in]).
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -30,7 +31,10 @@ def main() -> None:
             tot_plain = tot_packed = 0.0
             for name, (n, k) in SHAPES.items():
                 lin = nn.Linear(k, n, bias=False).to(torch.bfloat16)
-                packed = PackedLinear(lin)
+                packed = ColumnLinear(k, n, FloatMethod(torch.bfloat16, torch.device("cpu")), name)
+                packed.weight_loader(0, lin.weight.detach())
+                packed.finalize()
+                pack_float_weights(packed)
                 x = torch.randn(rows, k).to(torch.bfloat16)
                 t_plain = median_seconds(lambda: F.linear(x, lin.weight), args.repeat)
                 t_packed = median_seconds(lambda: packed(x), args.repeat)

@@ -15,6 +15,10 @@ class EngineConfig:
     tokenizer: str | None = None          # an HF directory or .gguf whose tokenizer replaces the model's own
     dtype: str = "auto"                   # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"                  # "auto" picks CUDA when present, else CPU
+    # Weight format: "auto" keeps a GGUF file's quantized blocks (and float weights as floats); "none"
+    # dequantizes to dtype; "int8" / "int4" quantize every linear layer at load (kvserve/layers/quantization).
+    quantization: str = "auto"
+    quant_group_size: int = 32            # int4's group: 32 or 128
     seed: int = 0
 
     # KV cache. kv_cache_memory: bytes (int >= 1) or a fraction of free memory (0 < float <= 1).
@@ -45,6 +49,10 @@ class EngineConfig:
             raise ValueError(f"batching must be continuous|static|dynamic, got {self.batching!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs|priority, got {self.scheduling_policy!r}")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"quantization must be auto|none|int8|int4, got {self.quantization!r}")
+        if self.quant_group_size not in (32, 128):
+            raise ValueError(f"quant_group_size must be 32 or 128, got {self.quant_group_size}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
 

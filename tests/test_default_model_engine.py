@@ -1,5 +1,7 @@
 """The embedded default model (SmolLM2-135M-Instruct GGUF) through the whole engine, against
-transformers loading the same GGUF file with its own code."""
+transformers loading the same GGUF file with its own code. The weights are dequantized
+(quantization="none"): parity with a float reference stays exact. The default, 4-bit path is tested
+against this float model in test_quantized_model.py."""
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(dtype="float32", block_size=16, max_num_batched_tokens=64)
+    return LLM(dtype="float32", quantization="none", block_size=16, max_num_batched_tokens=64)
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +114,8 @@ def test_prompt_logprobs_with_prefix_cache_hit(llm, hf_reference):
 
 
 def test_default_dtype_still_answers_correctly():
-    """The default dtype (bfloat16 on CPUs with native bf16) is what users run: a numerics slip in a
+    """The default dtype (bfloat16 on CPUs with native bf16) with float weights: a numerics slip in a
     bf16 path shows up here, not in the float32 parity tests."""
-    llm_auto = LLM()
+    llm_auto = LLM(quantization="none")
     out = llm_auto.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
     assert out.outputs[0].text == "The capital of France is Paris."

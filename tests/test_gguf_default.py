@@ -1,6 +1,8 @@
 """The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) loaded by kvserve vs transformers'
 own GGUF reader (its dequantization and Q/K un-permutation, none of kvserve's code) in a stock
-LlamaForCausalLM: greedy tokens, the canonical sanity answer, and tokenizer ids."""
+LlamaForCausalLM: greedy tokens, the canonical sanity answer, and tokenizer ids. Weights dequantized to
+float32 (quantization="none") so the comparison is exact; the kept-4-bit default is tested in
+test_quantized_model.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,7 +27,7 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def ours() -> LoadedModel:
-    return load_model(None, torch.float32, torch.device("cpu"))
+    return load_model(None, torch.float32, torch.device("cpu"), quantization="none")
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        loaded = load_model(config.model, self.dtype, self.device, config.tokenizer)
+        loaded = load_model(config.model, self.dtype, self.device, config.tokenizer, config.quantization,
+                            config.quant_group_size)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = list(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)

@@ -39,6 +39,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="Compute dtype; auto picks bf16 where the CPU/GPU runs it natively, else fp32. "
                         "(default: %(default)s)")
+    p.add_argument("--quantization", "-q", default=d.quantization, choices=["auto", "none", "int8", "int4"],
+                   help="Weight format. auto: a GGUF file's quantized weights stay quantized in memory (Q4_0, "
+                        "Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) and float weights stay float; none: dequantize to "
+                        "--dtype; int8 / int4: quantize every linear layer at load (weight-only; int8 per "
+                        "channel, int4 group-wise asymmetric). (default: %(default)s)")
+    p.add_argument("--quant-group-size", type=int, default=d.quant_group_size, choices=[32, 128],
+                   help="Group size of --quantization int4 (default: %(default)s)")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda[:N] (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="Engine seed (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=d.block_size,
@@ -73,6 +80,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace, max_waiting: int | None = None) -> EngineConfig:
     return EngineConfig(
         model=args.model_opt or args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+        quantization=args.quantization, quant_group_size=args.quant_group_size,
         seed=args.seed, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.prefix_caching,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

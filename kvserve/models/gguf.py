@@ -1,8 +1,10 @@
-"""GGUF file -> ModelConfig, Hugging Face-named weights (dequantized) and tokenizer metadata."""
+"""GGUF file -> ModelConfig, Hugging Face-named weights (raw: kept in the file's blocks or dequantized,
+as each layer's method decides) and tokenizer metadata."""
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import gguf
@@ -10,6 +12,8 @@ import numpy as np
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.layers.quantization.blocks import BlockWeight
+from kvserve.models.gguf_blocks import FLOAT_TYPES, to_block_weight
 
 _ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -94,25 +98,68 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(reader: gguf.GGUFReader, cfg: ModelConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
-    # llama.cpp permutes Q/K only for archs whose converter targets its "normal" (adjacent-pair) RoPE.
-    permuted = arch in ("llama", "mistral")
+@dataclass
+class GGUFTensor:
+    """A GGUF tensor as stored in the (memory-mapped) file; rows are output features.
+    unpermute_heads: undo llama.cpp's Q/K row order for this many heads (0: none)."""
+    name: str
+    data: np.ndarray
+    qtype: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]           # torch order (slowest dim first)
+    unpermute_heads: int = 0
+
+    @property
+    def quantized(self) -> bool:
+        return self.qtype not in FLOAT_TYPES
+
+    def to_float(self) -> torch.Tensor:
+        w = gguf.quants.dequantize(self.data, self.qtype).reshape(self.shape)
+        w = np.ascontiguousarray(self._rows(w), dtype=np.float32)
+        # Unquantized tensors are read-only views of the memory-mapped file.
+        return torch.from_numpy(w if w.flags.writeable else w.copy())
+
+    def to_blocks(self) -> BlockWeight:
+        if len(self.shape) != 2:
+            raise ValueError(f"GGUF tensor {self.name!r} of shape {self.shape} is not a matrix")
+        try:
+            return to_block_weight(self._rows(self.data), self.qtype, self.shape)
+        except ValueError as e:
+            raise ValueError(f"GGUF tensor {self.name!r}: {e}") from None
+
+    def _rows(self, a: np.ndarray) -> np.ndarray:
+        """Rows (first dim) in Hugging Face order; a block's bytes stay together with their row."""
+        return unpermute_qk(a, self.unpermute_heads) if self.unpermute_heads else a
+
+
+def gguf_tensor_names(reader: gguf.GGUFReader) -> dict[str, str]:
+    """GGUF name -> Hugging Face name, for every tensor that is a weight (rope_freqs is read into the config)."""
+    names = {}
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":  # read into the config's rope_scaling, not a weight
+        if t.name == "rope_freqs.weight":
             continue
         if t.name in _GLOBAL_NAMES:
-            name = _GLOBAL_NAMES[t.name]
-        else:
-            m = _LAYER_RE.fullmatch(t.name)
-            if m is None or m.group(2) not in _LAYER_NAMES:
-                raise ValueError(f"unexpected GGUF tensor {t.name!r}")
-            name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-        # GGUF lists dims fastest-first; numpy/torch want them slowest-first.
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
+            names[t.name] = _GLOBAL_NAMES[t.name]
+            continue
+        m = _LAYER_RE.fullmatch(t.name)
+        if m is None or m.group(2) not in _LAYER_NAMES:
+            raise ValueError(f"unexpected GGUF tensor {t.name!r}")
+        names[t.name] = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return names
+
+
+def iter_gguf_weights(reader: gguf.GGUFReader, cfg: ModelConfig, arch: str) -> Iterator[tuple[str, GGUFTensor]]:
+    # llama.cpp permutes Q/K only for archs whose converter targets its "normal" (adjacent-pair) RoPE.
+    permuted = arch in ("llama", "mistral")
+    names = gguf_tensor_names(reader)
+    for t in reader.tensors:
+        if t.name not in names:
+            continue
+        name = names[t.name]
+        heads = 0
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_qk(w, cfg.num_attention_heads)
+            heads = cfg.num_attention_heads
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_qk(w, cfg.num_key_value_heads)
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        # Unquantized tensors are read-only views of the memory-mapped file.
-        yield name, torch.from_numpy(w if w.flags.writeable else w.copy())
+            heads = cfg.num_key_value_heads
+        # GGUF lists dims fastest-first; numpy/torch want them slowest-first.
+        shape = tuple(reversed([int(d) for d in t.shape]))
+        yield name, GGUFTensor(t.name, t.data, t.tensor_type, shape, heads)

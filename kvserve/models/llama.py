@@ -1,6 +1,6 @@
 """One decoder family for Llama (incl. Llama-3 RoPE scaling), Mistral, Qwen2 (q/k/v bias) and Qwen3
 (per-head q/k RMSNorm, explicit head_dim). q/k/v and gate/up are fused into single projections when
-weights are loaded (`load_weights` takes Hugging Face tensor names)."""
+weights are loaded (`load_weights` takes Hugging Face tensor names, each routed to its layer's shard)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -12,6 +12,9 @@ from kvserve.config import ModelConfig
 from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.attention import PagedAttention
 from kvserve.layers.attention_metadata import AttentionMetadata
+from kvserve.layers.linear import ColumnLinear, LinearBase, MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding
+from kvserve.layers.quantization import QuantConfig
+from kvserve.layers.quantization.methods import Loaded, as_float
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 
@@ -19,14 +22,18 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, quant: QuantConfig, prefix: str) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        qkv_names = [f"{prefix}.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")]
+        self.qkv_proj = QKVLinear(cfg.hidden_size, self.q_size, self.kv_size, cfg.attention_bias,
+                                  quant.method(qkv_names), prefix)
         # Qwen2 puts a bias on q/k/v only; Llama/Mistral/Qwen3's attention_bias covers o_proj too.
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and cfg.architecture != "qwen2")
+        o_name = f"{prefix}.o_proj.weight"
+        self.o_proj = RowLinear(self.q_size, cfg.hidden_size, cfg.attention_bias and cfg.architecture != "qwen2",
+                                quant.method([o_name]), o_name)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -47,10 +54,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, quant: QuantConfig, prefix: str) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        names = [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]
+        self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, quant.method(names), names)
+        down = f"{prefix}.down_proj.weight"
+        self.down_proj = RowLinear(cfg.intermediate_size, cfg.hidden_size, False, quant.method([down]), down)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,12 +67,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, quant: QuantConfig, prefix: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg, rotary, quant, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, quant, f"{prefix}.mlp")
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,21 +87,27 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_weights()
+# Hugging Face projection name -> (our fused layer, shard index in it)
+_SHARDS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+           "down_proj": ("down_proj", 0)}
 
-    def tie_weights(self) -> None:
-        """Share embedding and LM head; again after to_empty(), which gives each module its own copy."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, quant: QuantConfig | None = None) -> None:
+        super().__init__()
+        quant = quant or QuantConfig()
+        self.config = cfg
+        embed = "model.embed_tokens.weight"
+        self.embed_tokens = VocabEmbedding(cfg.hidden_size, cfg.vocab_size, quant.method([embed], output_layer=True),
+                                           embed)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, quant, f"model.layers.{i}")
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # A tied LM head is the embedding itself, in whatever format the embedding is stored.
+        self.lm_head: LinearBase = self.embed_tokens if cfg.tie_word_embeddings else ColumnLinear(
+            cfg.hidden_size, cfg.vocab_size, quant.method(["lm_head.weight"], output_layer=True), "lm_head.weight")
 
     def forward(
         self,
@@ -102,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final-norm hidden states [T, hidden]."""
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed_tokens.embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
@@ -111,56 +126,49 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
 
+    def linear_layers(self) -> list[LinearBase]:
+        return list(dict.fromkeys(m for m in self.modules() if isinstance(m, LinearBase)))
+
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Every parameter must be set."""
+    def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
+        """Route Hugging Face-named tensors to their layers (linear shards through each layer's checked
+        weight_loader), then finalize every linear layer. Every weight must be present."""
         params = dict(self.named_parameters())
-        q_size, kv_size = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size
-        inter = self.config.intermediate_size
-        # HF name suffix -> (our suffix, row range in the fused tensor)
-        fused = {
-            "q_proj": ("qkv_proj", 0, q_size),
-            "k_proj": ("qkv_proj", q_size, q_size + kv_size),
-            "v_proj": ("qkv_proj", q_size + kv_size, q_size + 2 * kv_size),
-            "gate_proj": ("gate_up_proj", 0, inter),
-            "up_proj": ("gate_up_proj", inter, 2 * inter),
-        }
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in fused:
-                target, lo, hi = fused[parts[-2]]
-                pname = ".".join(parts[:-2] + [target, parts[-1]])
-                if pname not in params:
-                    raise KeyError(f"unexpected weight {name!r}")
-                params[pname][lo:hi].copy_(tensor)
-                loaded.add(f"{pname}[{lo}:{hi}]")
-                continue
-            if name not in params:
-                raise KeyError(f"unexpected weight {name!r}")
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
-            params[name].copy_(tensor)
-            loaded.add(name)
-        expected = self._expected_weight_keys(fused)
-        missing = expected - loaded
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:5]}")
-
-    def _expected_weight_keys(self, fused: dict[str, tuple[str, int, int]]) -> set[str]:
-        keys: set[str] = set()
-        fused_targets = {t for t, _, _ in fused.values()}
-        for pname, _ in self.named_parameters():  # tied lm_head is deduplicated here
-            parts = pname.split(".")
-            if len(parts) >= 2 and parts[-2] in fused_targets:
-                for target, lo, hi in fused.values():
-                    if target == parts[-2] and (parts[-1] == "weight" or target == "qkv_proj"):
-                        keys.add(f"{pname}[{lo}:{hi}]")
+            if name == "embed_tokens.weight":
+                self.embed_tokens.weight_loader(0, tensor)
+            elif name == "lm_head.weight":
+                self.lm_head.weight_loader(0, tensor)
+            elif len(parts) >= 2 and parts[-2] in _SHARDS:
+                layer_name, shard = _SHARDS[parts[-2]]
+                layer = self.get_submodule(".".join(parts[:-2] + [layer_name]))
+                if parts[-1] == "weight":
+                    layer.weight_loader(shard, tensor)
+                else:
+                    layer.bias_loader(shard, as_float(tensor))
+            elif name in params:
+                tensor = as_float(tensor)
+                if params[name].shape != tensor.shape:
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                                     f"{tuple(params[name].shape)}")
+                params[name].copy_(tensor)
+                loaded.add(name)
             else:
-                keys.add(pname)
-        return keys
+                raise KeyError(f"unexpected weight {name!r}")
+        missing = [n for layer in self.linear_layers() for n in layer.missing()]
+        missing += sorted(n for n, p in params.items() if n not in loaded and not _owned_by_linear(self, n))
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
+        for layer in self.linear_layers():
+            layer.finalize()
+
+
+def _owned_by_linear(model: nn.Module, param_name: str) -> bool:
+    """Biases of linear layers are loaded (and checked) by the layers themselves."""
+    owner = model.get_submodule(param_name.rpartition(".")[0])
+    return isinstance(owner, LinearBase)

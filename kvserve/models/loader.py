@@ -1,6 +1,7 @@
 """load_model: a Hugging Face directory, a GGUF file, or None (the embedded default) -> model + tokenizer."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -8,9 +9,10 @@ import gguf
 import torch
 
 from kvserve.config import ModelConfig
-from kvserve.layers.linear import pack_linears
+from kvserve.layers.linear import pack_float_weights
+from kvserve.layers.quantization import QuantConfig
 from kvserve.models.default import default_model_path
-from kvserve.models.gguf import gguf_model_config, iter_gguf_weights, read_metadata
+from kvserve.models.gguf import GGUFTensor, gguf_model_config, iter_gguf_weights, read_metadata
 from kvserve.models.hf import iter_hf_weights, read_hf_config
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.tokenizer.tokenizer import Tokenizer
@@ -23,10 +25,12 @@ class LoadedModel:
     tokenizer: Tokenizer
 
 
-def load_model(path: str | None, dtype: torch.dtype, device: torch.device, tokenizer: str | None = None
-               ) -> LoadedModel:
-    """tokenizer: a Hugging Face directory or GGUF file whose tokenizer replaces the model's own."""
-    loaded = _load(path, dtype, device)
+def load_model(path: str | None, dtype: torch.dtype, device: torch.device, tokenizer: str | None = None,
+               quantization: str = "auto", group_size: int = 32) -> LoadedModel:
+    """tokenizer: a Hugging Face directory or GGUF file whose tokenizer replaces the model's own.
+    quantization: see QuantConfig (auto keeps a GGUF's quantized blocks; none, int8, int4)."""
+    quant = QuantConfig(quantization, group_size, dtype, device)
+    loaded = _load(path, quant)
     if tokenizer is not None:
         loaded.tokenizer = load_tokenizer(tokenizer, loaded.config.eos_token_ids)
     return loaded
@@ -43,7 +47,7 @@ def load_tokenizer(path: str, eos_token_ids: list[int] | None = None) -> Tokeniz
     raise ValueError(f"tokenizer {path!r} is neither a Hugging Face directory nor a .gguf file")
 
 
-def _load(path: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _load(path: str | None, quant: QuantConfig) -> LoadedModel:
     if path is None:
         path = default_model_path()
     p = Path(path)
@@ -51,27 +55,29 @@ def _load(path: str | None, dtype: torch.dtype, device: torch.device) -> LoadedM
         if not (p / "config.json").exists():
             raise FileNotFoundError(f"{p} is not a Hugging Face model directory (no config.json)")
         cfg = read_hf_config(p)
-        model = _build(cfg, iter_hf_weights(p), dtype, device)
+        model = _build(cfg, iter_hf_weights(p), quant)
         return LoadedModel(model, cfg, Tokenizer.from_hf_dir(p, cfg.eos_token_ids))
     if p.is_file() and p.suffix == ".gguf":
         reader = gguf.GGUFReader(str(p))
         meta = read_metadata(reader)
         cfg = gguf_model_config(meta, {t.name: t for t in reader.tensors})
-        model = _build(cfg, iter_gguf_weights(reader, cfg, meta["general.architecture"]), dtype, device)
+        weights = list(iter_gguf_weights(reader, cfg, meta["general.architecture"]))
+        quant.quantized_tensors = {name: t.quantized for name, t in weights}
+        model = _build(cfg, weights, quant)
         return LoadedModel(model, cfg, Tokenizer.from_gguf_fields(meta))
     if not p.exists():
         raise FileNotFoundError(f"model path {path!r} does not exist (no model hub access: pass a local path)")
     raise ValueError(f"{path!r} is neither a Hugging Face model directory nor a .gguf file")
 
 
-def _build(cfg: ModelConfig, weights, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    # Built on the meta device and cast there, so no memory or time goes into a float32 random init
-    # that the weights overwrite anyway.
+def _build(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | GGUFTensor]], quant: QuantConfig
+           ) -> LlamaForCausalLM:
+    # Built on the meta device and cast there, so no memory or time goes into a float32 random init that
+    # the weights overwrite anyway. Linear layers make their weights from the loaded shards (finalize).
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg).to(dtype)
-    model = model.to_empty(device=device)
-    model.tie_weights()
-    model.rotary.reset_table(device)
+        model = LlamaForCausalLM(cfg, quant).to(quant.dtype)
+    model = model.to_empty(device=quant.device)
+    model.rotary.reset_table(quant.device)
     model.load_weights(weights)
-    pack_linears(model)  # bf16 on CPU only; a no-op elsewhere
+    pack_float_weights(model)  # bf16 on CPU only; a no-op elsewhere
     return model.eval().requires_grad_(False)

@@ -29,6 +29,22 @@ def applies(t: torch.Tensor) -> bool:
 
 
 @functools.cache
+def ops():
+    """TEMPORARY until the per-ISA build lands: the AVX2 quant kernel alone."""
+    from torch.utils.cpp_extension import load
+    _put_ninja_on_path()
+    load(name="kvserve_quant_tmp", sources=[str(_DIR / "quant_linear.cpp")],
+         extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DKVSERVE_NS=kvserve_tmp"],
+         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    return torch.ops.kvserve_tmp
+
+
+@functools.cache
+def available_tmp() -> bool:
+    return True
+
+
+@functools.cache
 def available() -> bool:
     """True once torch.ops.kvserve's kernels are registered (building them if need be)."""
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":

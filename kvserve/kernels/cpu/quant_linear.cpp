@@ -1,0 +1,248 @@
+// Weight-only quantized linear layers: y = x @ W^T with W kept in blocks of 32 along K, the way GGUF
+// files store it. Two block layouts cover every weight format kvserve loads (kvserve/layers/quantization):
+//
+//   q8: int8 values, one scale per group of 32 (or 16) values      w = q * scale
+//       (GGUF Q8_0, Q5_0, Q6_K; kvserve's int8)
+//   q4: 4-bit values 0..15, one scale and one min per 32 values    w = q * scale + min
+//       (GGUF Q4_0, Q4_1, Q4_K; kvserve's int4). A block's 16 bytes hold value j in the low nibble of
+//       byte j and value j + 16 in the high nibble.
+//
+// Scales and mins are float16 (where the source format's are, so nothing is rounded) or float32.
+//
+// Why a kernel: decode reads every weight once per step, so its speed is the weight bytes read. Both
+// layouts are read as stored. Activations are quantized to int8 per block of 32 (scale = max|x| / 127)
+// once per call, and each block's dot product is integer arithmetic: AVX2's maddubs multiplies 32
+// unsigned by 32 signed bytes in one instruction. torch's own int4/int8 CPU kernels ran 5-10x slower
+// here with float32 activations (benchmarks/results/quantization.md).
+//
+// Only AVX2 + FMA + F16C intrinsics: the same code runs on AVX-512 CPUs.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#ifndef KVSERVE_NS
+#define KVSERVE_NS kvserve
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;       // values per block (and per activation scale)
+constexpr int64_t kRowTile = 4;  // activation rows that share each loaded weight block
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float to_float(const float* p, int64_t i) { return p[i]; }
+inline float to_float(const at::Half* p, int64_t i) {
+  return _cvtsh_ss(reinterpret_cast<const uint16_t*>(p)[i]);
+}
+
+// One row of x [K] -> int8 q [K], per-block scale d [K/32] and d * sum(q) [K/32] (for q4's min term).
+template <typename T>
+void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* dsum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < K / QK; ++b) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = load8(x + b * QK + i * 8);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float mx = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    const float scale = mx / 127.f;
+    const __m256 inv = _mm256_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
+    __m256i iv[4];
+    __m256i isum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // rounds to nearest even; |q| <= 127
+      isum = _mm256_add_epi32(isum, iv[i]);
+    }
+    // int32 -> int8 packs interleave 128-bit lanes; the permute restores element order.
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK),
+                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
+    const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    const int total = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+    d[b] = scale;
+    dsum[b] = scale * static_cast<float>(total);
+  }
+}
+
+// Eight int32 partial sums of the 32 products w * a: lanes 0-3 cover values 0-15, lanes 4-7 values 16-31.
+inline __m256i dot_s8(__m256i w, __m256i a) {  // w signed (q8)
+  const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+  return _mm256_madd_epi16(prod, _mm256_set1_epi16(1));
+}
+inline __m256i dot_u4(__m256i w, __m256i a) {  // w unsigned 0..15 (q4)
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
+}
+inline __m256i unpack_q4(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+}
+
+struct QuantAct {
+  const int8_t* q;
+  const float* d;
+  const float* dsum;
+  int64_t K, nb;
+};
+
+enum class Layout { kQ8G32, kQ8G16, kQ4 };
+
+// y[m, n] for m in [m0, m0 + R) and one weight row n.
+template <Layout L, typename S, int R>
+inline void dot_tile(const QuantAct& a, int64_t m0, const uint8_t* wq, const S* ws, const S* wm, float* out) {
+  __m256 acc[R];
+  float min_term[R];
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); min_term[r] = 0.f; }
+  for (int64_t b = 0; b < a.nb; ++b) {
+    __m256i w;
+    __m256 wscale;
+    if constexpr (L == Layout::kQ4) {
+      w = unpack_q4(wq + b * 16);
+      wscale = _mm256_set1_ps(to_float(ws, b));
+    } else {
+      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + b * QK));
+      if constexpr (L == Layout::kQ8G16)
+        wscale = _mm256_set_m128(_mm_set1_ps(to_float(ws, 2 * b + 1)), _mm_set1_ps(to_float(ws, 2 * b)));
+      else
+        wscale = _mm256_set1_ps(to_float(ws, b));
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = (m0 + r) * a.nb + b;
+      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + row * QK));
+      const __m256i s = L == Layout::kQ4 ? dot_u4(w, av) : dot_s8(w, av);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(wscale, _mm256_set1_ps(a.d[row])), acc[r]);
+      if constexpr (L == Layout::kQ4) min_term[r] += to_float(wm, b) * a.dsum[row];
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + min_term[r];
+}
+
+template <typename T>
+inline void store_out(T* y, float v) { *y = static_cast<T>(v); }
+
+template <Layout L, typename S, typename T>
+void gemm(const QuantAct& a, int64_t M, int64_t N, const uint8_t* wq, const S* ws, const S* wm, T* y) {
+  const int64_t row_bytes = L == Layout::kQ4 ? a.K / 2 : a.K;
+  const int64_t scales_per_row = L == Layout::kQ8G16 ? a.K / 16 : a.nb;
+  // Threads split the output columns (weight rows), so each reads its share of the weights once;
+  // activation rows are walked in panels that stay in cache while the panel's weight rows stream by.
+  constexpr int64_t kPanel = 64;
+  at::parallel_for(0, N, 8, [&](int64_t n_begin, int64_t n_end) {
+    float tile[kRowTile];
+    for (int64_t p0 = 0; p0 < M; p0 += kPanel) {
+      const int64_t p1 = std::min(M, p0 + kPanel);
+      for (int64_t n = n_begin; n < n_end; ++n) {
+        const uint8_t* wrow = wq + n * row_bytes;
+        const S* srow = ws + n * scales_per_row;
+        const S* mrow = wm == nullptr ? nullptr : wm + n * a.nb;
+        int64_t m = p0;
+        for (; m + kRowTile <= p1; m += kRowTile) {
+          dot_tile<L, S, kRowTile>(a, m, wrow, srow, mrow, tile);
+          for (int r = 0; r < kRowTile; ++r) store_out(y + (m + r) * N + n, tile[r]);
+        }
+        for (; m < p1; ++m) {
+          dot_tile<L, S, 1>(a, m, wrow, srow, mrow, tile);
+          store_out(y + m * N + n, tile[0]);
+        }
+      }
+    }
+  });
+}
+
+template <typename F>
+void dispatch_act(at::ScalarType t, F&& f) {
+  if (t == at::kFloat) f(float{});
+  else if (t == at::kBFloat16) f(c10::BFloat16{});
+  else TORCH_CHECK(false, "quantized linear: activations must be float32 or bfloat16, got ", t);
+}
+
+template <typename F>
+void dispatch_scale(at::ScalarType t, F&& f) {
+  if (t == at::kFloat) f(float{});
+  else if (t == at::kHalf) f(at::Half{});
+  else TORCH_CHECK(false, "quantized linear: scales must be float16 or float32, got ", t);
+}
+
+// x [.., K] float32/bfloat16 -> y [.., N] of x's dtype. wq: q8 int8 [N, K] / q4 uint8 [N, K / 2];
+// scales [N, K / group]; mins [N, K / 32] (q4) or undefined (q8).
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, int64_t group) {
+  TORCH_CHECK(x.device().is_cpu() && wq.is_contiguous() && scales.is_contiguous(), "quant_linear: CPU, contiguous");
+  const int64_t K = x.size(-1), N = wq.size(0);
+  TORCH_CHECK(K % QK == 0, "quant_linear: in_features must be a multiple of 32, got ", K);
+  const bool q4 = mins.has_value() && mins->defined();
+  TORCH_CHECK(q4 ? (wq.scalar_type() == at::kByte && wq.size(1) * 2 == K && group == 32)
+                 : (wq.scalar_type() == at::kChar && wq.size(1) == K && (group == 32 || group == 16)),
+              "quant_linear: weight of shape ", wq.sizes(), " and dtype ", wq.scalar_type(),
+              " does not match in_features ", K, " (group ", group, ")");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group, "quant_linear: scales shape");
+  if (q4) TORCH_CHECK(mins->is_contiguous() && mins->sizes() == scales.sizes() &&
+                      mins->scalar_type() == scales.scalar_type(), "quant_linear: mins must match scales");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = K ? xc.numel() / K : 0;
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  at::Tensor y = at::empty(out_sizes, x.options());
+  if (M == 0 || N == 0) return y;
+
+  const int64_t nb = K / QK;
+  at::Tensor aq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor ad = at::empty({M, 2, nb}, x.options().dtype(at::kFloat));  // [.., 0, :] scale, [.., 1, :] scale * sum
+  float* adp = ad.data_ptr<float>();
+  int8_t* aqp = aq.data_ptr<int8_t>();
+  dispatch_act(x.scalar_type(), [&](auto act_tag) {
+    using T = decltype(act_tag);
+    const T* xp = xc.data_ptr<T>();
+    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; ++m) quantize_row(xp + m * K, K, aqp + m * K, adp + m * 2 * nb, adp + m * 2 * nb + nb);
+    });
+  });
+  // Per-row scale and scale-sum arrays live side by side; QuantAct indexes them as [M * nb] each.
+  at::Tensor d = ad.select(1, 0).contiguous(), dsum = ad.select(1, 1).contiguous();
+  const QuantAct act{aqp, d.data_ptr<float>(), dsum.data_ptr<float>(), K, nb};
+
+  dispatch_act(x.scalar_type(), [&](auto act_tag) {
+    using T = decltype(act_tag);
+    dispatch_scale(scales.scalar_type(), [&](auto scale_tag) {
+      using S = decltype(scale_tag);
+      const S* sp = scales.data_ptr<S>();
+      T* yp = y.data_ptr<T>();
+      if (q4) gemm<Layout::kQ4, S, T>(act, M, N, wq.data_ptr<uint8_t>(), sp, mins->data_ptr<S>(), yp);
+      else if (group == 16) gemm<Layout::kQ8G16, S, T>(act, M, N, reinterpret_cast<const uint8_t*>(wq.data_ptr<int8_t>()), sp, nullptr, yp);
+      else gemm<Layout::kQ8G32, S, T>(act, M, N, reinterpret_cast<const uint8_t*>(wq.data_ptr<int8_t>()), sp, nullptr, yp);
+    });
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
+  m.def("quant_linear(Tensor x, Tensor wq, Tensor scales, Tensor? mins, int group) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) { m.impl("quant_linear", &quant_linear); }

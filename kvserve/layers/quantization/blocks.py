@@ -1,0 +1,124 @@
+"""Weights kept in blocks of 32 along the input dimension, in the two layouts the quant_linear kernel reads
+(kvserve/kernels/cpu/quant_linear.cpp):
+
+    q8: int8 values [N, K], one scale per group of 32 (or 16) values:   w = q * scale
+    q4: 4-bit values packed [N, K/2], a scale and a min per 32 values:  w = q * scale + min
+        (block b's 16 bytes hold value j in the low nibble of byte j, value j + 16 in the high nibble)
+
+Every GGUF type kvserve reads converts to one of them without rounding (kvserve/models/gguf_blocks.py), and
+so do kvserve's own int8 (per channel) and int4 (group-wise, asymmetric) quantizers below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QK = 32  # values per block along K
+
+
+@dataclass
+class BlockWeight:
+    """One block-quantized matrix of logical shape [N, K]."""
+    qs: torch.Tensor                 # q8: int8 [N, K]; q4: uint8 [N, K / 2]
+    scales: torch.Tensor             # [N, K / group], float16 or float32
+    mins: torch.Tensor | None        # q4: [N, K / 32] like scales; q8: None
+    group: int = QK                  # 32, or 16 (q8 only: GGUF Q6_K)
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        if self.scales.shape != (n, k // self.group) or k % QK:
+            raise ValueError(f"block weight of shape {(n, k)} has scales {tuple(self.scales.shape)} "
+                             f"(group {self.group}); K must be a multiple of {QK}")
+        if self.mins is not None and (self.mins.shape != self.scales.shape or self.group != QK):
+            raise ValueError("q4 blocks need one min per scale, in groups of 32")
+
+    @property
+    def layout(self) -> str:
+        return "q8" if self.mins is None else "q4"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, cols = self.qs.shape
+        return n, cols * (2 if self.mins is not None else 1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.mins) if t is not None)
+
+    def values(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The integer values as int16 [N, K] (or of the given rows only)."""
+        qs = self.qs if rows is None else self.qs[rows]
+        if self.mins is None:
+            return qs.to(torch.int16)
+        b = qs.view(qs.shape[0], -1, QK // 2).to(torch.int16)
+        return torch.cat([b & 0xF, b >> 4], dim=-1).view(qs.shape[0], -1)
+
+    def dequantize(self, rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """float [N, K] (or [len(rows), K]): the exact weights the kernel computes with."""
+        q = self.values(rows).float()
+        n, k = q.shape
+        scales = (self.scales if rows is None else self.scales[rows]).float()
+        w = q.view(n, k // self.group, self.group) * scales[..., None]
+        if self.mins is not None:
+            w = w + (self.mins if rows is None else self.mins[rows]).float()[..., None]
+        return w.view(n, k).to(dtype)
+
+
+def cat_rows(parts: list[BlockWeight]) -> BlockWeight:
+    """Stack matrices of one layout along N (the shards of a fused projection)."""
+    first = parts[0]
+    if any(p.layout != first.layout or p.group != first.group or p.shape[1] != first.shape[1] for p in parts):
+        raise ValueError("only blocks of one layout, group and width can be stacked")
+    dtype = torch.float32 if any(p.scales.dtype == torch.float32 for p in parts) else first.scales.dtype
+    mins = None if first.mins is None else torch.cat([p.mins.to(dtype) for p in parts])
+    return BlockWeight(torch.cat([p.qs for p in parts]), torch.cat([p.scales.to(dtype) for p in parts]), mins,
+                       first.group)
+
+
+def pack_q4(values: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [N, K] -> the q4 byte layout [N, K / 2]."""
+    n, k = values.shape
+    v = values.to(torch.uint8).view(n, k // QK, QK)
+    return (v[..., : QK // 2] | (v[..., QK // 2:] << 4)).reshape(n, k // 2).contiguous()
+
+
+def quantize_int8(w: torch.Tensor) -> BlockWeight:
+    """Per-output-channel symmetric int8 (scale = max|w| / 127), stored as q8 blocks sharing the row's scale."""
+    w = w.float()
+    n, k = w.shape
+    _check_width(k)
+    exact = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float16).tiny)
+    # Stored in float16, rounded up so that +-127 steps still reach max|w|; values are quantized
+    # against the stored scale, the one the kernel multiplies by.
+    scale = exact.to(torch.float16)
+    scale = torch.where(scale.float() < exact, torch.nextafter(scale, torch.tensor(torch.inf, dtype=scale.dtype)),
+                        scale)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    # The kernel reads a scale per block; a channel's scale is repeated for each of its blocks.
+    scales = scale[:, None].expand(n, k // QK).contiguous()
+    return BlockWeight(q.contiguous(), scales, None)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 32) -> BlockWeight:
+    """Group-wise asymmetric 4-bit: per group, scale = (max - min) / 15 and w ~ q * scale + min."""
+    if group_size not in (32, 128):
+        raise ValueError(f"int4 group size must be 32 or 128, got {group_size}")
+    w = w.float()
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
+    g = w.view(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    # Scales and mins are stored in float16 (as GGUF's Q4_1 does); quantize against the stored values.
+    scale = ((hi - lo) / 15).clamp_min(1e-8).to(torch.float16)
+    mins = lo.to(torch.float16)
+    q = torch.round((g - mins.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15)
+    rep = group_size // QK  # a group of 128 is four blocks sharing one scale and min
+    return BlockWeight(pack_q4(q.view(n, k)), scale.repeat_interleave(rep, dim=1).contiguous(),
+                       mins.repeat_interleave(rep, dim=1).contiguous())
+
+
+def _check_width(k: int) -> None:
+    if k % QK:
+        raise ValueError(f"in_features {k} is not a multiple of {QK}: block-quantized weights need that")

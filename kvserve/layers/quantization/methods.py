@@ -1,0 +1,187 @@
+"""How a linear layer stores its weight and multiplies by it: one method per weight format.
+
+A method turns each loaded checkpoint shard into its stored form (`convert`), joins a layer's shards once
+all are in (`finalize`), and computes x @ W^T (`apply`). Linear layers (kvserve/layers/linear.py) own the
+shapes and the loading; methods never see checkpoint names.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.kernels import cpu as cpu_kernels
+from kvserve.layers.quantization.blocks import BlockWeight, cat_rows, quantize_int4, quantize_int8
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
+class RawTensor(Protocol):
+    """A checkpoint tensor not yet in memory as floats (a GGUF tensor in its file's block format)."""
+    shape: tuple[int, ...]
+
+    def to_float(self) -> torch.Tensor: ...
+
+    def to_blocks(self) -> BlockWeight: ...
+
+    @property
+    def quantized(self) -> bool: ...
+
+
+Loaded = torch.Tensor | RawTensor
+
+
+def as_float(t: Loaded) -> torch.Tensor:
+    return t if isinstance(t, torch.Tensor) else t.to_float()
+
+
+class LinearMethod(Protocol):
+    def convert(self, tensor: Loaded) -> object: ...
+
+    def finalize(self, layer: nn.Module, shards: list) -> None: ...
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor: ...
+
+
+class FloatMethod:
+    """Weights in the compute dtype. bf16 on CPU is re-laid once for oneDNN: torch's dense bf16 F.linear
+    re-packs the weight inside every call, and packing at load measured 1.1-2x faster per GEMM on an
+    AVX-512 machine (benchmarks/results/linear_packing.md)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+
+    def convert(self, tensor: Loaded) -> torch.Tensor:
+        return as_float(tensor).to(self.dtype)
+
+    def finalize(self, layer: nn.Module, shards: list[torch.Tensor]) -> None:
+        weight = torch.cat(shards) if len(shards) > 1 else shards[0]
+        layer.weight = nn.Parameter(weight.to(self.device).contiguous(), requires_grad=False)
+        layer.packed_weight = None
+
+    def pack(self, layer: nn.Module) -> None:
+        """After tying (an LM head shares the embedding's unpacked weight), pack for oneDNN where it pays."""
+        w = layer.weight
+        if can_pack(w):
+            layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if layer.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
+        return F.linear(x, layer.weight)
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, layer.weight)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@dataclass
+class BlockMethod:
+    """Block-quantized weights (kvserve/layers/quantization/blocks.py) multiplied by the quant_linear kernel.
+
+    source: "gguf" keeps a GGUF file's blocks as they are; "int8" / "int4" quantize float weights at load.
+    Fused shards of different layouts (a GGUF Q4_K_M file mixes Q4_K and Q6_K within a layer) stay
+    separate segments, one kernel call each."""
+    source: str
+    dtype: torch.dtype                # activations in and out
+    group_size: int = 32              # int4 only
+    # Without kvserve's kernel (another CPU, KVSERVE_CPU_ISA=none) each call dequantizes: correct, slow.
+    use_kernel: bool = True
+
+    def convert(self, tensor: Loaded) -> BlockWeight:
+        if self.source == "gguf" and not isinstance(tensor, torch.Tensor) and tensor.quantized:
+            return tensor.to_blocks()
+        w = as_float(tensor)
+        return quantize_int4(w, self.group_size) if self.source == "int4" else quantize_int8(w)
+
+    def finalize(self, layer: nn.Module, shards: list[BlockWeight]) -> None:
+        segments: list[BlockWeight] = []
+        for s in shards:  # adjacent shards of one layout are stacked into one segment
+            if segments and _stackable(segments[-1], s):
+                segments[-1] = cat_rows([segments[-1], s])
+            else:
+                segments.append(s)
+        layer.segments = segments
+        for i, seg in enumerate(segments):  # registered so memory accounting and .to() see them
+            layer.register_buffer(f"qweight{i}", seg.qs, persistent=False)
+            layer.register_buffer(f"qscales{i}", seg.scales, persistent=False)
+            if seg.mins is not None:
+                layer.register_buffer(f"qmins{i}", seg.mins, persistent=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_kernel:
+            return torch.cat([F.linear(x, s.dequantize(dtype=x.dtype)) for s in layer.segments], dim=-1)
+        ops = cpu_kernels.ops()
+        outs = [ops.quant_linear(x, s.qs, s.scales, s.mins, s.group) for s in layer.segments]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        (seg,) = layer.segments
+        return seg.dequantize(ids.flatten(), self.dtype).view(*ids.shape, -1)
+
+
+def _stackable(a: BlockWeight, b: BlockWeight) -> bool:
+    return a.layout == b.layout and a.group == b.group
+
+
+@dataclass
+class QuantConfig:
+    """Which method each linear layer gets.
+
+    quantization: "auto" keeps a GGUF file's quantized tensors as they are and float weights as floats;
+    "none" dequantizes everything to the compute dtype; "int8" / "int4" quantize every linear layer at
+    load (weight-only). Embedding and LM head: kept as the file has them under auto; int8 under int8 and
+    int4 (the output layer is the most sensitive to 4 bits, so it keeps 8, as llama.cpp's 4-bit mixes do)."""
+    quantization: str = "auto"
+    group_size: int = 32
+    dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # Checkpoint tensor name -> whether the file stores it quantized (GGUF); empty for float checkpoints.
+    quantized_tensors: dict[str, bool] = field(default_factory=dict)
+    _warned: set[str] = field(default_factory=set, repr=False)  # one log line per model, not per layer
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {'|'.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization != "auto" and self.quantization != "none" and self.device.type != "cpu":
+            raise ValueError(f"--quantization {self.quantization} runs on the CPU only for now")
+
+    def _warn_once(self, msg: str, *args: object) -> None:
+        if msg not in self._warned:
+            self._warned.add(msg)
+            logger.warning(msg, *args)
+
+    def method(self, tensor_names: list[str], output_layer: bool = False) -> LinearMethod:
+        """The method for a layer loaded from these checkpoint tensors (its shards)."""
+        q = self.quantization
+        if q == "none":
+            return FloatMethod(self.dtype, self.device)
+        kernel = self.device.type == "cpu" and kernel_available(self.dtype)
+        if q == "auto":
+            if all(self.quantized_tensors.get(n, False) for n in tensor_names):
+                if kernel:
+                    return BlockMethod("gguf", self.dtype)
+                self._warn_once("GGUF weights are dequantized to %s: kvserve's quantized kernel does not run on this "
+                           "CPU/dtype", self.dtype)
+            return FloatMethod(self.dtype, self.device)
+        if not kernel:
+            self._warn_once("--quantization %s without kvserve's quantized kernel on this CPU/dtype: weights stay "
+                       "quantized but each matmul dequantizes them (slow)", q)
+        return BlockMethod("int8" if output_layer else q, self.dtype, self.group_size, use_kernel=kernel)
+
+
+def kernel_available(dtype: torch.dtype) -> bool:
+    """Whether block weights can be multiplied in place (kvserve/kernels/cpu/quant_linear.cpp)."""
+    return dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available_tmp()

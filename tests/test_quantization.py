@@ -1,0 +1,157 @@
+"""Block-quantized weights: every GGUF block type decoded against gguf's own dequantization, the
+quant_linear kernel against x @ W^T of the dequantized weights, kvserve's int8/int4 quantizers, and the
+linear layers' shape-checked loaders."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvserve.kernels import cpu as cpu_kernels
+from kvserve.layers.linear import QKVLinear
+from kvserve.layers.quantization import BlockMethod, FloatMethod, QuantConfig
+from kvserve.layers.quantization.blocks import BlockWeight, pack_q4, quantize_int4, quantize_int8
+from kvserve.layers.quantization.methods import kernel_available
+from kvserve.models.gguf import GGUFTensor
+from kvserve.models.gguf_blocks import SUPPORTED, to_block_weight
+
+Q = gguf.GGMLQuantizationType
+
+
+def gguf_raw(qtype: Q, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """[n, bytes] of a GGUF tensor: quantized by gguf's own code where it has a quantizer, else random
+    blocks with sane float16 scales (K-quants: every bit pattern of the integer parts is valid)."""
+    rng = np.random.default_rng(seed)
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0):
+        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    scale = lambda: (rng.random((n, k // block)) * 0.01).astype(np.float16).view(np.uint8).reshape(n, -1, 2)
+    if qtype == Q.Q4_K:
+        raw[..., 0:2], raw[..., 2:4] = scale(), scale()
+    else:  # Q6_K: d is the last two bytes
+        raw[..., 208:210] = scale()
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED, key=lambda t: t.name), ids=lambda t: t.name)
+def test_gguf_block_types_decode_exactly_as_gguf_dequantizes(qtype: Q) -> None:
+    n, k = 6, 512
+    raw = gguf_raw(qtype, n, k)
+    ours = to_block_weight(raw, qtype, (n, k)).dequantize().numpy()
+    np.testing.assert_array_equal(ours, gguf.quants.dequantize(raw, qtype).reshape(n, k))
+
+
+def test_unsupported_gguf_type_is_a_clear_load_error() -> None:
+    raw = np.zeros((4, 512 // 256 * gguf.GGML_QUANT_SIZES[Q.Q5_K][1]), dtype=np.uint8)
+    with pytest.raises(ValueError, match="Q5_K cannot be kept quantized.*--quantization none"):
+        to_block_weight(raw, Q.Q5_K, (4, 512))
+
+
+def test_q_k_row_unpermutation_is_the_same_on_blocks_and_floats() -> None:
+    raw = gguf_raw(Q.Q4_1, 8, 64)
+    t = GGUFTensor("blk.0.attn_q.weight", raw, Q.Q4_1, (8, 64), unpermute_heads=2)
+    torch.testing.assert_close(t.to_blocks().dequantize(), t.to_float(), rtol=0, atol=0)
+
+
+def test_int8_is_per_channel_and_within_half_a_step() -> None:
+    w = torch.randn(64, 256) * torch.logspace(-2, 1, 64)[:, None]  # rows of very different scale
+    bw = quantize_int8(w)
+    step = w.abs().amax(1, keepdim=True) / 127
+    assert bw.layout == "q8" and bw.qs.dtype == torch.int8
+    assert ((bw.dequantize() - w).abs() <= 0.5 * step * (1 + 2 ** -10) + 1e-7).all()
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_is_groupwise_asymmetric_and_within_half_a_step(group: int) -> None:
+    w = torch.randn(16, 512) + 3.0  # off-centre: a symmetric scheme would waste half its range
+    bw = quantize_int4(w, group)
+    assert bw.layout == "q4" and bw.qs.shape == (16, 256)
+    g = w.view(16, -1, group)
+    step = ((g.amax(-1) - g.amin(-1)) / 15).repeat_interleave(group, dim=1)
+    assert ((bw.dequantize() - w).abs() <= 0.5 * step * 1.01 + 1e-3).all()
+    if group == 128:  # one scale and min shared by a group's four blocks
+        assert (bw.scales.view(16, -1, 4) == bw.scales.view(16, -1, 4)[..., :1]).all()
+
+
+def block_weights() -> dict[str, BlockWeight]:
+    torch.manual_seed(0)
+    n, k = 40, 576  # k: the default model's hidden size, 18 blocks
+    q4 = torch.randint(0, 16, (n, k))
+    return {
+        "q4_f16": BlockWeight(pack_q4(q4), torch.rand(n, k // 32).half() * 0.02,
+                              -torch.rand(n, k // 32).half() * 0.1),
+        "q4_f32": BlockWeight(pack_q4(q4), torch.rand(n, k // 32) * 0.02, -torch.rand(n, k // 32) * 0.1),
+        "q8_g32": BlockWeight(torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n, k // 32).half() * 0.01,
+                              None),
+        "q8_g16": BlockWeight(torch.randint(-32, 32, (n, k), dtype=torch.int8), torch.rand(n, k // 16) * 0.01, None,
+                              group=16),
+    }
+
+
+needs_kernel = pytest.mark.skipif(not kernel_available(torch.float32), reason="no quant_linear kernel for this CPU")
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", list(block_weights()))
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 64, 65, 130])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_quant_linear_kernel_matches_dequantized_reference(name: str, rows: int, dtype: torch.dtype) -> None:
+    bw = block_weights()[name]
+    x = (torch.randn(rows, bw.shape[1]) * 2).to(dtype)
+    y = cpu_kernels.ops().quant_linear(x, bw.qs, bw.scales, bw.mins, bw.group)
+    ref = x.float() @ bw.dequantize().t()
+    assert y.dtype == dtype and y.shape == (rows, bw.shape[0])
+    # Activations are quantized to int8 per block of 32 (as llama.cpp does): error ~ 1 / 254 per block,
+    # averaged over the row; bf16 output adds its rounding.
+    err = (y.float() - ref).norm(dim=1) / ref.norm(dim=1)
+    assert err.max() < (0.01 if dtype == torch.float32 else 0.015), err.max()
+
+
+@needs_kernel
+def test_quant_linear_kernel_rejects_mismatched_shapes() -> None:
+    bw = block_weights()["q4_f16"]
+    with pytest.raises(RuntimeError, match="does not match in_features"):
+        cpu_kernels.ops().quant_linear(torch.randn(2, 512), bw.qs, bw.scales, bw.mins, 32)
+
+
+def test_linear_loader_checks_each_shards_shape() -> None:
+    layer = QKVLinear(64, 64, 32, False, FloatMethod(torch.float32, torch.device("cpu")), "model.layers.0.self_attn")
+    layer.weight_loader(0, torch.randn(64, 64))
+    with pytest.raises(ValueError, match=r"k_proj.weight.*\(16, 64\), expected \(32, 64\)"):
+        layer.weight_loader(1, torch.randn(16, 64))
+    assert layer.missing() == ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight"]
+
+
+@pytest.mark.parametrize("source", ["int8", "int4"])
+def test_fused_layer_quantizes_each_shard_and_computes_x_wT(source: str) -> None:
+    torch.manual_seed(1)
+    method = QuantConfig(source).method(["q", "k", "v"])
+    assert isinstance(method, BlockMethod)
+    layer = QKVLinear(128, 64, 32, True, method, "p")
+    shards = [torch.randn(64, 128), torch.randn(32, 128), torch.randn(32, 128)]
+    for i, w in enumerate(shards):
+        layer.weight_loader(i, w)
+        layer.bias_loader(i, torch.full((w.shape[0],), float(i)))
+    layer.finalize()
+    x = torch.randn(5, 128)
+    ref = x @ torch.cat(shards).t() + torch.cat([torch.full((w.shape[0],), float(i)) for i, w in enumerate(shards)])
+    rel = ((layer(x) - ref).norm() / ref.norm()).item()
+    assert rel < (0.02 if source == "int8" else 0.12), rel  # int4 of Gaussian weights: ~8% per weight
+
+
+@needs_kernel  # without it, auto dequantizes GGUF weights at load
+def test_gguf_shards_of_different_layouts_stay_separate_segments() -> None:
+    """A Q4_K_M file mixes Q4_K (q4) and Q6_K (q8, groups of 16) inside one fused projection."""
+    method = QuantConfig("auto", quantized_tensors={"q": True, "k": True, "v": True}).method(["q", "k", "v"])
+    layer = QKVLinear(256, 32, 16, False, method, "p")
+    raws = [(Q.Q4_K, 32), (Q.Q4_K, 16), (Q.Q6_K, 16)]
+    tensors = [GGUFTensor(f"t{i}", gguf_raw(t, n, 256, seed=i), t, (n, 256)) for i, (t, n) in enumerate(raws)]
+    for i, t in enumerate(tensors):
+        layer.weight_loader(i, t)
+    layer.finalize()
+    assert [s.layout for s in layer.segments] == ["q4", "q8"]
+    x = torch.randn(3, 256)
+    ref = x @ torch.cat([t.to_float() for t in tensors]).t()
+    assert ((layer(x) - ref).norm() / ref.norm()).item() < 0.01
