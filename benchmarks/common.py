@@ -57,12 +57,18 @@ def save(name: str, data: dict, markdown: str) -> None:
     print(f"wrote {RESULTS / (name + '.json')} and .md")
 
 
-def report(name: str, title: str, args, setup: str, table: str, results: dict) -> None:
+def report(name: str, title: str, args, setup: str, table: str, results: dict, isa: str | None = None) -> None:
     """Print the table and save it as results/<name>.json and .md, with the command that reproduces it
-    (benchmarks/<name>.py and its arguments), the git revision and the machine."""
+    (benchmarks/<name>.py and its arguments), the git revision and the machine. Given the CPU kernels'
+    ISA (kvserve.kernels.cpu.isa()), the files are results/<name>_<isa>.*, and say which ISA: runs on
+    machines with different instruction sets then sit side by side."""
     print(table)
     info = machine_info()
     cmd = f"python benchmarks/{name}.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
+    kernels = f" CPU kernels: {isa.upper()}." if isa else ""
     md = (f"# {title}\n\nCommand: `{cmd}` (git {git_rev()})\n\nMachine: {info['cpu']}, {info['cores']} cores, "
-          f"torch {info['torch']} ({info['torch_threads']} threads). {setup}\n\n{table}\n")
-    save(name, {"args": vars(args), "machine": info, "git": git_rev(), "results": results}, md)
+          f"torch {info['torch']} ({info['torch_threads']} threads).{kernels} {setup}\n\n{table}\n")
+    data = {"args": vars(args), "machine": info, "git": git_rev(), "results": results}
+    if isa:
+        data["cpu_kernels_isa"] = isa
+    save(f"{name}_{isa}" if isa else name, data, md)

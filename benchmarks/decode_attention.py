@@ -4,7 +4,8 @@
   [B, L, Hkv, D] and the matmuls copy it into [B, Hkv, L, D] first;
 - head-major, one group: kvserve's PagedAttention with every decode row padded to the longest context;
 - head-major, grouped: kvserve's torch path (rows grouped by context length);
-- native kernel: kvserve/kernels/cpu, K/V read in place (the default where it builds: AVX-512 CPUs).
+- native kernel: kvserve/kernels/cpu, K/V read in place (the default where it builds: CPUs with AVX-512,
+  or AVX2 + FMA + F16C; results go to results/decode_attention_<isa>.*).
 
     python benchmarks/decode_attention.py            # batch 64, contexts 32-768 and all-equal 320
 """
@@ -16,6 +17,7 @@ import random
 import torch
 
 from common import median_seconds, report
+from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers import attention_metadata
 from kvserve.layers.attention import PagedAttention
 from kvserve.layers.attention_metadata import AttentionMetadata
@@ -106,7 +108,7 @@ def main() -> None:
            f"Geometry of SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64), block size {BS}, batch "
            f"{args.batch} decode rows, {args.dtype}; median of {args.repeat} calls, each including the KV write; "
            f"the per-step index plan (built once for all layers) is built outside the timing.",
-           "\n".join(lines), rows)
+           "\n".join(lines), rows, isa=cpu_kernels.isa())
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The fused CPU elementwise kernels (residual add + RMSNorm, rotary, SiLU * up) on and off, whole engine
 steps on the default model, alternating in one run: decode steps at batch 1 and 64, and a 2048-token
-prefill step (8 prompts of 256). The attention kernel stays on in both arms.
+prefill step (8 prompts of 256). The attention kernel stays on in both arms. Results go to
+results/fused_elementwise_<isa>.* (the kernel variant in use; KVSERVE_CPU_ISA picks one).
 
     python benchmarks/fused_elementwise.py
 """
@@ -80,7 +81,7 @@ def main() -> None:
     report("fused_elementwise", "Fused elementwise kernels on vs off", args,
            f"Default model (SmolLM2-135M-Instruct) in bfloat16, whole engine steps; the two arms alternate "
            f"{args.rounds} times in one process; decode rows have contexts of 32-512 prompt tokens plus what "
-           f"they generated.", "\n".join(lines), rows)
+           f"they generated.", "\n".join(lines), rows, isa=cpu_kernels.isa())
 
 
 if __name__ == "__main__":

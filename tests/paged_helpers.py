@@ -81,15 +81,32 @@ def make_kv_caches(
 
 
 def require_native_kernel() -> None:
-    """Skip where the kernel cannot be built (no AVX-512, no C++ compiler); otherwise a failed build fails."""
-    import shutil
-
+    """Skip where no kernel variant can run (no AVX-512 or AVX2, no C++ compiler, turned off by the
+    environment); otherwise a failed build fails."""
     import pytest
 
     from kvserve.kernels import cpu as cpu_kernels
 
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        pytest.skip("the native paged-attention kernel needs AVX-512")
-    if shutil.which("c++") is None:
-        pytest.skip("the native paged-attention kernel needs a C++ compiler (c++ on PATH)")
-    assert cpu_kernels.available(), "the native paged-attention kernel did not build (see the log)"
+    if not any(cpu_kernels.cpu_supports(isa) for isa in cpu_kernels.ISAS):
+        pytest.skip("the native kernels need AVX-512 or AVX2 + FMA + F16C")
+    if not cpu_kernels.have_compiler():
+        pytest.skip("the native kernels need a C++ compiler (c++ on PATH)")
+    if cpu_kernels.requested_isa() == "none":
+        pytest.skip("the native kernels are turned off (KVSERVE_CPU_ISA=none or KVSERVE_CPU_KERNELS=0)")
+    assert cpu_kernels.available(), "the native kernels did not build (see the log)"
+
+
+def native_ops(isa: str):
+    """torch.ops namespace of one ISA variant of the kernels, built (or loaded) for the test; skips where
+    this machine cannot run that variant."""
+    import pytest
+
+    from kvserve.kernels import cpu as cpu_kernels
+
+    if not cpu_kernels.cpu_supports(isa):
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    if not cpu_kernels.have_compiler():
+        pytest.skip("the native kernels need a C++ compiler (c++ on PATH)")
+    ops = cpu_kernels.build(isa)
+    assert ops is not None, f"the {isa} kernels did not build (see the log)"
+    return ops

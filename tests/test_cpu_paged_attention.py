@@ -1,13 +1,14 @@
 """The native paged-attention kernel (kvserve/kernels/cpu) against attention computed in float64 from each
 sequence's K/V gathered by hand: scattered block tables, partial blocks at both ends, GQA, sliding
 windows, several rows of one sequence (a prefill chunk's causal rows), and rows of the flat batch that
-it must leave alone."""
+it must leave alone. Every test runs once per ISA variant this CPU can run (the others skip)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from paged_helpers import require_native_kernel
+from kvserve.kernels.cpu import ISAS
+from paged_helpers import native_ops
 
 
 def reference(q, k_cache, v_cache, tables, row_seq, row_len, scale, window):
@@ -25,11 +26,12 @@ def reference(q, k_cache, v_cache, tables, row_seq, row_len, scale, window):
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D,H,Hkv,bs,window", [(64, 9, 3, 16, 0), (128, 8, 1, 16, 0), (16, 4, 2, 4, 0),
                                                 (32, 6, 6, 8, 20), (64, 16, 1, 16, 37)])
-def test_kernel_matches_float64_reference(dtype, D, H, Hkv, bs, window) -> None:
-    require_native_kernel()
+def test_kernel_matches_float64_reference(isa, dtype, D, H, Hkv, bs, window) -> None:
+    ops = native_ops(isa)
     g = torch.Generator().manual_seed(D * H + bs)
     lens = [1, bs, bs + 1, 3 * bs - 1, 5 * bs, 300, 77, 2]
     num_blocks = sum(-(-n // bs) for n in lens) + 5
@@ -52,20 +54,21 @@ def test_kernel_matches_float64_reference(dtype, D, H, Hkv, bs, window) -> None:
     row_token = torch.arange(1, 2 * R, 2)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     scale = D ** -0.5
-    torch.ops.kvserve.paged_attention_(q, out, k_cache, v_cache, row_token, torch.tensor(row_seq),
-                                       torch.tensor(row_len), block_tables, scale, window)
+    ops.paged_attention_(q, out, k_cache, v_cache, row_token, torch.tensor(row_seq), torch.tensor(row_len),
+                         block_tables, scale, window)
     want = reference(q[row_token], k_cache, v_cache, tables, row_seq, row_len, scale, window)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output's own rounding (8 bits)
     torch.testing.assert_close(out[row_token].double(), want, atol=tol, rtol=tol)
     assert torch.all(out[0::2] == 7.0)
 
 
-def test_kernel_refuses_what_it_cannot_do() -> None:
-    require_native_kernel()
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_refuses_what_it_cannot_do(isa) -> None:
+    ops = native_ops(isa)
     q = torch.zeros(1, 4, 48)
     cache = torch.zeros(2, 4, 16, 48)
     zero = torch.zeros(1, dtype=torch.long)
-    call = torch.ops.kvserve.paged_attention_
+    call = ops.paged_attention_
     with pytest.raises(RuntimeError, match="head_dim"):
         call(q, torch.empty_like(q), cache, cache, zero, zero, zero + 1, zero[None], 1.0, 0)
     with pytest.raises(RuntimeError, match="dtype"):

@@ -11,6 +11,6 @@ from kvserve.kernels import cpu as cpu_kernels
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_kernels.applies(x) and x.is_contiguous():
-            return torch.ops.kvserve.silu_and_mul(x)
+            return cpu_kernels.ops().silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -4,8 +4,8 @@ Each call first writes the new tokens' K/V into the layer's paged cache, then re
 K/V back from the cache through its block table: the cache is the only copy kept between steps.
 Gathers made here are transient.
 
-Native kernel (CPU with AVX-512, bfloat16 or float32; kvserve/kernels/cpu): every query token is a row
-that reads its sequence's K/V in place; prefills longer than ~1k tokens of context still go to SDPA.
+Native kernel (CPU with AVX-512 or AVX2, bfloat16 or float32; kvserve/kernels/cpu): every query token is a
+row that reads its sequence's K/V in place; prefills longer than ~1k tokens of context still go to SDPA.
 
 Torch path: the cache is head-major ([Hkv, num_blocks, block_size, D]), so one index_select over whole
 (head, block) rows yields [Hkv * B, L, D], contiguous, which batched matmuls read as they are (with the
@@ -57,7 +57,7 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         if plan.kernel_rows is not None:
             rows = plan.kernel_rows
-            torch.ops.kvserve.paged_attention_(q, out, k_cache, v_cache, rows.token, rows.seq, rows.len,
+            cpu_kernels.ops().paged_attention_(q, out, k_cache, v_cache, rows.token, rows.seq, rows.len,
                                                meta.block_tables, self.scale, self.sliding_window or 0)
         k_blocks, v_blocks = k_cache.view(Hkv * num_blocks, block_size, D), v_cache.view(Hkv * num_blocks, block_size, D)
         for group in plan.decode:

@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self._norm(x)
         if cpu_kernels.applies(x) and x.dtype == residual.dtype == self.weight.dtype and x.is_contiguous():
-            torch.ops.kvserve.fused_add_rms_norm_(x, residual, self.weight, self.eps)
+            cpu_kernels.ops().fused_add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
         residual = x + residual
         return self._norm(residual), residual

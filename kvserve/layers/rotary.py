@@ -69,8 +69,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if cpu_kernels.applies(q) and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k)):
-            torch.ops.kvserve.rotary_(q, positions, self.cos_sin)  # in place: q and k are fresh projections
-            torch.ops.kvserve.rotary_(k, positions, self.cos_sin)
+            cpu_kernels.ops().rotary_(q, positions, self.cos_sin)  # in place: q and k are fresh projections
+            cpu_kernels.ops().rotary_(k, positions, self.cos_sin)
             return q, k
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
         return _apply(q, cos, sin), _apply(k, cos, sin)

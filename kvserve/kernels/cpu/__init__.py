@@ -1,8 +1,20 @@
-"""C++ kernels for CPUs with AVX-512, compiled on first use with torch's extension builder.
+"""C++ kernels for x86 CPUs: one source, built once per instruction set, the variant chosen at run time.
+
+Variants ("ISAs"), best first:
+- "avx512": AVX-512 F/BW/DQ/VL + FMA (+ F16C, which every AVX-512 CPU has; the sources may use it);
+- "avx2": AVX2 + FMA + F16C.
+Each is its own extension, kvserve_cpu_<isa>, built from every *.cpp in this folder with
+-DKVSERVE_NS=kvserve_<isa>, so its ops land in torch.ops.kvserve_<isa> and both variants can be loaded
+into one process (the tests compare them with the torch path).
+
+Which one runs: KVSERVE_CPU_ISA=avx512|avx2|none forces one (none: the torch paths only); unset or "auto":
+the best this CPU supports. A forced ISA this CPU lacks logs a warning and falls back to the auto choice
+(loading it would die of an illegal instruction). KVSERVE_CPU_KERNELS=0 is kept as an alias for none,
+and wins over KVSERVE_CPU_ISA. Call sites check applies(t), then call ops().<op>(...).
 
 The build is cached by torch (under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), so only the
-first process on a machine pays for it (~11 s on the 2-core dev machine). Anything that stops it (no
-compiler, no AVX-512, KVSERVE_CPU_KERNELS=0) leaves the torch paths in place, and is logged once.
+first process on a machine pays for it (~11 s a variant on the 2-core dev machine). Anything that stops
+it (no compiler, no supported ISA, a failed build) leaves the torch paths in place, and is logged once.
 """
 from __future__ import annotations
 
@@ -10,6 +22,8 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import torch
@@ -17,10 +31,18 @@ import torch
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "paged_attention.cpp", _DIR / "elementwise.cpp"]
+ISAS = ("avx512", "avx2")  # best first
 # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP region; without the flag it
 # runs on one thread. The library resolves to the libgomp torch has already loaded.
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-fopenmp"]
+_COMMON_FLAGS = ["-O3", "-fopenmp"]
+_ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
+# /proc/cpuinfo flags each variant needs; torch's capability names where /proc is absent.
+_CPU_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma", "f16c"},
+              "avx2": {"avx2", "fma", "f16c"}}
+_TORCH_CAPABILITIES = {"avx512": {"AVX512"}, "avx2": {"AVX2", "AVX512"}}
 
 
 def applies(t: torch.Tensor) -> bool:
@@ -28,43 +50,120 @@ def applies(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float32) and available()
 
 
-@functools.cache
-def ops():
-    """TEMPORARY until the per-ISA build lands: the AVX2 quant kernel alone."""
-    from torch.utils.cpp_extension import load
-    _put_ninja_on_path()
-    load(name="kvserve_quant_tmp", sources=[str(_DIR / "quant_linear.cpp")],
-         extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DKVSERVE_NS=kvserve_tmp"],
-         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    return torch.ops.kvserve_tmp
-
-
-@functools.cache
-def available_tmp() -> bool:
-    return True
-
-
-@functools.cache
 def available() -> bool:
-    """True once torch.ops.kvserve's kernels are registered (building them if need be)."""
+    """True once a variant's kernels are registered (building them if need be)."""
+    return isa() is not None
+
+
+@functools.cache
+def ops() -> torch._ops._OpNamespace:
+    """The torch.ops namespace of the chosen variant (cached: call sites look it up once per layer)."""
+    chosen = isa()
+    if chosen is None:
+        raise RuntimeError("no CPU kernels in this process: check cpu_kernels.applies() first")
+    return getattr(torch.ops, namespace(chosen))
+
+
+@functools.cache
+def isa() -> str | None:
+    """The variant in use ("avx512" or "avx2"), built and registered; None: the torch paths."""
+    wanted = requested_isa()
+    if wanted == "none":
+        logger.info("CPU kernels off (KVSERVE_CPU_ISA=none or KVSERVE_CPU_KERNELS=0)")
+        return None
+    if wanted != "auto" and not cpu_supports(wanted):
+        logger.warning("KVSERVE_CPU_ISA=%s, but this CPU lacks it: choosing the best it supports", wanted)
+        wanted = "auto"
+    candidates = [wanted] if wanted != "auto" else [i for i in ISAS if cpu_supports(i)]
+    if not candidates:
+        logger.info("CPU kernels off: this CPU has neither AVX-512 nor AVX2 + FMA + F16C")
+        return None
+    for candidate in candidates:  # a failed build (logged) falls through to the next best
+        if build(candidate) is not None:
+            return candidate
+    return None
+
+
+def requested_isa() -> str:
+    """What the environment asks for: "auto", "none" or one of ISAS."""
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
-        return False
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        logger.info("CPU kernels off: this CPU has no AVX-512 (torch reports %s)",
-                    torch.backends.cpu.get_cpu_capability())
-        return False
+        return "none"
+    wanted = os.environ.get("KVSERVE_CPU_ISA", "auto").strip().lower() or "auto"
+    if wanted not in ("auto", "none", *ISAS):
+        raise ValueError(f"KVSERVE_CPU_ISA={wanted!r}: expected one of auto, none, {', '.join(ISAS)}")
+    return wanted
+
+
+@functools.cache
+def cpu_supports(isa_name: str) -> bool:
+    """Whether this CPU runs the variant: /proc/cpuinfo's flags, else torch's own CPU capability."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        flags = None
+    if flags is not None:
+        return _CPU_FLAGS[isa_name] <= set(flags)
+    return torch.backends.cpu.get_cpu_capability() in _TORCH_CAPABILITIES[isa_name]
+
+
+def namespace(isa_name: str) -> str:
+    """The torch.ops namespace a variant registers its ops under."""
+    return f"kvserve_{isa_name}"
+
+
+def sources() -> list[Path]:
+    """Every .cpp here goes into every variant (a new kernel file joins the build by being here)."""
+    return sorted(_DIR.glob("*.cpp"))
+
+
+def compile_flags(isa_name: str) -> list[str]:
+    # torch rebuilds when the sources or flags change, not the headers: the digest flag covers them.
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(_DIR.glob("*.[ch]*")))).hexdigest()[:16]
+    return _COMMON_FLAGS + _ISA_FLAGS[isa_name] + [f"-DKVSERVE_NS={namespace(isa_name)}",
+                                                   f"-DKVSERVE_SOURCES_DIGEST={digest}"]
+
+
+@functools.cache
+def build(isa_name: str) -> torch._ops._OpNamespace | None:
+    """Build (or load from torch's cache) one variant and register its ops: its torch.ops namespace, or
+    None where the build failed (logged). Refuses a variant this CPU cannot run: loading it could
+    already execute its instructions (static initialisers are compiled with the same flags)."""
+    if not cpu_supports(isa_name):
+        raise ValueError(f"this CPU cannot run the {isa_name} kernels")
     try:
         from torch.utils.cpp_extension import load
         _put_ninja_on_path()
-        # torch rebuilds when the sources or flags change, not the headers: the digest flag covers them.
-        digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(_DIR.glob("*.[ch]*")))).hexdigest()[:16]
-        load(name="kvserve_cpu_kernels", sources=[str(s) for s in _SOURCES],
-             extra_cflags=_FLAGS + [f"-DKVSERVE_SOURCES_DIGEST={digest}"],
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        load(name=f"kvserve_cpu_{isa_name}", sources=[str(s) for s in sources()],
+             extra_cflags=compile_flags(isa_name), extra_ldflags=["-fopenmp"], is_python_module=False,
+             verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path still works
-        logger.warning("CPU kernels off, the build failed: %s", str(e).strip().splitlines()[-1] if str(e) else e)
-        return False
-    return hasattr(torch.ops.kvserve, "paged_attention_") and hasattr(torch.ops.kvserve, "silu_and_mul")
+        logger.warning("CPU kernels (%s) off, the build failed: %s", isa_name,
+                       str(e).strip().splitlines()[-1] if str(e) else e)
+        return None
+    ops_ns = getattr(torch.ops, namespace(isa_name))
+    return ops_ns if hasattr(ops_ns, "paged_attention_") and hasattr(ops_ns, "silu_and_mul") else None
+
+
+def compile_only(isa_name: str, out_dir: Path) -> list[Path]:
+    """Compile every source of a variant to an object file in out_dir without linking or loading it, so
+    a machine without that ISA still checks that it builds. Raises CalledProcessError on a compile error."""
+    from torch.utils.cpp_extension import include_paths
+
+    cxx = os.environ.get("CXX", "c++")
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    includes = [f"-I{p}" for p in include_paths()]
+    objects = []
+    for src in sources():
+        obj = Path(out_dir) / f"{src.stem}.{isa_name}.o"
+        subprocess.run([cxx, "-std=c++20", "-fPIC", abi, *includes, *compile_flags(isa_name), "-c", str(src),
+                        "-o", str(obj)], check=True, capture_output=True, text=True)
+        objects.append(obj)
+    return objects
+
+
+def have_compiler() -> bool:
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
 def _put_ninja_on_path() -> None:

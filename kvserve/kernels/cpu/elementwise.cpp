@@ -1,4 +1,4 @@
-// Fused elementwise ops of the decoder layer, for CPUs with AVX-512: residual add + RMSNorm, rotary
+// Fused elementwise ops of the decoder layer, for CPUs with AVX-512 or AVX2 (on vec.h's Vec16): residual add + RMSNorm, rotary
 // embedding in place, SiLU(gate) * up. Each replaces 4-10 torch ops (each a pass over memory and a
 // dispatch, ~10 us of overhead apiece at small batches) with one pass.
 //
@@ -9,8 +9,6 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
-
-#include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
@@ -24,7 +22,7 @@ using namespace kvserve_cpu;
 
 // What storing to T and loading back gives: the rounding of an intermediate result.
 template <typename T>
-inline __m512 round_to(__m512 v) {
+inline Vec16 round_to(Vec16 v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else {
@@ -40,17 +38,16 @@ void add_rms_norm_rows(T* x, T* residual, const T* weight, int64_t rows, int64_t
     for (int64_t row = begin; row < end; ++row) {
       T* xr = x + row * n;
       T* rr = residual + row * n;
-      __m512 sq = _mm512_setzero_ps();
+      Vec16 sq = zero();
       for (int64_t i = 0; i < n; i += 16) {
-        const __m512 h = round_to<T>(_mm512_add_ps(load(xr + i, n - i), load(rr + i, n - i)));
+        const Vec16 h = round_to<T>(load(xr + i, n - i) + load(rr + i, n - i));
         store(rr + i, h, n - i);
-        sq = _mm512_fmadd_ps(h, h, sq);
+        sq = fmadd(h, h, sq);
       }
-      const __m512 inv = _mm512_set1_ps(
-          1.f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(n) + static_cast<float>(eps)));
+      const Vec16 inv = broadcast(1.f / std::sqrt(reduce_add(sq) / static_cast<float>(n) + static_cast<float>(eps)));
       for (int64_t i = 0; i < n; i += 16) {
-        const __m512 normed = round_to<T>(_mm512_mul_ps(load(rr + i, n - i), inv));
-        store(xr + i, _mm512_mul_ps(load(weight + i, n - i), normed), n - i);
+        const Vec16 normed = round_to<T>(load(rr + i, n - i) * inv);
+        store(xr + i, load(weight + i, n - i) * normed, n - i);
       }
     }
   });
@@ -69,9 +66,9 @@ void rotary_rows(T* x, int64_t tokens, int64_t heads, int64_t row_stride, int64_
         T* b = a + half;
         for (int64_t i = 0; i < half; i += 16) {
           const int64_t m = half - i;
-          const __m512 x1 = load(a + i, m), x2 = load(b + i, m), c = load(cos + i, m), s = load(sin + i, m);
-          store(a + i, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)), m);
-          store(b + i, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)), m);
+          const Vec16 x1 = load(a + i, m), x2 = load(b + i, m), c = load(cos + i, m), s = load(sin + i, m);
+          store(a + i, x1 * c - x2 * s, m);
+          store(b + i, x2 * c + x1 * s, m);
         }
       }
     }
@@ -86,10 +83,9 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
       const T* up = gate + n;
       T* o = out + row * n;
       for (int64_t i = 0; i < n; i += 16) {
-        const __m512 g = load(gate + i, n - i);
-        const __m512 silu = round_to<T>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(
-            _mm512_sub_ps(_mm512_setzero_ps(), g)))));
-        store(o + i, _mm512_mul_ps(silu, load(up + i, n - i)), n - i);
+        const Vec16 g = load(gate + i, n - i);
+        const Vec16 silu = round_to<T>(g / (broadcast(1.f) + exp_ps(zero() - g)));
+        store(o + i, silu * load(up + i, n - i), n - i);
       }
     }
   });
@@ -148,13 +144,13 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
   m.def("fused_add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos_sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
   m.impl("fused_add_rms_norm_", &fused_add_rms_norm_);
   m.impl("rotary_", &rotary_);
   m.impl("silu_and_mul", &silu_and_mul);

@@ -1,5 +1,5 @@
-// Paged attention for CPUs with AVX-512, K/V read in place from the head-major paged cache
-// ([Hkv, num_blocks, block_size, D]) through block tables.
+// Paged attention for CPUs with AVX-512 or AVX2 (one source on vec.h's Vec16, built once per ISA), K/V
+// read in place from the head-major paged cache ([Hkv, num_blocks, block_size, D]) through block tables.
 //
 // The unit of work is a "row": one query token that sees the keys [max(0, len - window), len) of its
 // sequence. A decode token is one row with len = its context; a prefill chunk of n tokens is n rows
@@ -11,14 +11,12 @@
 // query heads sharing the KV head reuse each converted K/V row from registers. A prefill sequence's
 // K/V is re-read by each of its rows, but from cache (64 KB per head for 256 bfloat16 tokens).
 //
-// Registered as torch.ops.kvserve.paged_attention_ (in place on `out`). Scores and softmax are float32
+// Registered as torch.ops.<KVSERVE_NS>.paged_attention_ (in place on `out`). Scores and softmax are float32
 // whatever the cache dtype (bfloat16 or float32).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
-
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -37,22 +35,6 @@ template <typename T, int64_t D>
 inline void prefetch_row(const T* row) {
   for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64)
     _mm_prefetch(reinterpret_cast<const char*>(row) + off, _MM_HINT_T0);
-}
-
-// Lane i of the result is the sum of v[i]'s 16 lanes: a transpose-and-add tree, 45 instructions where
-// 16 separate horizontal sums take ~130.
-inline __m512 sum_each16(const __m512* v) {
-  __m512 s1[8], s2[4], s3[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: partial sums of four inputs, in order
-    const __m512d x = _mm512_castps_pd(s1[2 * i]), y = _mm512_castps_pd(s1[2 * i + 1]);
-    s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i)  // fold 128-bit lanes pairwise
-    s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
-                          _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
 }
 
 // Walks a sequence's tokens [first, len) through its block table, one cache row at a time.
@@ -84,29 +66,29 @@ void attend_row(const T* q, T* out, const T* k_cache, const T* v_cache, const in
   constexpr int64_t D = kC * 16;
   const int64_t n = len - first;
   scores.resize(static_cast<size_t>(G * n));
-  __m512 qv[kMaxGroup][kC];
+  Vec16 qv[kMaxGroup][kC];
   for (int64_t g = 0; g < G; ++g)
-    for (int c = 0; c < kC; ++c) qv[g][c] = _mm512_mul_ps(load16(q + g * D + c * 16), _mm512_set1_ps(scale));
+    for (int c = 0; c < kC; ++c) qv[g][c] = load16(q + g * D + c * 16) * broadcast(scale);
 
   // Pass 1: scores[g][t - first] = q_g . k_t, sixteen keys at a time.
   {
     RowCursor<T, D> k(k_cache, table, head_base, bs, first, len);
-    __m512 part[kMaxGroup][kChunk];
+    Vec16 part[kMaxGroup][kChunk];
     for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
       const int64_t m = std::min(kChunk, n - t0);
       for (int64_t j = 0; j < m; ++j, k.advance()) {
         k.prefetch_next_block();
-        __m512 kv[kC];
+        Vec16 kv[kC];
         for (int c = 0; c < kC; ++c) kv[c] = load16(k.row + c * 16);
         for (int64_t g = 0; g < G; ++g) {
-          __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-          for (int c = 1; c < kC; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+          Vec16 acc = qv[g][0] * kv[0];
+          for (int c = 1; c < kC; ++c) acc = fmadd(qv[g][c], kv[c], acc);
           part[g][j] = acc;
         }
       }
       for (int64_t g = 0; g < G; ++g) {
-        for (int64_t j = m; j < kChunk; ++j) part[g][j] = _mm512_setzero_ps();
-        _mm512_mask_storeu_ps(scores.data() + g * n + t0, first_lanes(m), sum_each16(part[g]));
+        for (int64_t j = m; j < kChunk; ++j) part[g][j] = zero();
+        store(scores.data() + g * n + t0, sum_each16(part[g]), m);
       }
     }
   }
@@ -115,38 +97,34 @@ void attend_row(const T* q, T* out, const T* k_cache, const T* v_cache, const in
   float inv_sum[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores.data() + g * n;
-    __m512 mx = _mm512_set1_ps(-3.0e38f);
+    Vec16 mx = broadcast(-3.0e38f);
+    for (int64_t i = 0; i < n; i += 16) mx = max_first(mx, load(s + i, n - i), n - i);
+    const Vec16 mv = broadcast(reduce_max(mx));
+    Vec16 sum = zero();
     for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 lanes = first_lanes(n - i);
-      mx = _mm512_mask_max_ps(mx, lanes, mx, _mm512_maskz_loadu_ps(lanes, s + i));
+      const Vec16 e = keep_first(exp_ps(load(s + i, n - i) - mv), n - i);
+      store(s + i, e, n - i);
+      sum = sum + e;
     }
-    const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 lanes = first_lanes(n - i);
-      const __m512 e = _mm512_maskz_mov_ps(lanes, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + i), mv)));
-      _mm512_mask_storeu_ps(s + i, lanes, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+    inv_sum[g] = 1.f / reduce_add(sum);
   }
 
   // Pass 2: out_g = sum_t p[g][t] v_t, each V row converted once for all G heads.
-  __m512 acc[kMaxGroup][kC];
+  Vec16 acc[kMaxGroup][kC];
   for (int64_t g = 0; g < G; ++g)
-    for (int c = 0; c < kC; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int c = 0; c < kC; ++c) acc[g][c] = zero();
   RowCursor<T, D> v(v_cache, table, head_base, bs, first, len);
   for (int64_t t = 0; t < n; ++t, v.advance()) {
     v.prefetch_next_block();
-    __m512 vv[kC];
+    Vec16 vv[kC];
     for (int c = 0; c < kC; ++c) vv[c] = load16(v.row + c * 16);
     for (int64_t g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(scores[g * n + t]);
-      for (int c = 0; c < kC; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+      const Vec16 w = broadcast(scores[g * n + t]);
+      for (int c = 0; c < kC; ++c) acc[g][c] = fmadd(w, vv[c], acc[g][c]);
     }
   }
   for (int64_t g = 0; g < G; ++g)
-    for (int c = 0; c < kC; ++c) store(out + g * D + c * 16, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])), 16);
+    for (int c = 0; c < kC; ++c) store(out + g * D + c * 16, acc[g][c] * broadcast(inv_sum[g]), 16);
 }
 
 struct Rows {
@@ -233,9 +211,9 @@ void paged_attention_(const at::Tensor& q, const at::Tensor& out, const at::Tens
 
 }  // namespace
 
-TORCH_LIBRARY(kvserve, m) {
+TORCH_LIBRARY(KVSERVE_NS, m) {
   m.def("paged_attention_(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, Tensor row_token, "
         "Tensor row_seq, Tensor row_len, Tensor block_tables, float scale, int window) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("paged_attention_", &paged_attention_); }
+TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) { m.impl("paged_attention_", &paged_attention_); }

@@ -184,4 +184,4 @@ class QuantConfig:
 
 def kernel_available(dtype: torch.dtype) -> bool:
     """Whether block weights can be multiplied in place (kvserve/kernels/cpu/quant_linear.cpp)."""
-    return dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available_tmp()
+    return dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()

@@ -1,0 +1,65 @@
+"""How kvserve picks a CPU kernel variant (kvserve/kernels/cpu): the environment's choice is honoured in a
+fresh process, and a variant this CPU cannot run still has to compile, so a machine without AVX-512
+catches breakage of the AVX-512 branch."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvserve.kernels import cpu as cpu_kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+def test_variant_compiles(isa: str, tmp_path: Path) -> None:
+    if not cpu_kernels.have_compiler():
+        pytest.skip("needs a C++ compiler (c++ on PATH)")
+    if cpu_kernels.cpu_supports(isa):
+        pytest.skip(f"this CPU runs {isa}: the kernel tests build and run it")
+    try:
+        objects = cpu_kernels.compile_only(isa, tmp_path)
+    except subprocess.CalledProcessError as e:
+        pytest.fail(f"the {isa} kernels do not compile:\n{e.stderr[-4000:]}")
+    assert [o.name for o in objects] == [f"{s.stem}.{isa}.o" for s in cpu_kernels.sources()]
+
+
+def chosen_in_subprocess(**env: str) -> tuple[str, str]:
+    """("<isa()> <ops().name>", or "None -" for the torch path) in a fresh process with `env` set, and
+    its stderr."""
+    code = ("from kvserve.kernels import cpu as k; i = k.isa(); "
+            "print(i, k.ops().name if i else '-')")
+    full_env = {k: v for k, v in os.environ.items() if k not in ("KVSERVE_CPU_ISA", "KVSERVE_CPU_KERNELS")}
+    full_env.update(env, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip(), done.stderr
+
+
+def test_environment_choice_is_honoured() -> None:
+    if not cpu_kernels.have_compiler() or not cpu_kernels.cpu_supports("avx2"):
+        pytest.skip("needs a C++ compiler and an AVX2 + FMA + F16C CPU")
+    best = next(isa for isa in cpu_kernels.ISAS if cpu_kernels.cpu_supports(isa))
+    assert chosen_in_subprocess()[0] == f"{best} kvserve_{best}"
+    assert chosen_in_subprocess(KVSERVE_CPU_ISA="none")[0] == "None -"
+    assert chosen_in_subprocess(KVSERVE_CPU_KERNELS="0")[0] == "None -"
+    assert chosen_in_subprocess(KVSERVE_CPU_KERNELS="0", KVSERVE_CPU_ISA="avx2")[0] == "None -"
+    assert chosen_in_subprocess(KVSERVE_CPU_ISA="avx2")[0] == "avx2 kvserve_avx2"
+    if not cpu_kernels.cpu_supports("avx512"):  # refused with a warning, the best supported instead
+        chosen, stderr = chosen_in_subprocess(KVSERVE_CPU_ISA="avx512")
+        assert chosen == f"{best} kvserve_{best}"
+        assert "lacks it" in stderr
+
+
+def test_unknown_isa_is_an_error(monkeypatch) -> None:
+    monkeypatch.delenv("KVSERVE_CPU_KERNELS", raising=False)
+    monkeypatch.setenv("KVSERVE_CPU_ISA", "avx3")
+    with pytest.raises(ValueError, match="KVSERVE_CPU_ISA"):
+        cpu_kernels.requested_isa()
+    monkeypatch.setenv("KVSERVE_CPU_ISA", " AVX2 ")
+    assert cpu_kernels.requested_isa() == "avx2"
