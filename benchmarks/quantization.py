@@ -115,6 +115,7 @@ def measure_formats(args: argparse.Namespace) -> tuple[list[dict], float]:
         wbytes = weight_bytes(llm)
         row = {"format": name, "load_s": load_s, "weight_mib": wbytes / 2**20,
                "ppl": perplexity(llm, tokens, args.ppl_window), "steps": {}}
+        decode_step_ms(llm, 1, 4)  # warm-up: first-step costs stay out of the first format's figures
         for batch in args.batches:
             ms = decode_step_ms(llm, batch, args.steps)
             bound = (wbytes + kv_bytes_per_step(llm, batch)) / (bandwidth * 1e9) * 1e3

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 QK = 32  # values per block along K
 
@@ -101,22 +102,26 @@ def quantize_int8(w: torch.Tensor) -> BlockWeight:
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = 32) -> BlockWeight:
-    """Group-wise asymmetric 4-bit: per group, scale = (max - min) / 15 and w ~ q * scale + min."""
+    """Group-wise asymmetric 4-bit: per group of `group_size` values along K, scale = (max - min) / 15 and
+    w ~ q * scale + min. Where K is not a multiple of the group (576 = 4.5 x 128 in SmolLM2), the last
+    group is shorter (a multiple of 32)."""
     if group_size not in (32, 128):
         raise ValueError(f"int4 group size must be 32 or 128, got {group_size}")
     w = w.float()
     n, k = w.shape
-    if k % group_size:
-        raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
-    g = w.view(n, k // group_size, group_size)
-    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    # Scales and mins are stored in float16 (as GGUF's Q4_1 does); quantize against the stored values.
-    scale = ((hi - lo) / 15).clamp_min(1e-8).to(torch.float16)
-    mins = lo.to(torch.float16)
-    q = torch.round((g - mins.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15)
-    rep = group_size // QK  # a group of 128 is four blocks sharing one scale and min
-    return BlockWeight(pack_q4(q.view(n, k)), scale.repeat_interleave(rep, dim=1).contiguous(),
-                       mins.repeat_interleave(rep, dim=1).contiguous())
+    _check_width(k)
+    nb, per = k // QK, group_size // QK  # blocks, blocks per group
+    blocks = w.view(n, nb, QK)
+    # Per-group min / max from per-block ones; padding (+inf / -inf) fills the short last group.
+    pad = -nb % per
+    lo = F.pad(blocks.amin(-1), (0, pad), value=float("inf")).view(n, -1, per).amin(-1)
+    hi = F.pad(blocks.amax(-1), (0, pad), value=float("-inf")).view(n, -1, per).amax(-1)
+    # Scales and mins are stored in float16 (as GGUF's Q4_1 does), one per block (a group's blocks
+    # share them); values are quantized against the stored ones.
+    scale = ((hi - lo) / 15).clamp_min(1e-8).to(torch.float16).repeat_interleave(per, dim=1)[:, :nb]
+    mins = lo.to(torch.float16).repeat_interleave(per, dim=1)[:, :nb]
+    q = torch.round((blocks - mins.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15)
+    return BlockWeight(pack_q4(q.view(n, k)), scale.contiguous(), mins.contiguous())
 
 
 def _check_width(k: int) -> None:
