@@ -177,8 +177,13 @@ def main() -> None:
     ap.add_argument("--ppl-tokens", type=int, default=4096)
     ap.add_argument("--ppl-window", type=int, default=512)
     ap.add_argument("--serving", action="store_true")
+    ap.add_argument("--serving-only", action="store_true",
+                    help="only the serving comparison (results/quantization_serving/), the format table untouched")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.serving_only:
+        print(serving(args))
+        return
     isa = cpu_kernels.isa() if hasattr(cpu_kernels, "isa") else "unknown"
     rows, bandwidth = measure_formats(args)
     table = format_table(rows, args.batches)
@@ -186,7 +191,7 @@ def main() -> None:
     info = machine_info()
     cmd = "python benchmarks/quantization.py " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-        for k, v in vars(args).items() if k != "serving")
+        for k, v in vars(args).items() if k not in ("serving", "serving_only"))
     md = (f"# Weight formats of the default model (SmolLM2-135M-Instruct)\n\nCommand: `{cmd}` (git {git_rev()})\n\n"
           f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, {args.threads} threads, kvserve "
           f"kernels: {isa}. Read bandwidth measured in this run: {bandwidth:.1f} GB/s. Step: one engine.step() of "
