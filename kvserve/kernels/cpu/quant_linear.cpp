@@ -111,62 +111,87 @@ struct QuantAct {
 
 enum class Layout { kQ8G32, kQ8G16, kQ4 };
 
-// y[m, n] for m in [m0, m0 + R) and one weight row n.
-template <Layout L, typename S, int R>
-inline void dot_tile(const QuantAct& a, int64_t m0, const uint8_t* wq, const S* ws, const S* wm, float* out) {
-  __m256 acc[R];
-  float min_term[R];
-  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); min_term[r] = 0.f; }
+// out[r][j] = y[m0 + r, n0 + j] for R activation rows and NR weight rows: each loaded weight block serves
+// R rows and each loaded activation block NR weight rows (R * NR accumulators stay in registers).
+template <Layout L, typename S, int R, int NR>
+inline void dot_tile(const QuantAct& a, int64_t m0, const uint8_t* wq, int64_t row_bytes, const S* ws,
+                     int64_t scales_per_row, const S* wm, float (*out)[NR]) {
+  __m256 acc[R][NR];
+  float min_term[R][NR];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) { acc[r][j] = _mm256_setzero_ps(); min_term[r][j] = 0.f; }
   for (int64_t b = 0; b < a.nb; ++b) {
-    __m256i w;
-    __m256 wscale;
-    if constexpr (L == Layout::kQ4) {
-      w = unpack_q4(wq + b * 16);
-      wscale = _mm256_set1_ps(to_float(ws, b));
-    } else {
-      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + b * QK));
-      if constexpr (L == Layout::kQ8G16)
-        wscale = _mm256_set_m128(_mm_set1_ps(to_float(ws, 2 * b + 1)), _mm_set1_ps(to_float(ws, 2 * b)));
-      else
-        wscale = _mm256_set1_ps(to_float(ws, b));
+    __m256i w[NR];
+    __m256 wscale[NR];
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* row = wq + j * row_bytes;
+      const S* sc = ws + j * scales_per_row;
+      if constexpr (L == Layout::kQ4) {
+        w[j] = unpack_q4(row + b * 16);
+        wscale[j] = _mm256_set1_ps(to_float(sc, b));
+      } else {
+        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * QK));
+        if constexpr (L == Layout::kQ8G16)
+          wscale[j] = _mm256_set_m128(_mm_set1_ps(to_float(sc, 2 * b + 1)), _mm_set1_ps(to_float(sc, 2 * b)));
+        else
+          wscale[j] = _mm256_set1_ps(to_float(sc, b));
+      }
     }
     for (int r = 0; r < R; ++r) {
-      const int64_t row = (m0 + r) * a.nb + b;
-      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + row * QK));
-      const __m256i s = L == Layout::kQ4 ? dot_u4(w, av) : dot_s8(w, av);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(wscale, _mm256_set1_ps(a.d[row])), acc[r]);
-      if constexpr (L == Layout::kQ4) min_term[r] += to_float(wm, b) * a.dsum[row];
+      const int64_t blk = (m0 + r) * a.nb + b;
+      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + blk * QK));
+      const __m256 ad = _mm256_set1_ps(a.d[blk]);
+      for (int j = 0; j < NR; ++j) {
+        const __m256i s = L == Layout::kQ4 ? dot_u4(w[j], av) : dot_s8(w[j], av);
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(wscale[j], ad), acc[r][j]);
+        if constexpr (L == Layout::kQ4) min_term[r][j] += to_float(wm + j * a.nb, b) * a.dsum[blk];
+      }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + min_term[r];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) out[r][j] = hsum(acc[r][j]) + min_term[r][j];
 }
 
 template <typename T>
 inline void store_out(T* y, float v) { *y = static_cast<T>(v); }
 
+// Rows [m0, m0 + R) x weight rows [n0, n0 + NR) of y.
+template <Layout L, typename S, typename T, int R, int NR>
+inline void tile(const QuantAct& a, int64_t m0, int64_t n0, int64_t N, const uint8_t* wq, int64_t row_bytes,
+                 const S* ws, int64_t scales_per_row, const S* wm, T* y) {
+  float out[R][NR];
+  dot_tile<L, S, R, NR>(a, m0, wq + n0 * row_bytes, row_bytes, ws + n0 * scales_per_row, scales_per_row,
+                        wm == nullptr ? nullptr : wm + n0 * a.nb, out);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) store_out(y + (m0 + r) * N + n0 + j, out[r][j]);
+}
+
 template <Layout L, typename S, typename T>
 void gemm(const QuantAct& a, int64_t M, int64_t N, const uint8_t* wq, const S* ws, const S* wm, T* y) {
   const int64_t row_bytes = L == Layout::kQ4 ? a.K / 2 : a.K;
-  const int64_t scales_per_row = L == Layout::kQ8G16 ? a.K / 16 : a.nb;
+  const int64_t spr = L == Layout::kQ8G16 ? a.K / 16 : a.nb;  // scales per weight row
   // Threads split the output columns (weight rows), so each reads its share of the weights once;
   // activation rows are walked in panels that stay in cache while the panel's weight rows stream by.
   constexpr int64_t kPanel = 64;
-  at::parallel_for(0, N, 8, [&](int64_t n_begin, int64_t n_end) {
-    float tile[kRowTile];
+  at::parallel_for(0, N, 16, [&](int64_t n_begin, int64_t n_end) {
+    if (M == 1) {  // decode at batch 1: four weight rows share each activation block
+      int64_t n = n_begin;
+      for (; n + 4 <= n_end; n += 4) tile<L, S, T, 1, 4>(a, 0, n, N, wq, row_bytes, ws, spr, wm, y);
+      for (; n < n_end; ++n) tile<L, S, T, 1, 1>(a, 0, n, N, wq, row_bytes, ws, spr, wm, y);
+      return;
+    }
     for (int64_t p0 = 0; p0 < M; p0 += kPanel) {
       const int64_t p1 = std::min(M, p0 + kPanel);
-      for (int64_t n = n_begin; n < n_end; ++n) {
-        const uint8_t* wrow = wq + n * row_bytes;
-        const S* srow = ws + n * scales_per_row;
-        const S* mrow = wm == nullptr ? nullptr : wm + n * a.nb;
+      for (int64_t n = n_begin; n < n_end; n += 2) {
+        const bool pair = n + 2 <= n_end;
         int64_t m = p0;
         for (; m + kRowTile <= p1; m += kRowTile) {
-          dot_tile<L, S, kRowTile>(a, m, wrow, srow, mrow, tile);
-          for (int r = 0; r < kRowTile; ++r) store_out(y + (m + r) * N + n, tile[r]);
+          if (pair) tile<L, S, T, kRowTile, 2>(a, m, n, N, wq, row_bytes, ws, spr, wm, y);
+          else tile<L, S, T, kRowTile, 1>(a, m, n, N, wq, row_bytes, ws, spr, wm, y);
         }
         for (; m < p1; ++m) {
-          dot_tile<L, S, 1>(a, m, wrow, srow, mrow, tile);
-          store_out(y + m * N + n, tile[0]);
+          if (pair) tile<L, S, T, 1, 2>(a, m, n, N, wq, row_bytes, ws, spr, wm, y);
+          else tile<L, S, T, 1, 1>(a, m, n, N, wq, row_bytes, ws, spr, wm, y);
         }
       }
     }
@@ -211,19 +236,18 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& wq, const at::Ten
 
   const int64_t nb = K / QK;
   at::Tensor aq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor ad = at::empty({M, 2, nb}, x.options().dtype(at::kFloat));  // [.., 0, :] scale, [.., 1, :] scale * sum
-  float* adp = ad.data_ptr<float>();
+  at::Tensor ad = at::empty({2, M, nb}, x.options().dtype(at::kFloat));  // [0]: block scales, [1]: scale * sum
   int8_t* aqp = aq.data_ptr<int8_t>();
+  float* dp = ad.data_ptr<float>();
+  float* dsp = dp + M * nb;
   dispatch_act(x.scalar_type(), [&](auto act_tag) {
     using T = decltype(act_tag);
     const T* xp = xc.data_ptr<T>();
     at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-      for (int64_t m = b; m < e; ++m) quantize_row(xp + m * K, K, aqp + m * K, adp + m * 2 * nb, adp + m * 2 * nb + nb);
+      for (int64_t m = b; m < e; ++m) quantize_row(xp + m * K, K, aqp + m * K, dp + m * nb, dsp + m * nb);
     });
   });
-  // Per-row scale and scale-sum arrays live side by side; QuantAct indexes them as [M * nb] each.
-  at::Tensor d = ad.select(1, 0).contiguous(), dsum = ad.select(1, 1).contiguous();
-  const QuantAct act{aqp, d.data_ptr<float>(), dsum.data_ptr<float>(), K, nb};
+  const QuantAct act{aqp, dp, dsp, K, nb};
 
   dispatch_act(x.scalar_type(), [&](auto act_tag) {
     using T = decltype(act_tag);
