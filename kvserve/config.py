@@ -6,6 +6,7 @@ from typing import Literal
 
 BatchingPolicy = Literal["continuous", "static", "dynamic"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats: see kvserve/layers/quantization
 
 
 @dataclass
@@ -49,8 +50,8 @@ class EngineConfig:
             raise ValueError(f"batching must be continuous|static|dynamic, got {self.batching!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs|priority, got {self.scheduling_policy!r}")
-        if self.quantization not in ("auto", "none", "int8", "int4"):
-            raise ValueError(f"quantization must be auto|none|int8|int4, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be {'|'.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quant_group_size not in (32, 128):
             raise ValueError(f"quant_group_size must be 32 or 128, got {self.quant_group_size}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

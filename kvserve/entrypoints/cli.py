@@ -7,7 +7,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from kvserve.config import EngineConfig
+from kvserve.config import QUANTIZATIONS, EngineConfig
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m": 10**6, "mb": 10**6,
@@ -39,7 +39,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="Compute dtype; auto picks bf16 where the CPU/GPU runs it natively, else fp32. "
                         "(default: %(default)s)")
-    p.add_argument("--quantization", "-q", default=d.quantization, choices=["auto", "none", "int8", "int4"],
+    p.add_argument("--quantization", "-q", default=d.quantization, choices=QUANTIZATIONS,
                    help="Weight format. auto: a GGUF file's quantized weights stay quantized in memory (Q4_0, "
                         "Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) and float weights stay float; none: dequantize to "
                         "--dtype; int8 / int4: quantize every linear layer at load (weight-only; int8 per "

@@ -131,30 +131,19 @@ class GGUFTensor:
         return unpermute_qk(a, self.unpermute_heads) if self.unpermute_heads else a
 
 
-def gguf_tensor_names(reader: gguf.GGUFReader) -> dict[str, str]:
-    """GGUF name -> Hugging Face name, for every tensor that is a weight (rope_freqs is read into the config)."""
-    names = {}
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            continue
-        if t.name in _GLOBAL_NAMES:
-            names[t.name] = _GLOBAL_NAMES[t.name]
-            continue
-        m = _LAYER_RE.fullmatch(t.name)
-        if m is None or m.group(2) not in _LAYER_NAMES:
-            raise ValueError(f"unexpected GGUF tensor {t.name!r}")
-        names[t.name] = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    return names
-
-
 def iter_gguf_weights(reader: gguf.GGUFReader, cfg: ModelConfig, arch: str) -> Iterator[tuple[str, GGUFTensor]]:
     # llama.cpp permutes Q/K only for archs whose converter targets its "normal" (adjacent-pair) RoPE.
     permuted = arch in ("llama", "mistral")
-    names = gguf_tensor_names(reader)
     for t in reader.tensors:
-        if t.name not in names:
+        if t.name == "rope_freqs.weight":  # read into the config's rope_scaling, not a weight
             continue
-        name = names[t.name]
+        if t.name in _GLOBAL_NAMES:
+            name = _GLOBAL_NAMES[t.name]
+        else:
+            m = _LAYER_RE.fullmatch(t.name)
+            if m is None or m.group(2) not in _LAYER_NAMES:
+                raise ValueError(f"unexpected GGUF tensor {t.name!r}")
+            name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
         heads = 0
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             heads = cfg.num_attention_heads

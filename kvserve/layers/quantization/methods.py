@@ -14,12 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.config import QUANTIZATIONS
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.quantization.blocks import BlockWeight, cat_rows, quantize_int4, quantize_int8
 
 logger = logging.getLogger(__name__)
-
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 class RawTensor(Protocol):
@@ -155,7 +154,7 @@ class QuantConfig:
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {'|'.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.quantization != "auto" and self.quantization != "none" and self.device.type != "cpu":
+        if self.quantization in ("int8", "int4") and self.device.type != "cpu":
             raise ValueError(f"--quantization {self.quantization} runs on the CPU only for now")
 
     def _warn_once(self, msg: str, *args: object) -> None:
