@@ -100,16 +100,35 @@ needs_kernel = pytest.mark.skipif(not kernel_available(torch.float32), reason="n
 @pytest.mark.parametrize("name", list(block_weights()))
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 64, 65, 130])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_quant_linear_kernel_matches_dequantized_reference(name: str, rows: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rows", "x8"])
+def test_quant_linear_kernel_matches_dequantized_reference(name: str, rows: int, dtype: torch.dtype,
+                                                           interleaved: bool) -> None:
     bw = block_weights()[name]
     x = (torch.randn(rows, bw.shape[1]) * 2).to(dtype)
-    y = cpu_kernels.ops().quant_linear(x, bw.qs, bw.scales, bw.mins, bw.group)
     ref = x.float() @ bw.dequantize().t()
+    if interleaved:
+        if not bw.can_interleave():
+            pytest.skip("groups of 16 stay row-major")
+        bw = bw.interleave8()
+        y = cpu_kernels.ops().quant_linear_x8(x, bw.qs, bw.scales, bw.mins)
+    else:
+        y = cpu_kernels.ops().quant_linear(x, bw.qs, bw.scales, bw.mins, bw.group)
     assert y.dtype == dtype and y.shape == (rows, bw.shape[0])
     # Activations are quantized to int8 per block of 32 (as llama.cpp does): error ~ 1 / 254 per block,
     # averaged over the row; bf16 output adds its rounding.
     err = (y.float() - ref).norm(dim=1) / ref.norm(dim=1)
     assert err.max() < (0.01 if dtype == torch.float32 else 0.015), err.max()
+
+
+@pytest.mark.parametrize("name", ["q4_f16", "q4_f32", "q8_g32"])
+def test_interleaved_blocks_hold_the_same_weights(name: str) -> None:
+    bw = block_weights()[name]
+    x8 = bw.interleave8()
+    assert x8.shape == bw.shape and x8.nbytes == bw.nbytes
+    assert torch.equal(x8.dequantize(), bw.dequantize())
+    rows = torch.tensor([39, 0, 7, 8, 13])
+    assert torch.equal(x8.values(rows), bw.values(rows))
+    assert torch.equal(x8.dequantize(rows), bw.dequantize(rows))
 
 
 @needs_kernel

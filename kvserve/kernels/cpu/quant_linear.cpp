@@ -28,65 +28,17 @@
 #include <cstdint>
 #include <cstring>
 
+#include "quant_act.h"
+
 #ifndef KVSERVE_NS
 #define KVSERVE_NS kvserve
 #endif
 
 namespace {
 
-constexpr int64_t QK = 32;       // values per block (and per activation scale)
+using namespace kvserve_quant;
+
 constexpr int64_t kRowTile = 4;  // activation rows that share each loaded weight block
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-inline float to_float(const float* p, int64_t i) { return p[i]; }
-inline float to_float(const at::Half* p, int64_t i) {
-  return _cvtsh_ss(reinterpret_cast<const uint16_t*>(p)[i]);
-}
-
-// One row of x [K] -> int8 q [K], per-block scale d [K/32] and d * sum(q) [K/32] (for q4's min term).
-template <typename T>
-void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* dsum) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int64_t b = 0; b < K / QK; ++b) {
-    __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = load8(x + b * QK + i * 8);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-    }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    const float mx = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-    const float scale = mx / 127.f;
-    const __m256 inv = _mm256_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
-    __m256i iv[4];
-    __m256i isum = _mm256_setzero_si256();
-    for (int i = 0; i < 4; ++i) {
-      iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // rounds to nearest even; |q| <= 127
-      isum = _mm256_add_epi32(isum, iv[i]);
-    }
-    // int32 -> int8 packs interleave 128-bit lanes; the permute restores element order.
-    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK),
-                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
-    const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    const int total = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
-    d[b] = scale;
-    dsum[b] = scale * static_cast<float>(total);
-  }
-}
 
 // Eight int32 partial sums of the 32 products w * a: lanes 0-3 cover values 0-15, lanes 4-7 values 16-31.
 inline __m256i dot_s8(__m256i w, __m256i a) {  // w signed (q8)
@@ -101,13 +53,6 @@ inline __m256i unpack_q4(const uint8_t* p) {
   const __m128i mask = _mm_set1_epi8(0x0F);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
 }
-
-struct QuantAct {
-  const int8_t* q;
-  const float* d;
-  const float* dsum;
-  int64_t K, nb;
-};
 
 enum class Layout { kQ8G32, kQ8G16, kQ4 };
 
@@ -198,20 +143,6 @@ void gemm(const QuantAct& a, int64_t M, int64_t N, const uint8_t* wq, const S* w
   });
 }
 
-template <typename F>
-void dispatch_act(at::ScalarType t, F&& f) {
-  if (t == at::kFloat) f(float{});
-  else if (t == at::kBFloat16) f(c10::BFloat16{});
-  else TORCH_CHECK(false, "quantized linear: activations must be float32 or bfloat16, got ", t);
-}
-
-template <typename F>
-void dispatch_scale(at::ScalarType t, F&& f) {
-  if (t == at::kFloat) f(float{});
-  else if (t == at::kHalf) f(at::Half{});
-  else TORCH_CHECK(false, "quantized linear: scales must be float16 or float32, got ", t);
-}
-
 // x [.., K] float32/bfloat16 -> y [.., N] of x's dtype. wq: q8 int8 [N, K] / q4 uint8 [N, K / 2];
 // scales [N, K / group]; mins [N, K / 32] (q4) or undefined (q8).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
@@ -234,20 +165,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& wq, const at::Ten
   at::Tensor y = at::empty(out_sizes, x.options());
   if (M == 0 || N == 0) return y;
 
-  const int64_t nb = K / QK;
-  at::Tensor aq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor ad = at::empty({2, M, nb}, x.options().dtype(at::kFloat));  // [0]: block scales, [1]: scale * sum
-  int8_t* aqp = aq.data_ptr<int8_t>();
-  float* dp = ad.data_ptr<float>();
-  float* dsp = dp + M * nb;
-  dispatch_act(x.scalar_type(), [&](auto act_tag) {
-    using T = decltype(act_tag);
-    const T* xp = xc.data_ptr<T>();
-    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-      for (int64_t m = b; m < e; ++m) quantize_row(xp + m * K, K, aqp + m * K, dp + m * nb, dsp + m * nb);
-    });
-  });
-  const QuantAct act{aqp, dp, dsp, K, nb};
+  at::Tensor aq, ad;
+  const QuantAct act = quantize_activations(xc, M, K, aq, ad);
 
   dispatch_act(x.scalar_type(), [&](auto act_tag) {
     using T = decltype(act_tag);

@@ -7,6 +7,10 @@
 
 Every GGUF type kvserve reads converts to one of them without rounding (kvserve/models/gguf_blocks.py), and
 so do kvserve's own int8 (per channel) and int4 (group-wise, asymmetric) quantizers below.
+
+Both are loaded row by row, then (groups of 32, N a multiple of 8) re-laid once with their rows interleaved
+in tiles of eight, the order the faster kernel reads (kvserve/kernels/cpu/quant_linear_x8.cpp): same bytes,
+another order.
 """
 from __future__ import annotations
 
@@ -16,18 +20,26 @@ import torch
 import torch.nn.functional as F
 
 QK = 32  # values per block along K
+TILE = 8  # rows per interleaved tile
+# Lane of the kernel's result vector -> row within the tile, and back: its horizontal adds leave the rows
+# of a tile in this order, so scales and mins are stored in it.
+LANE_ROW = [0, 2, 4, 6, 1, 3, 5, 7]
+ROW_LANE = [LANE_ROW.index(r) for r in range(TILE)]
 
 
 @dataclass
 class BlockWeight:
     """One block-quantized matrix of logical shape [N, K]."""
-    qs: torch.Tensor                 # q8: int8 [N, K]; q4: uint8 [N, K / 2]
-    scales: torch.Tensor             # [N, K / group], float16 or float32
-    mins: torch.Tensor | None        # q4: [N, K / 32] like scales; q8: None
+    qs: torch.Tensor                 # q8: int8 [N, K]; q4: uint8 [N, K / 2] (interleaved: see interleave8)
+    scales: torch.Tensor             # [N, K / group], float16 or float32 (interleaved: [N / 8, K / 32, 8])
+    mins: torch.Tensor | None        # q4: like scales; q8: None
     group: int = QK                  # 32, or 16 (q8 only: GGUF Q6_K)
+    interleaved: bool = False        # rows in tiles of eight (interleave8)
 
     def __post_init__(self) -> None:
         n, k = self.shape
+        if self.interleaved:
+            return  # built by interleave8 from a checked row-major weight
         if self.scales.shape != (n, k // self.group) or k % QK:
             raise ValueError(f"block weight of shape {(n, k)} has scales {tuple(self.scales.shape)} "
                              f"(group {self.group}); K must be a multiple of {QK}")
@@ -40,8 +52,50 @@ class BlockWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.interleaved:
+            return self.qs.shape[0] * TILE, self.qs.shape[1] * QK
         n, cols = self.qs.shape
         return n, cols * (2 if self.mins is not None else 1)
+
+    def can_interleave(self) -> bool:
+        return not self.interleaved and self.group == QK and self.shape[0] % TILE == 0
+
+    def interleave8(self) -> BlockWeight:
+        """The same weight with rows in tiles of eight, as quant_linear_x8 reads it. Within a tile, block b,
+        pair p (rows 2p, 2p + 1): q4 keeps each row's 16 stored bytes, [N/8, nb, 4, 2, 16]; q8 puts values
+        0-15 of both rows before values 16-31, [N/8, nb, 4, 2, 2, 16]. Scales / mins: [N/8, nb, 8] in
+        LANE_ROW order."""
+        if not self.can_interleave():
+            raise ValueError("only row-major blocks of 32 with N a multiple of 8 can be interleaved")
+        n, k = self.shape
+        t, nb = n // TILE, k // QK
+        if self.mins is not None:
+            qs = self.qs.view(t, 4, 2, nb, 16).permute(0, 3, 1, 2, 4)
+        else:
+            qs = self.qs.view(t, 4, 2, nb, 2, 16).permute(0, 3, 1, 4, 2, 5)
+
+        def lanes(v: torch.Tensor) -> torch.Tensor:
+            return v.view(t, TILE, nb)[:, LANE_ROW].permute(0, 2, 1).contiguous()
+
+        return BlockWeight(qs.contiguous(), lanes(self.scales), None if self.mins is None else lanes(self.mins),
+                           self.group, interleaved=True)
+
+    def _rows(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Row-major (qs, scales, mins) of the given rows (all rows if None)."""
+        if not self.interleaved:
+            if rows is None:
+                return self.qs, self.scales, self.mins
+            return self.qs[rows], self.scales[rows], None if self.mins is None else self.mins[rows]
+        if rows is None:
+            rows = torch.arange(self.shape[0])
+        t, r = rows // TILE, rows % TILE
+        p, h, lane = r // 2, r % 2, torch.tensor(ROW_LANE)[r]
+        n = rows.numel()
+        if self.mins is not None:
+            qs = self.qs[t, :, p, h].reshape(n, -1)
+        else:
+            qs = self.qs[t, :, p, :, h].reshape(n, -1)
+        return qs, self.scales[t, :, lane], None if self.mins is None else self.mins[t, :, lane]
 
     @property
     def nbytes(self) -> int:
@@ -49,7 +103,7 @@ class BlockWeight:
 
     def values(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The integer values as int16 [N, K] (or of the given rows only)."""
-        qs = self.qs if rows is None else self.qs[rows]
+        qs = self._rows(rows)[0]
         if self.mins is None:
             return qs.to(torch.int16)
         b = qs.view(qs.shape[0], -1, QK // 2).to(torch.int16)
@@ -59,16 +113,18 @@ class BlockWeight:
         """float [N, K] (or [len(rows), K]): the exact weights the kernel computes with."""
         q = self.values(rows).float()
         n, k = q.shape
-        scales = (self.scales if rows is None else self.scales[rows]).float()
-        w = q.view(n, k // self.group, self.group) * scales[..., None]
-        if self.mins is not None:
-            w = w + (self.mins if rows is None else self.mins[rows]).float()[..., None]
+        _, scales, mins = self._rows(rows)
+        w = q.view(n, k // self.group, self.group) * scales.float()[..., None]
+        if mins is not None:
+            w = w + mins.float()[..., None]
         return w.view(n, k).to(dtype)
 
 
 def cat_rows(parts: list[BlockWeight]) -> BlockWeight:
     """Stack matrices of one layout along N (the shards of a fused projection)."""
     first = parts[0]
+    if any(p.interleaved for p in parts):
+        raise ValueError("interleaved blocks cannot be stacked; stack row-major ones, then interleave")
     if any(p.layout != first.layout or p.group != first.group or p.shape[1] != first.shape[1] for p in parts):
         raise ValueError("only blocks of one layout, group and width can be stacked")
     dtype = torch.float32 if any(p.scales.dtype == torch.float32 for p in parts) else first.scales.dtype

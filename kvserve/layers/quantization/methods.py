@@ -112,6 +112,8 @@ class BlockMethod:
                 segments[-1] = cat_rows([segments[-1], s])
             else:
                 segments.append(s)
+        if self.use_kernel:  # the tiled kernel's order where it applies (benchmarks/results/quantization.md)
+            segments = [s.interleave8() if s.can_interleave() else s for s in segments]
         layer.segments = segments
         for i, seg in enumerate(segments):  # registered so memory accounting and .to() see them
             layer.register_buffer(f"qweight{i}", seg.qs, persistent=False)
@@ -123,12 +125,19 @@ class BlockMethod:
         if not self.use_kernel:
             return torch.cat([F.linear(x, s.dequantize(dtype=x.dtype)) for s in layer.segments], dim=-1)
         ops = cpu_kernels.ops()
-        outs = [ops.quant_linear(x, s.qs, s.scales, s.mins, s.group) for s in layer.segments]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if len(layer.segments) == 1:
+            return _matmul(ops, x, layer.segments[0])
+        return torch.cat([_matmul(ops, x, s) for s in layer.segments], dim=-1)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         (seg,) = layer.segments
         return seg.dequantize(ids.flatten(), self.dtype).view(*ids.shape, -1)
+
+
+def _matmul(ops: torch._ops._OpNamespace, x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
+    if w.interleaved:
+        return ops.quant_linear_x8(x, w.qs, w.scales, w.mins)
+    return ops.quant_linear(x, w.qs, w.scales, w.mins, w.group)
 
 
 def _stackable(a: BlockWeight, b: BlockWeight) -> bool:

@@ -1,0 +1,115 @@
+// Shared by the quantized linear kernels (quant_linear.cpp: weights row by row; quant_linear_x8.cpp:
+// eight rows interleaved): activations quantized to int8 per block of 32, and small helpers.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace kvserve_quant {
+
+constexpr int64_t QK = 32;       // values per block (and per activation scale)
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float to_float(const float* p, int64_t i) { return p[i]; }
+inline float to_float(const at::Half* p, int64_t i) {
+  return _cvtsh_ss(reinterpret_cast<const uint16_t*>(p)[i]);
+}
+
+// One row of x [K] -> int8 q [K], per-block scale d [K/32] and d * sum(q) [K/32] (for q4's min term).
+template <typename T>
+void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* dsum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < K / QK; ++b) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = load8(x + b * QK + i * 8);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float mx = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    const float scale = mx / 127.f;
+    const __m256 inv = _mm256_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
+    __m256i iv[4];
+    __m256i isum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // rounds to nearest even; |q| <= 127
+      isum = _mm256_add_epi32(isum, iv[i]);
+    }
+    // int32 -> int8 packs interleave 128-bit lanes; the permute restores element order.
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK),
+                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
+    const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    const int total = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+    d[b] = scale;
+    dsum[b] = scale * static_cast<float>(total);
+  }
+}
+
+struct QuantAct {
+  const int8_t* q;
+  const float* d;
+  const float* dsum;
+  int64_t K, nb;
+};
+
+
+// Quantizes x [M, K] (contiguous) into int8 blocks; the returned view points into `scratch`, which must
+// stay alive while it is used.
+inline QuantAct quantize_activations(const at::Tensor& x, int64_t M, int64_t K, at::Tensor& scratch_q,
+                                     at::Tensor& scratch_d) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "quantized linear: activations must be float32 or bfloat16, got ", x.scalar_type());
+  const int64_t nb = K / QK;
+  scratch_q = at::empty({M, K}, x.options().dtype(at::kChar));
+  scratch_d = at::empty({2, M, nb}, x.options().dtype(at::kFloat));  // [0]: block scales, [1]: scale * sum
+  int8_t* aqp = scratch_q.data_ptr<int8_t>();
+  float* dp = scratch_d.data_ptr<float>();
+  float* dsp = dp + M * nb;
+  auto run = [&](auto act_tag) {
+    using T = decltype(act_tag);
+    const T* xp = x.data_ptr<T>();
+    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; ++m) quantize_row(xp + m * K, K, aqp + m * K, dp + m * nb, dsp + m * nb);
+    });
+  };
+  if (x.scalar_type() == at::kFloat) run(float{});
+  else run(c10::BFloat16{});
+  return QuantAct{aqp, dp, dsp, K, nb};
+}
+
+template <typename F>
+void dispatch_act(at::ScalarType t, F&& f) {
+  if (t == at::kFloat) f(float{});
+  else if (t == at::kBFloat16) f(c10::BFloat16{});
+  else TORCH_CHECK(false, "quantized linear: activations must be float32 or bfloat16, got ", t);
+}
+
+template <typename F>
+void dispatch_scale(at::ScalarType t, F&& f) {
+  if (t == at::kFloat) f(float{});
+  else if (t == at::kHalf) f(at::Half{});
+  else TORCH_CHECK(false, "quantized linear: scales must be float16 or float32, got ", t);
+}
+
+}  // namespace kvserve_quant
