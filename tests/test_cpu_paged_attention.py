@@ -30,7 +30,8 @@ def reference(q, k_cache, v_cache, tables, row_seq, row_len, scale, window):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D,H,Hkv,bs,window", [(64, 9, 3, 16, 0), (128, 8, 1, 16, 0), (16, 4, 2, 4, 0),
                                                 (32, 6, 6, 8, 20), (64, 16, 1, 16, 37)])
-def test_kernel_matches_float64_reference(isa, dtype, D, H, Hkv, bs, window) -> None:
+@pytest.mark.parametrize("qkv_view", [False, True], ids=["q_contiguous", "q_in_qkv"])
+def test_kernel_matches_float64_reference(isa, dtype, D, H, Hkv, bs, window, qkv_view) -> None:
     ops = native_ops(isa)
     g = torch.Generator().manual_seed(D * H + bs)
     lens = [1, bs, bs + 1, 3 * bs - 1, 5 * bs, 300, 77, 2]
@@ -50,6 +51,10 @@ def test_kernel_matches_float64_reference(isa, dtype, D, H, Hkv, bs, window) -> 
     # The rows sit at odd rows of a batch twice as long; the even rows hold a marker the kernel must keep.
     R = len(row_seq)
     q = torch.randn(2 * R, H, D, generator=g).to(dtype)
+    if qkv_view:  # as the model passes it: the q columns of a fused [T, (H + 2 Hkv) D] projection
+        qkv = torch.randn(2 * R, (H + 2 * Hkv) * D, generator=g).to(dtype)
+        qkv[:, :H * D] = q.flatten(1)
+        q = qkv[:, :H * D].view(2 * R, H, D)
     out = torch.full((2 * R, H, D), 7.0, dtype=dtype)
     row_token = torch.arange(1, 2 * R, 2)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
@@ -79,3 +84,26 @@ def test_kernel_refuses_what_it_cannot_do(isa) -> None:
     for token, length, table in ((2, 5, tables), (0, 33, tables), (0, 0, tables), (0, 5, torch.tensor([[1, 4]]))):
         with pytest.raises(RuntimeError, match="out of range|outside"):
             call(q, torch.empty_like(q), cache, cache, torch.tensor([token]), zero, torch.tensor([length]), table, 1.0, 0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                    (torch.bfloat16, torch.bfloat16)], ids=["f32", "f32_to_bf16", "bf16"])
+def test_cache_kv_writes_each_head_of_each_token_at_its_slot(isa, dtypes) -> None:
+    ops = native_ops(isa)
+    src, cache_dtype = dtypes
+    g = torch.Generator().manual_seed(3)
+    T, H, Hkv, D, NB, bs = 5, 6, 2, 64, 7, 4
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(src)
+    k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)  # strided views, as the model passes them
+    v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+    k_cache, v_cache = torch.zeros(Hkv, NB, bs, D, dtype=cache_dtype), torch.zeros(Hkv, NB, bs, D, dtype=cache_dtype)
+    slots = torch.randperm(NB * bs, generator=g)[:T]
+    ops.cache_kv_(k, v, k_cache, v_cache, slots)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    for t, slot in enumerate(slots.tolist()):
+        want_k[:, slot // bs, slot % bs] = k[t].to(cache_dtype)
+        want_v[:, slot // bs, slot % bs] = v[t].to(cache_dtype)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.cache_kv_(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 3, NB * bs]))

@@ -48,13 +48,14 @@ class PagedAttention(nn.Module):
         Hkv, num_blocks, block_size, D = k_cache.shape
         kernel = meta.native_kernel and self._kernel_applies(q, k_cache)
         plan = meta.plan(Hkv, num_blocks, self.sliding_window, kernel)
-        # Write the new tokens: one row per (head, token) of the cache seen as [Hkv * NB * bs, D].
-        k_rows, v_rows = k_cache.view(-1, D), v_cache.view(-1, D)
-        k_rows.index_copy_(0, plan.write_idx, k.transpose(0, 1).reshape(-1, D).to(k_cache.dtype))
-        v_rows.index_copy_(0, plan.write_idx, v.transpose(0, 1).reshape(-1, D).to(v_cache.dtype))
+        if kernel:
+            cpu_kernels.ops().cache_kv_(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:  # one row per (head, token) of the cache seen as [Hkv * NB * bs, D]
+            k_rows, v_rows = k_cache.view(-1, D), v_cache.view(-1, D)
+            k_rows.index_copy_(0, plan.write_idx, k.transpose(0, 1).reshape(-1, D).to(k_cache.dtype))
+            v_rows.index_copy_(0, plan.write_idx, v.transpose(0, 1).reshape(-1, D).to(v_cache.dtype))
 
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.kernel_rows is not None:
             rows = plan.kernel_rows
             cpu_kernels.ops().paged_attention_(q, out, k_cache, v_cache, rows.token, rows.seq, rows.len,
@@ -67,8 +68,9 @@ class PagedAttention(nn.Module):
         return out.flatten(1)
 
     def _kernel_applies(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        return (q.dtype == k_cache.dtype and self.head_dim in (16, 32, 64, 128)
-                and self.num_heads // self.num_kv_heads <= 16 and cpu_kernels.applies(q))
+        return (q.dtype == k_cache.dtype and self.head_dim in (16, 32, 64, 128) and q.stride(2) == 1
+                and q.stride(1) == self.head_dim and self.num_heads // self.num_kv_heads <= 16
+                and cpu_kernels.applies(q))
 
     def _decode(self, q: torch.Tensor, out: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
                 plan: DecodeGroup) -> None:

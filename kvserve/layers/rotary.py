@@ -68,12 +68,19 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = self._table(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if cpu_kernels.applies(q) and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k)):
-            cpu_kernels.ops().rotary_(q, positions, self.cos_sin)  # in place: q and k are fresh projections
-            cpu_kernels.ops().rotary_(k, positions, self.cos_sin)
-            return q, k
+        """Rotates q and k in place (both are fresh projections) and returns them."""
+        self.rotate_(positions, q)
+        self.rotate_(positions, k)
+        return q, k
+
+    def rotate_(self, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """In place on x [T, heads, D] (heads contiguous; tokens may be strided, as in a view of a fused
+        projection, so q and k side by side go in one call)."""
+        if cpu_kernels.applies(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            cpu_kernels.ops().rotary_(x, positions, self.cos_sin)
+            return
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        return _apply(q, cos, sin), _apply(k, cos, sin)
+        x.copy_(_apply(x, cos, sin))
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "vec.h"
@@ -139,7 +140,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
                           const at::Tensor& v_cache, const Rows& rows, const at::Tensor& block_tables, double scale,
                           int64_t window) {
   const int64_t H = q.size(1), Hkv = k_cache.size(0), NB = k_cache.size(1), bs = k_cache.size(2);
-  const int64_t G = H / Hkv, W = block_tables.size(1);
+  const int64_t G = H / Hkv, W = block_tables.size(1), q_stride = q.stride(0);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
@@ -156,22 +157,24 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
     for (int64_t i = 0; i < items; ++i) {
       const int64_t r = i / Hkv, h = i % Hkv, len = rows.len[r];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t base = (rows.token[r] * H + h * G) * D;
-      attend_row<T, kC>(qp + base, op + base, kp, vp, tables + rows.seq[r] * W, first, len, h * NB, bs, G,
+      const int64_t q_base = rows.token[r] * q_stride + h * G * D, out_base = (rows.token[r] * H + h * G) * D;
+      attend_row<T, kC>(qp + q_base, op + out_base, kp, vp, tables + rows.seq[r] * W, first, len, h * NB, bs, G,
                         static_cast<float>(scale), scores);
     }
   }
 }
 
-// q, out: [T, H, D]; k_cache, v_cache: [Hkv, NB, bs, D] of q's dtype; row_token, row_seq, row_len: [R]
+// q, out: [T, H, D] (q's heads contiguous, its tokens possibly strided: a view of the fused QKV
+// projection); k_cache, v_cache: [Hkv, NB, bs, D] of q's dtype; row_token, row_seq, row_len: [R]
 // int64 (q/out row, block_tables row and visible length of each row); block_tables: [S, W] int64.
 // window <= 0: no sliding window. Rows of out not named in row_token are left alone.
 void paged_attention_(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& row_token, const at::Tensor& row_seq,
                       const at::Tensor& row_len, const at::Tensor& block_tables, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
-  for (const at::Tensor* t : {&q, &out, &k_cache, &v_cache, &row_token, &row_seq, &row_len, &block_tables})
+  for (const at::Tensor* t : {&out, &k_cache, &v_cache, &row_token, &row_seq, &row_len, &block_tables})
     TORCH_CHECK(t->is_contiguous(), "paged_attention_: inputs must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention_: q's heads must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
               v_cache.scalar_type() == q.scalar_type(), "paged_attention_: q, out and the cache must share a dtype");
   for (const at::Tensor* t : {&row_token, &row_seq, &row_len, &block_tables})
@@ -209,11 +212,55 @@ void paged_attention_(const at::Tensor& q, const at::Tensor& out, const at::Tens
   else TORCH_CHECK(false, "paged_attention_: bfloat16 or float32 only");
 }
 
+// Writes the new tokens' K and V ([T, Hkv, D], heads contiguous, tokens possibly strided: views of the
+// fused QKV projection) into the head-major caches at their slots (block * bs + offset), converting to the
+// cache's dtype. One call for what took a transpose, a copy and an index_copy_ per tensor.
+void cache_kv_(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+               const at::Tensor& slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "cache_kv_: k, v [T, Hkv, D]; caches [Hkv, NB, bs, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
+              slots.scalar_type() == at::kLong && slots.size(0) == k.size(0), "cache_kv_: slots [T] int64");
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "cache_kv_: heads must be contiguous");
+  const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2), slots_per_head = k_cache.size(1) * k_cache.size(2);
+  TORCH_CHECK(k_cache.size(0) == Hkv && k_cache.size(3) == D, "cache_kv_: cache geometry does not match k");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "cache_kv_: k and v, and the two caches, must share a dtype");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < slots_per_head, "cache_kv_: slot ", sp[t], " out of range");
+  auto copy = [&](auto in_tag, auto cache_tag) {
+    using I = decltype(in_tag);
+    using C = decltype(cache_tag);
+    for (const auto& [src, dst] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
+      const I* in = static_cast<const I*>(src->data_ptr());
+      C* out = static_cast<C*>(dst->data_ptr());
+      const int64_t stride = src->stride(0);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < Hkv; ++h) {
+          const I* row = in + t * stride + h * D;
+          C* to = out + (h * slots_per_head + sp[t]) * D;
+          for (int64_t d = 0; d < D; d += 16) store(to + d, load(row + d, D - d), D - d);
+        }
+    }
+  };
+  const auto in = k.scalar_type(), cache = k_cache.scalar_type();
+  if (in == at::kFloat && cache == at::kFloat) copy(float{}, float{});
+  else if (in == at::kFloat && cache == at::kBFloat16) copy(float{}, c10::BFloat16{});
+  else if (in == at::kBFloat16 && cache == at::kBFloat16) copy(c10::BFloat16{}, c10::BFloat16{});
+  else TORCH_CHECK(false, "cache_kv_: unsupported dtypes ", in, " -> ", cache);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(KVSERVE_NS, m) {
   m.def("paged_attention_(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, Tensor row_token, "
         "Tensor row_seq, Tensor row_len, Tensor block_tables, float scale, int window) -> ()");
+  m.def("cache_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) { m.impl("paged_attention_", &paged_attention_); }
+TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
+  m.impl("paged_attention_", &paged_attention_);
+  m.impl("cache_kv_", &cache_kv_);
+}
