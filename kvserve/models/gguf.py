@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
@@ -14,6 +14,9 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.layers.quantization.blocks import BlockWeight
 from kvserve.models.gguf_blocks import FLOAT_TYPES, to_block_weight
+
+if TYPE_CHECKING:
+    from kvserve.models.gguf_file import GGUFFile
 
 _ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -131,7 +134,8 @@ class GGUFTensor:
         return unpermute_qk(a, self.unpermute_heads) if self.unpermute_heads else a
 
 
-def iter_gguf_weights(reader: gguf.GGUFReader, cfg: ModelConfig, arch: str) -> Iterator[tuple[str, GGUFTensor]]:
+def iter_gguf_weights(reader: gguf.GGUFReader | GGUFFile, cfg: ModelConfig, arch: str
+                      ) -> Iterator[tuple[str, GGUFTensor]]:
     # llama.cpp permutes Q/K only for archs whose converter targets its "normal" (adjacent-pair) RoPE.
     permuted = arch in ("llama", "mistral")
     for t in reader.tensors:

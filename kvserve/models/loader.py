@@ -5,14 +5,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import torch
 
 from kvserve.config import ModelConfig
 from kvserve.layers.linear import pack_float_weights
 from kvserve.layers.quantization import QuantConfig
 from kvserve.models.default import default_model_path
-from kvserve.models.gguf import GGUFTensor, gguf_model_config, iter_gguf_weights, read_metadata
+from kvserve.models.gguf import GGUFTensor, gguf_model_config, iter_gguf_weights
+from kvserve.models.gguf_file import open_gguf
 from kvserve.models.hf import iter_hf_weights, read_hf_config
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.tokenizer.tokenizer import Tokenizer
@@ -41,7 +41,7 @@ def load_tokenizer(path: str, eos_token_ids: list[int] | None = None) -> Tokeniz
     if p.is_dir():
         return Tokenizer.from_hf_dir(p, eos_token_ids)
     if p.is_file() and p.suffix == ".gguf":
-        return Tokenizer.from_gguf_fields(read_metadata(gguf.GGUFReader(str(p))))
+        return Tokenizer.from_gguf_fields(open_gguf(p).fields)
     if not p.exists():
         raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
     raise ValueError(f"tokenizer {path!r} is neither a Hugging Face directory nor a .gguf file")
@@ -58,10 +58,10 @@ def _load(path: str | None, quant: QuantConfig) -> LoadedModel:
         model = _build(cfg, iter_hf_weights(p), quant)
         return LoadedModel(model, cfg, Tokenizer.from_hf_dir(p, cfg.eos_token_ids))
     if p.is_file() and p.suffix == ".gguf":
-        reader = gguf.GGUFReader(str(p))
-        meta = read_metadata(reader)
-        cfg = gguf_model_config(meta, {t.name: t for t in reader.tensors})
-        weights = list(iter_gguf_weights(reader, cfg, meta["general.architecture"]))
+        file = open_gguf(p)
+        meta = file.fields
+        cfg = gguf_model_config(meta, {t.name: t for t in file.tensors})
+        weights = list(iter_gguf_weights(file, cfg, meta["general.architecture"]))
         quant.quantized_tensors = {name: t.quantized for name, t in weights}
         model = _build(cfg, weights, quant)
         return LoadedModel(model, cfg, Tokenizer.from_gguf_fields(meta))
@@ -72,12 +72,12 @@ def _load(path: str | None, quant: QuantConfig) -> LoadedModel:
 
 def _build(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | GGUFTensor]], quant: QuantConfig
            ) -> LlamaForCausalLM:
-    # Built on the meta device and cast there, so no memory or time goes into a float32 random init that
-    # the weights overwrite anyway. Linear layers make their weights from the loaded shards (finalize).
-    with torch.device("meta"):
+    # Linear layers make their weights from the loaded shards (finalize); construction itself only makes
+    # norm weights and the RoPE table, so it runs on the target device directly. (On the meta device, the
+    # first tensor op went through torch's Python reference kernels, whose imports cost ~1-2 s a start.)
+    with torch.device(quant.device):
         model = LlamaForCausalLM(cfg, quant).to(quant.dtype)
-    model = model.to_empty(device=quant.device)
-    model.rotary.reset_table(quant.device)
+    model.rotary.reset_table(quant.device)  # float32 again after the cast
     model.load_weights(weights)
     pack_float_weights(model)  # bf16 on CPU only; a no-op elsewhere
     return model.eval().requires_grad_(False)
