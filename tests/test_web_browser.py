@@ -400,4 +400,8 @@ def test_dashboard_follows_load_and_agrees_with_metrics(server, browser, http):
     assert charts["ttft"]["value"].endswith(("ms", "s"))
     assert "live" in by_id(browser, "dash-status").text
     screenshot(browser, "05-dashboard")
+    # A shorter window: the charts redraw over the last minute.
+    set_value(browser, "dash-window", "60")
+    wait_for(lambda: "−1 min" in js(browser, "return document.querySelector('[data-chart=requests] svg').textContent"),
+             10, "the charts to span one minute")
     assert console_errors(browser) == []

@@ -34,12 +34,23 @@ const CHARTS = [
     series: [['spec_decode_acceptance_rate', 'accepted']] },
 ];
 
+const WINDOW_KEY = 'kvserve.dashboardWindow';
+
 export class DashboardView {
-  constructor({ tiles, charts, status, intervalS = 1 }) {
+  constructor({ tiles, charts, status, windowSelect, intervalS = 1 }) {
     this.status = status;
+    this.windowSelect = windowSelect;
+    const saved = localStorage.getItem(WINDOW_KEY);
+    if (saved && [...windowSelect.options].some((o) => o.value === saved)) windowSelect.value = saved;
+    windowSelect.addEventListener('change', () => {
+      localStorage.setItem(WINDOW_KEY, windowSelect.value);
+      this.refresh();
+    });
     this.intervalMs = Math.max(500, intervalS * 1000);
     this.timer = null;
     this.running = false;
+    this.inFlight = false;   // one request at a time, whatever the user clicks
+    this.again = false;      // poll again as soon as the request in flight is answered
     this.tiles = TILES.map((spec) => {
       const tile = document.createElement('div');
       tile.className = 'tile';
@@ -62,9 +73,8 @@ export class DashboardView {
   }
 
   start() {
-    if (this.running) return;
     this.running = true;
-    this.tick();
+    this.refresh();
   }
 
   stop() {
@@ -73,9 +83,21 @@ export class DashboardView {
     this.timer = null;
   }
 
+  // Polls now (or right after the request in flight), then once an interval.
+  refresh() {
+    if (!this.running) return;
+    if (this.inFlight) {
+      this.again = true;
+      return;
+    }
+    clearTimeout(this.timer);
+    this.tick();
+  }
+
   async tick() {
+    this.inFlight = true;
     try {
-      const response = await fetch('/api/dashboard', { cache: 'no-store' });
+      const response = await fetch(`/api/dashboard?window=${Number(this.windowSelect.value)}`, { cache: 'no-store' });
       if (!response.ok) throw new Error(`${response.status} ${response.statusText}`);
       this.render(await response.json());
       this.status.textContent = `live · updated ${new Date().toLocaleTimeString()}`;
@@ -84,8 +106,9 @@ export class DashboardView {
       this.status.textContent = `cannot reach the server (${e.message}); retrying`;
       this.status.dataset.state = 'error';
     } finally {
-      // One request at a time: the next poll is scheduled only once this one is done.
-      if (this.running) this.timer = setTimeout(() => this.tick(), this.intervalMs);
+      this.inFlight = false;
+      if (this.running) this.timer = setTimeout(() => this.tick(), this.again ? 0 : this.intervalMs);
+      this.again = false;
     }
   }
 

@@ -31,6 +31,7 @@ async function main() {
     tiles: document.getElementById('tiles'),
     charts: document.getElementById('charts'),
     status: document.getElementById('dash-status'),
+    windowSelect: document.getElementById('dash-window'),
     intervalS: info.dashboard_interval_s,
   });
 
