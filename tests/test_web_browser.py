@@ -251,8 +251,7 @@ def test_reply_streams_in_token_by_token_with_its_stats(server, browser, http):
     browser.find_element(By.CSS_SELECTOR, "[data-action=regenerate]").click()
     wait_for(lambda: (r := last_reply(browser)) and r["state"] not in DONE_STATES, 10, "the new reply to start")
     again = wait_reply_done(browser)
-    assert again["count"] == count and again["state"] in ("done", "length")
-    assert again["text"] == final["text"]                       # greedy: the same words
+    assert again["count"] == count and again["state"] in ("done", "length") and again["text"].strip()
     cached = int(again["stats"]["cached"].split()[0])
     assert cached > 0, again["stats"]
     wait_idle(http)
@@ -271,7 +270,7 @@ def test_stop_ends_the_reply_and_the_request(server, browser, http):
     assert last_reply(browser)["text"] == stopped["text"]       # no more text after stop
     assert by_id(browser, "send").is_displayed() and not by_id(browser, "stop").is_displayed()
     wait_idle(http)                                              # the server aborted the request
-    browser.get_log("browser")                                   # (an aborted fetch may be logged)
+    assert console_errors(browser) == []                         # an aborted stream is not an error
 
 
 def test_model_markup_is_shown_as_text(server, browser, http):
@@ -287,7 +286,7 @@ def test_model_markup_is_shown_as_text(server, browser, http):
     assert XSS in reply, f"the model no longer echoes the markup: {reply!r}"
     send(browser, prompt)
     shown = wait_reply_done(browser)
-    assert shown["text"] == reply                               # the model's characters, as characters
+    assert XSS in shown["text"], shown                          # the model's characters, as characters
     assert js(browser, "return document.querySelectorAll('#messages img, #messages script').length") == 0
     assert js(browser, "return window.__alerts") == []
     user_text = js(browser, "return document.querySelector('#messages .msg-user .msg-body').textContent")
@@ -328,6 +327,36 @@ def test_model_markup_is_shown_as_text(server, browser, http):
     assert js(browser, "return document.querySelectorAll('#messages img, #messages script, #messages b').length") == 0
     assert js(browser, "return window.__alerts") == []
     assert console_errors(browser) == []
+
+
+MARKDOWN_CASES = [
+    ("plain <b>text</b> & more", "<p>plain &lt;b&gt;text&lt;/b&gt; &amp; more</p>"),
+    ("# Title\nSome *em* and **strong** and `a<b>`", "<h3>Title</h3><p>Some <em>em</em> and <strong>strong</strong> "
+                                                     "and <code>a&lt;b&gt;</code></p>"),
+    ("```python\nif a < b:\n    pass\n```", '<pre data-lang="python"><code class="language-python">if a &lt; b:\n'
+                                             '    pass</code></pre>'),
+    ("```\nstill streaming <", "<pre><code>still streaming &lt;</code></pre>"),     # unclosed fence
+    ("- one\n- two\n\n3. three", "<ul><li>one</li><li>two</li></ul><ol start=\"3\"><li>three</li></ol>"),
+    ("snake_case_name and _em_", "<p>snake_case_name and <em>em</em></p>"),
+    ("| a | b |\n|---|---|\n| 1 | <i>2</i> |", '<div class="table-wrap"><table><thead><tr><th>a</th><th>b</th></tr>'
+     '</thead><tbody><tr><td>1</td><td>&lt;i&gt;2&lt;/i&gt;</td></tr></tbody></table></div>'),
+    ("> quoted <u>", "<blockquote><p>quoted &lt;u&gt;</p></blockquote>"),
+    ("[x](javascript:alert(1)) [y](https://a.example/p?q=1)",
+     '<p>[x](javascript:alert(1)) <a href="https://a.example/p?q=1" target="_blank" rel="noopener noreferrer">y</a></p>'),
+]
+
+
+def test_markdown_renderer(server, browser):
+    """The page's own renderer module, run in the browser on each case; compared as the DOM serialises."""
+    got = browser.execute_async_script("""
+        const [cases, done] = [arguments[0], arguments[arguments.length - 1]];
+        import('/static/js/markdown.js').then(({renderMarkdown}) => done(cases.map(text => {
+          const box = document.createElement('div');
+          box.append(renderMarkdown(text));
+          return box.innerHTML;
+        })));""", [text for text, _ in MARKDOWN_CASES])
+    for (text, want), html in zip(MARKDOWN_CASES, got):
+        assert html == want, text
 
 
 def test_dashboard_follows_load_and_agrees_with_metrics(server, browser, http):

@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import bisect
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
@@ -42,25 +43,38 @@ RATIOS = {  # series: (numerator counter, denominator counter)
 LATENCIES = {"ttft": "time_to_first_token_seconds", "itl": "inter_token_latency_seconds"}
 CUMULATIVE = ("num_preemptions_total",)
 
-Point = float | None
+Value = float | None
+
+
+@dataclass(frozen=True)
+class DashboardPoint:
+    """Every series at one reading. A series is a key only where its metrics exist in the registry."""
+    t: float
+    series: dict[str, Value]
+    replicas: dict[str, dict[str, Value]]    # replica -> gauge -> value
 
 
 class MetricsHistory:
-    """The last KEEP_S seconds of registry readings. Owned by one server; `run` samples until cancelled."""
+    """The registry's readings and the points derived from them, for the last KEEP_S seconds. Each point
+    depends only on readings up to its own, so it is derived once, when its reading is taken; a request
+    then only derives the point for "now". Owned by one server; `run` samples until cancelled."""
 
     def __init__(self, registry: CollectorRegistry, interval_s: float = INTERVAL_S, keep_s: float = KEEP_S,
                  clock: Callable[[], float] | None = None) -> None:
         self.registry, self.interval_s, self.keep_s = registry, interval_s, keep_s
         self._clock = clock
-        self._samples: deque[RegistrySample] = deque(maxlen=int(keep_s / interval_s) + 1)
+        # A minute of readings beyond the points kept: the oldest point's trailing window reaches back there.
+        self._readings: deque[RegistrySample] = deque(maxlen=int((keep_s + DISTRIBUTION_WINDOW_S) / interval_s) + 1)
+        self._points: deque[DashboardPoint] = deque(maxlen=int(keep_s / interval_s) + 1)
 
     def read(self) -> RegistrySample:
         return read_registry(self.registry, self._clock() if self._clock else None)
 
-    def sample(self) -> RegistrySample:
-        s = self.read()
-        self._samples.append(s)
-        return s
+    def sample(self) -> DashboardPoint:
+        self._readings.append(self.read())
+        point = derive_point(list(self._readings))
+        self._points.append(point)
+        return point
 
     async def run(self) -> None:
         while True:
@@ -68,24 +82,24 @@ class MetricsHistory:
             await asyncio.sleep(self.interval_s)
 
     def dashboard(self, window_s: float | None = None) -> dict:
-        """The page's JSON: the kept readings within `window_s` of now, plus a reading taken now (so the
-        newest point and `totals` are current, not up to a second old)."""
+        """The page's JSON: the kept points within `window_s` of now, plus a point for a reading taken now
+        (so the newest point and `totals` are current, not up to a second old)."""
         window_s = self.keep_s if window_s is None else min(window_s, self.keep_s)
         now = self.read()
-        # Readings older than the window still feed the first points' trailing windows.
-        lookback = window_s + DISTRIBUTION_WINDOW_S
-        history = [s for s in self._samples if now.t - lookback <= s.t < now.t] + [now]
-        first_shown = bisect.bisect_left([s.t for s in history], now.t - window_s)
+        recent = [r for r in self._readings if now.t - DISTRIBUTION_WINDOW_S - self.interval_s <= r.t < now.t]
+        latest = derive_point(recent + [now])
+        points = [p for p in self._points if now.t - window_s <= p.t < now.t] + [latest]
         return {
             "object": "dashboard",
             "interval_s": self.interval_s,
             "window_s": window_s,
             "rate_window_s": RATE_WINDOW_S,
             "distribution_window_s": DISTRIBUTION_WINDOW_S,
-            "time": [s.t for s in history[first_shown:]],
-            "series": {k: v[first_shown:] for k, v in build_series(history).items()},
-            "replicas": {r: {k: v[first_shown:] for k, v in series.items()}
-                         for r, series in build_replica_series(history).items()},
+            "time": [p.t for p in points],
+            # The series that exist now; a point from before a metric existed reads null.
+            "series": {k: [p.series.get(k) for p in points] for k in latest.series},
+            "replicas": {r: {g: [p.replicas.get(r, {}).get(g) for p in points] for g in gauges}
+                         for r, gauges in latest.replicas.items()},
             "totals": dict(sorted(now.values.items())),
         }
 
@@ -94,64 +108,59 @@ def _name(short: str) -> str:
     return PREFIX + short
 
 
-def _start_of(times: list[float], i: int, window_s: float) -> int | None:
-    """Index of the earliest reading within `window_s` before reading i; None if there is none before i."""
+def derive_point(readings: Sequence[RegistrySample]) -> DashboardPoint:
+    """The point of the last reading, from it and the readings before it (in time order)."""
+    times = [r.t for r in readings]
+    now = readings[-1]
+    out: dict[str, Value] = {}
+    for g in GAUGES + CUMULATIVE:
+        if _name(g) in now.values:
+            out[g] = now.values[_name(g)]
+    for series, counter in RATES.items():
+        if _name(counter) in now.values:
+            out[series] = _rate(readings, times, _name(counter))
+    for series, (num, den) in RATIOS.items():
+        if _name(num) in now.values and _name(den) in now.values:
+            out[series] = _ratio(readings, times, _name(num), _name(den))
+    for short, family in LATENCIES.items():
+        if _name(family) in now.histograms:
+            values = _quantiles(readings, times, _name(family))
+            for q, v in zip(QUANTILES, values):
+                out[f"{short}_p{round(q * 100)}_s"] = v
+    replicas = {r: {g: gauges[_name(g)] for g in GAUGES if _name(g) in gauges} for r, gauges in sorted(now.replicas.items())}
+    return DashboardPoint(now.t, out, replicas)
+
+
+def _window_start(times: list[float], window_s: float) -> int | None:
+    """Index of the earliest reading within `window_s` before the last; None if there is none before it."""
+    i = len(times) - 1
     j = bisect.bisect_left(times, times[i] - window_s - 1e-6)
     return j if j < i else None
 
 
-def build_series(history: list[RegistrySample]) -> dict[str, list[Point]]:
-    times = [s.t for s in history]
-    latest = history[-1]
-    out: dict[str, list[Point]] = {}
-    for g in GAUGES + CUMULATIVE:
-        if _name(g) in latest.values:
-            out[g] = [s.values.get(_name(g)) for s in history]
-    for series, counter in RATES.items():
-        if _name(counter) in latest.values:
-            out[series] = [_rate(history, times, i, _name(counter)) for i in range(len(history))]
-    for series, (num, den) in RATIOS.items():
-        if _name(num) in latest.values and _name(den) in latest.values:
-            out[series] = [_ratio(history, times, i, _name(num), _name(den)) for i in range(len(history))]
-    for short, family in LATENCIES.items():
-        if _name(family) in latest.histograms:
-            per_point = [_quantiles(history, times, i, _name(family)) for i in range(len(history))]
-            for k, q in enumerate(QUANTILES):
-                out[f"{short}_p{round(q * 100)}_s"] = [p[k] if p else None for p in per_point]
-    return out
-
-
-def build_replica_series(history: list[RegistrySample]) -> dict[str, dict[str, list[Point]]]:
-    out: dict[str, dict[str, list[Point]]] = {}
-    for replica, gauges in sorted(history[-1].replicas.items()):
-        out[replica] = {g: [s.replicas.get(replica, {}).get(_name(g)) for s in history]
-                        for g in GAUGES if _name(g) in gauges}
-    return out
-
-
-def _rate(history: list[RegistrySample], times: list[float], i: int, name: str) -> Point:
-    j = _start_of(times, i, RATE_WINDOW_S)
+def _rate(readings: Sequence[RegistrySample], times: list[float], name: str) -> Value:
+    j = _window_start(times, RATE_WINDOW_S)
     # Just after start-up the only earlier reading may be milliseconds old: too short to be a rate.
-    if j is None or times[i] - times[j] < MIN_RATE_SPAN_S:
+    if j is None or times[-1] - times[j] < MIN_RATE_SPAN_S:
         return None
-    return (history[i].values.get(name, 0.0) - history[j].values.get(name, 0.0)) / (times[i] - times[j])
+    return (readings[-1].values.get(name, 0.0) - readings[j].values.get(name, 0.0)) / (times[-1] - times[j])
 
 
-def _ratio(history: list[RegistrySample], times: list[float], i: int, num: str, den: str) -> Point:
-    j = _start_of(times, i, DISTRIBUTION_WINDOW_S)
+def _ratio(readings: Sequence[RegistrySample], times: list[float], num: str, den: str) -> Value:
+    j = _window_start(times, DISTRIBUTION_WINDOW_S)
     if j is None:
         return None
-    d = history[i].values.get(den, 0.0) - history[j].values.get(den, 0.0)
+    d = readings[-1].values.get(den, 0.0) - readings[j].values.get(den, 0.0)
     if d <= 0:
         return None
-    return (history[i].values.get(num, 0.0) - history[j].values.get(num, 0.0)) / d
+    return (readings[-1].values.get(num, 0.0) - readings[j].values.get(num, 0.0)) / d
 
 
-def _quantiles(history: list[RegistrySample], times: list[float], i: int, family: str) -> list[Point] | None:
-    j = _start_of(times, i, DISTRIBUTION_WINDOW_S)
-    if j is None or family not in history[j].histograms:
-        return None
-    window = history[i].histograms[family].minus(history[j].histograms[family])
+def _quantiles(readings: Sequence[RegistrySample], times: list[float], family: str) -> list[Value]:
+    j = _window_start(times, DISTRIBUTION_WINDOW_S)
+    if j is None or family not in readings[j].histograms:
+        return [None] * len(QUANTILES)
+    window = readings[-1].histograms[family].minus(readings[j].histograms[family])
     if window.count <= 0:
-        return None
+        return [None] * len(QUANTILES)
     return [histogram_quantile(q, window) for q in QUANTILES]
