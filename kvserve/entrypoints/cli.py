@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="Start the OpenAI-compatible HTTP server.",
                            description="Start the OpenAI-compatible HTTP server (/v1/completions, "
-                                       "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics).")
+                                       "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics) "
+                                       "and the web page at / (chat playground and live dashboard).")
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1",
                        help="Address to bind; use 0.0.0.0 to accept remote clients (default: %(default)s)")
@@ -125,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "a thread of the server process.")
     serve.add_argument("--log-stats-interval", type=float, default=5.0,
                        help="Seconds between stats log lines while busy (default: %(default)s)")
+    serve.add_argument("--no-web", dest="web", action="store_false",
+                       help="Do not serve the web page (chat playground and live dashboard) at /.")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="(default: %(default)s)")
 
@@ -176,7 +179,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine=config, host=args.host, port=args.port, api_key=args.api_key,
         served_model_names=args.served_model_name or [], engine_mode=args.engine_mode,
         max_request_body_bytes=args.max_request_body_bytes, shutdown_grace_s=args.shutdown_grace,
-        log_stats_interval_s=args.log_stats_interval, log_level=args.log_level)
+        log_stats_interval_s=args.log_stats_interval, log_level=args.log_level, web=args.web)
     return run_server(server_args)
 
 

@@ -31,12 +31,15 @@ from kvserve.entrypoints.openai.protocol import (
 )
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from kvserve.entrypoints.web.routes import add_api_routes, add_page_routes
+from kvserve.metrics.dashboard import MetricsHistory
 from kvserve.metrics.prometheus import ServerMetrics
 from kvserve.metrics.stat_logger import log_stats_periodically
 
 logger = logging.getLogger("kvserve.server")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+VERSION = "0.1.0"
 
 
 @dataclass
@@ -51,6 +54,7 @@ class ServerArgs:
     shutdown_grace_s: float = 30.0
     log_stats_interval_s: float = 5.0
     log_level: str = "info"
+    web: bool = True                # the chat + dashboard page at /
 
     def model_names(self) -> list[str]:
         if self.served_model_names:
@@ -141,6 +145,7 @@ def build_app(args: ServerArgs, state: ServerState | None = None) -> FastAPI:
     names = args.model_names()
     engine = AsyncLLM(args.engine, mode=args.engine_mode)
     metrics = ServerMetrics(names[0])
+    history = MetricsHistory(metrics.registry)
     completions = OpenAIServingCompletion(engine, names, args.engine.max_waiting)
     chat = OpenAIServingChat(engine, names, args.engine.max_waiting)
 
@@ -150,15 +155,17 @@ def build_app(args: ServerArgs, state: ServerState | None = None) -> FastAPI:
         engine.step_listeners.append(metrics.on_step)
         engine.end_listeners.append(metrics.on_request_end)
         stat_task = asyncio.create_task(log_stats_periodically(lambda: engine.stats, args.log_stats_interval_s))
+        history_task = asyncio.create_task(history.run())
         logger.info("engine ready (%s mode, pid %s): serving %s, max_model_len=%d", args.engine_mode,
                     engine.engine_pid, ", ".join(names), engine.max_model_len)
         try:
             yield
         finally:
             stat_task.cancel()
+            history_task.cancel()
             await engine.shutdown()
 
-    app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.server_state = engine, metrics, state
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, args=args, state=state)
@@ -206,7 +213,11 @@ def build_app(args: ServerArgs, state: ServerState | None = None) -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": "0.1.0"}
+        return {"version": VERSION}
+
+    add_api_routes(app, history, api_key_required=args.api_key is not None, version=VERSION, web_page=args.web)
+    if args.web:
+        add_page_routes(app)
 
     return app
 

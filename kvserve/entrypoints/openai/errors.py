@@ -63,7 +63,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ())]
+    if loc[:1] in (["body"], ["query"]):    # where the field was, not which field
+        loc = loc[1:]
     param = ".".join(loc) or None
     msg = str(first.get("msg", "invalid value"))
     if first.get("type") == "json_invalid":
