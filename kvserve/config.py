@@ -7,6 +7,7 @@ from typing import Literal
 BatchingPolicy = Literal["continuous", "static", "dynamic"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats: see kvserve/layers/quantization
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3")  # auto: the compute dtype
 
 
 @dataclass
@@ -24,6 +25,9 @@ class EngineConfig:
 
     # KV cache. kv_cache_memory: bytes (int >= 1) or a fraction of free memory (0 < float <= 1).
     block_size: int = 16
+    # "fp8_e4m3" stores K and V in 8 bits (half of bf16's bytes, so twice the tokens fit); attention still
+    # computes in float32.
+    kv_cache_dtype: str = "auto"
     kv_cache_memory: int | float | None = None
     num_kv_blocks: int | None = None      # overrides kv_cache_memory; tests use it to force pressure
     enable_prefix_caching: bool = True
@@ -54,6 +58,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be {'|'.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quant_group_size not in (32, 128):
             raise ValueError(f"quant_group_size must be 32 or 128, got {self.quant_group_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be {'|'.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
 

@@ -11,7 +11,7 @@ from kvserve.entrypoints.cli import build_parser, engine_config, main, parse_mem
 
 SERVE_OPTIONS = ["--host", "--port", "--api-key", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
                  "--kv-cache-memory", "--max-model-len", "--no-prefix-caching", "--scheduling-policy",
-                 "--max-waiting", "--served-model-name", "--dtype", "--batching"]
+                 "--max-waiting", "--served-model-name", "--dtype", "--batching", "--kv-cache-dtype", "--quantization"]
 
 
 def _help(argv: list[str], capsys) -> str:
@@ -40,12 +40,13 @@ def test_serve_options_map_to_engine_config():
     args = build_parser().parse_args([
         "serve", "/models/x.gguf", "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--block-size", "32",
         "--kv-cache-memory", "512MiB", "--max-model-len", "1024", "--no-prefix-caching",
-        "--scheduling-policy", "priority", "--max-waiting", "10", "--dtype", "float32", "--batching", "static"])
+        "--scheduling-policy", "priority", "--max-waiting", "10", "--dtype", "float32", "--batching", "static",
+        "--kv-cache-dtype", "fp8_e4m3"])
     cfg = engine_config(args, max_waiting=args.max_waiting)
     assert cfg.model == "/models/x.gguf" and cfg.max_num_seqs == 8 and cfg.max_num_batched_tokens == 256
     assert cfg.block_size == 32 and cfg.kv_cache_memory == 512 * 2**20 and cfg.max_model_len == 1024
     assert not cfg.enable_prefix_caching and cfg.scheduling_policy == "priority" and cfg.max_waiting == 10
-    assert cfg.dtype == "float32" and cfg.batching == "static"
+    assert cfg.dtype == "float32" and cfg.batching == "static" and cfg.kv_cache_dtype == "fp8_e4m3"
     defaults = build_parser().parse_args(["serve"])
     assert defaults.host == "127.0.0.1" and defaults.port == 8000 and defaults.prefix_caching
 

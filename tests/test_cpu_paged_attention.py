@@ -27,11 +27,14 @@ def reference(q, k_cache, v_cache, tables, row_seq, row_len, scale, window):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.float32, torch.float8_e4m3fn),
+                                               (torch.bfloat16, torch.float8_e4m3fn)],
+                         ids=["f32", "bf16", "f32_fp8cache", "bf16_fp8cache"])
 @pytest.mark.parametrize("D,H,Hkv,bs,window", [(64, 9, 3, 16, 0), (128, 8, 1, 16, 0), (16, 4, 2, 4, 0),
                                                 (32, 6, 6, 8, 20), (64, 16, 1, 16, 37)])
 @pytest.mark.parametrize("qkv_view", [False, True], ids=["q_contiguous", "q_in_qkv"])
-def test_kernel_matches_float64_reference(isa, dtype, D, H, Hkv, bs, window, qkv_view) -> None:
+def test_kernel_matches_float64_reference(isa, dtype, cache_dtype, D, H, Hkv, bs, window, qkv_view) -> None:
     ops = native_ops(isa)
     g = torch.Generator().manual_seed(D * H + bs)
     lens = [1, bs, bs + 1, 3 * bs - 1, 5 * bs, 300, 77, 2]
@@ -43,8 +46,10 @@ def test_kernel_matches_float64_reference(isa, dtype, D, H, Hkv, bs, window, qkv
         tables.append(perm[used:used + nb])
         used += nb
     width = max(map(len, tables))
-    k_cache = torch.randn(Hkv, num_blocks, bs, D, generator=g).to(dtype)
-    v_cache = torch.randn(Hkv, num_blocks, bs, D, generator=g).to(dtype)
+    k_cache = torch.randn(Hkv, num_blocks, bs, D, generator=g).to(cache_dtype or dtype)
+    v_cache = torch.randn(Hkv, num_blocks, bs, D, generator=g).to(cache_dtype or dtype)
+    # A float8 cache holds K / k_scale and V / v_scale; the reference reads it at those scales.
+    k_scale, v_scale = (0.5, 2.0) if cache_dtype is not None else (1.0, 1.0)
     # One decode-like row per sequence, plus the last 40 positions of sequence 5 as causal prefill rows.
     row_seq = list(range(len(lens))) + [5] * 40
     row_len = lens + list(range(lens[5] - 39, lens[5] + 1))
@@ -60,8 +65,9 @@ def test_kernel_matches_float64_reference(isa, dtype, D, H, Hkv, bs, window, qkv
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     scale = D ** -0.5
     ops.paged_attention_(q, out, k_cache, v_cache, row_token, torch.tensor(row_seq), torch.tensor(row_len),
-                         block_tables, scale, window)
-    want = reference(q[row_token], k_cache, v_cache, tables, row_seq, row_len, scale, window)
+                         block_tables, scale, window, k_scale, v_scale)
+    want = reference(q[row_token], k_cache.double() * k_scale, v_cache.double() * v_scale, tables, row_seq,
+                     row_len, scale, window)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output's own rounding (8 bits)
     torch.testing.assert_close(out[row_token].double(), want, atol=tol, rtol=tol)
     assert torch.all(out[0::2] == 7.0)
@@ -88,22 +94,32 @@ def test_kernel_refuses_what_it_cannot_do(isa) -> None:
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
-                                    (torch.bfloat16, torch.bfloat16)], ids=["f32", "f32_to_bf16", "bf16"])
+                                    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float8_e4m3fn),
+                                    (torch.bfloat16, torch.float8_e4m3fn)],
+                         ids=["f32", "f32_to_bf16", "bf16", "f32_to_fp8", "bf16_to_fp8"])
 def test_cache_kv_writes_each_head_of_each_token_at_its_slot(isa, dtypes) -> None:
     ops = native_ops(isa)
     src, cache_dtype = dtypes
     g = torch.Generator().manual_seed(3)
     T, H, Hkv, D, NB, bs = 5, 6, 2, 64, 7, 4
-    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(src)
+    qkv = (torch.randn(T, (H + 2 * Hkv) * D, generator=g) * 300).to(src)  # float8 saturates beyond 448
     k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)  # strided views, as the model passes them
     v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
     k_cache, v_cache = torch.zeros(Hkv, NB, bs, D, dtype=cache_dtype), torch.zeros(Hkv, NB, bs, D, dtype=cache_dtype)
     slots = torch.randperm(NB * bs, generator=g)[:T]
-    ops.cache_kv_(k, v, k_cache, v_cache, slots)
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    k_scale, v_scale = (0.5, 4.0) if fp8 else (1.0, 1.0)
+    ops.cache_kv_(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+
+    def stored(x: torch.Tensor, scale: float) -> torch.Tensor:  # torch's own rounding, after saturation
+        return (x.float() / scale).clamp(-448, 448).to(cache_dtype) if fp8 else x.to(cache_dtype)
+
     want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     for t, slot in enumerate(slots.tolist()):
-        want_k[:, slot // bs, slot % bs] = k[t].to(cache_dtype)
-        want_v[:, slot // bs, slot % bs] = v[t].to(cache_dtype)
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+        want_k[:, slot // bs, slot % bs] = stored(k[t], k_scale)
+        want_v[:, slot // bs, slot % bs] = stored(v[t], v_scale)
+    # Compared as bytes: float8 tensors have no equality op on the CPU.
+    assert torch.equal(k_cache.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), want_v.view(torch.uint8))
     with pytest.raises(RuntimeError, match="out of range"):
         ops.cache_kv_(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 3, NB * bs]))

@@ -66,3 +66,16 @@ def test_default_keeps_the_files_blocks_and_none_dequantizes(float_model: LLM) -
     q_bytes = sum(b.numel() * b.element_size() for layer in model.linear_layers() for _, b in layer.named_buffers())
     f_bytes = sum(layer.weight.numel() * 4 for layer in float_model.engine.runner.model.linear_layers())
     assert q_bytes < f_bytes / 5
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8_e4m3"])
+def test_low_precision_kv_cache_tracks_the_float32_cache(float_model: LLM, kv_cache_dtype: str) -> None:
+    """Float32 weights and compute; only the KV cache's storage differs. K and V pass through the cache
+    (the prompt's own attention reads them back from it), so the prompt log-probs see its rounding."""
+    q = llm(quantization="none", kv_cache_dtype=kv_cache_dtype)
+    assert q.engine.runner.kv_caches[0][0].dtype == {"bfloat16": torch.bfloat16,
+                                                      "fp8_e4m3": torch.float8_e4m3fn}[kv_cache_dtype]
+    diffs = [(a - b).abs().mean().item() for a, b in zip(prompt_logprobs(q, PROMPTS), prompt_logprobs(float_model, PROMPTS))]
+    # Measured (AVX2, float32 compute): max 0.013 bfloat16, 0.21 fp8_e4m3 (3 mantissa bits per value).
+    bound = {"bfloat16": 0.05, "fp8_e4m3": 0.3}[kv_cache_dtype]
+    assert max(diffs) < bound, diffs

@@ -25,7 +25,7 @@ from kvserve.outputs import PositionLogprobs, RequestMetrics, RequestOutput
 from kvserve.sampling.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
-from kvserve.utils.device import resolve_device, resolve_dtype
+from kvserve.utils.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,8 @@ class LLMEngine:
         self.eos_token_ids = list(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)
 
         mc = self.model_config
-        kv_spec = kv_cache_spec(mc, config.block_size, self.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        kv_spec = kv_cache_spec(mc, config.block_size, self.kv_cache_dtype)
         block_bytes = kv_spec.bytes_per_block
         num_blocks = config.num_kv_blocks or self._num_blocks_for_budget(block_bytes)
         if num_blocks < 1:
@@ -70,9 +71,9 @@ class LLMEngine:
         self._num_generation_tokens = 0
         self._num_prompt_tokens = 0
         self._last_step_tokens = 0
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d, dtype %s, device %s",
-                    num_blocks, config.block_size, num_blocks * block_bytes / 2**20, self.max_model_len,
-                    self.dtype, self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s), max_model_len %d, dtype %s, device %s",
+                    num_blocks, config.block_size, num_blocks * block_bytes / 2**20, self.kv_cache_dtype,
+                    self.max_model_len, self.dtype, self.device)
 
     def _num_blocks_for_budget(self, block_bytes: int) -> int:
         budget = self.config.kv_cache_memory

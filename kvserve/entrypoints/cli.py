@@ -7,7 +7,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from kvserve.config import QUANTIZATIONS, EngineConfig
+from kvserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m": 10**6, "mb": 10**6,
@@ -48,6 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Group size of --quantization int4 (default: %(default)s)")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda[:N] (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="Engine seed (default: %(default)s)")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="KV cache storage. auto: the compute dtype; fp8_e4m3: 8 bits per value, half the bytes "
+                        "of bfloat16, so twice the tokens fit (attention still computes in float32). "
+                        "(default: %(default)s)")
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help="Tokens per KV-cache block (default: %(default)s)")
     p.add_argument("--kv-cache-memory", type=parse_memory, default=None,
@@ -81,7 +85,7 @@ def engine_config(args: argparse.Namespace, max_waiting: int | None = None) -> E
     return EngineConfig(
         model=args.model_opt or args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         quantization=args.quantization, quant_group_size=args.quant_group_size,
-        seed=args.seed, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        seed=args.seed, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.prefix_caching,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,

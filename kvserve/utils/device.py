@@ -17,6 +17,12 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+def resolve_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
+    if name == "auto":
+        return compute_dtype
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}[name]
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         if name not in _DTYPES:

@@ -20,7 +20,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <utility>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -61,9 +62,11 @@ struct RowCursor {
 
 // One (row, KV head): scores for the G query heads over the visible keys, softmax, then P @ V.
 // kC = D / 16 vectors per K/V row, fixed at compile time so a row lives in registers.
-template <typename T, int kC>
-void attend_row(const T* q, T* out, const T* k_cache, const T* v_cache, const int64_t* table, int64_t first,
-                int64_t len, int64_t head_base, int64_t bs, int64_t G, float scale, std::vector<float>& scores) {
+// The cache (C) holds q's dtype, or float8 e4m3 holding K / k_scale and V / v_scale.
+template <typename T, typename C, int kC>
+void attend_row(const T* q, T* out, const C* k_cache, const C* v_cache, const int64_t* table, int64_t first,
+                int64_t len, int64_t head_base, int64_t bs, int64_t G, float scale, float v_scale,
+                std::vector<float>& scores) {
   constexpr int64_t D = kC * 16;
   const int64_t n = len - first;
   scores.resize(static_cast<size_t>(G * n));
@@ -73,7 +76,7 @@ void attend_row(const T* q, T* out, const T* k_cache, const T* v_cache, const in
 
   // Pass 1: scores[g][t - first] = q_g . k_t, sixteen keys at a time.
   {
-    RowCursor<T, D> k(k_cache, table, head_base, bs, first, len);
+    RowCursor<C, D> k(k_cache, table, head_base, bs, first, len);
     Vec16 part[kMaxGroup][kChunk];
     for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
       const int64_t m = std::min(kChunk, n - t0);
@@ -107,14 +110,14 @@ void attend_row(const T* q, T* out, const T* k_cache, const T* v_cache, const in
       store(s + i, e, n - i);
       sum = sum + e;
     }
-    inv_sum[g] = 1.f / reduce_add(sum);
+    inv_sum[g] = v_scale / reduce_add(sum);
   }
 
   // Pass 2: out_g = sum_t p[g][t] v_t, each V row converted once for all G heads.
   Vec16 acc[kMaxGroup][kC];
   for (int64_t g = 0; g < G; ++g)
     for (int c = 0; c < kC; ++c) acc[g][c] = zero();
-  RowCursor<T, D> v(v_cache, table, head_base, bs, first, len);
+  RowCursor<C, D> v(v_cache, table, head_base, bs, first, len);
   for (int64_t t = 0; t < n; ++t, v.advance()) {
     v.prefetch_next_block();
     Vec16 vv[kC];
@@ -135,16 +138,16 @@ struct Rows {
   int64_t count;
 };
 
-template <typename T, int kC>
+template <typename T, typename C, int kC>
 void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const Rows& rows, const at::Tensor& block_tables, double scale,
-                          int64_t window) {
+                          int64_t window, double k_scale, double v_scale) {
   const int64_t H = q.size(1), Hkv = k_cache.size(0), NB = k_cache.size(1), bs = k_cache.size(2);
   const int64_t G = H / Hkv, W = block_tables.size(1), q_stride = q.stride(0);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = static_cast<const C*>(k_cache.data_ptr());
+  const C* vp = static_cast<const C*>(v_cache.data_ptr());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   constexpr int64_t D = kC * 16;
   const int64_t items = rows.count * Hkv;
@@ -158,25 +161,29 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
       const int64_t r = i / Hkv, h = i % Hkv, len = rows.len[r];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t q_base = rows.token[r] * q_stride + h * G * D, out_base = (rows.token[r] * H + h * G) * D;
-      attend_row<T, kC>(qp + q_base, op + out_base, kp, vp, tables + rows.seq[r] * W, first, len, h * NB, bs, G,
-                        static_cast<float>(scale), scores);
+      attend_row<T, C, kC>(qp + q_base, op + out_base, kp, vp, tables + rows.seq[r] * W, first, len, h * NB, bs,
+                           G, static_cast<float>(scale * k_scale), static_cast<float>(v_scale), scores);
     }
   }
 }
 
 // q, out: [T, H, D] (q's heads contiguous, its tokens possibly strided: a view of the fused QKV
-// projection); k_cache, v_cache: [Hkv, NB, bs, D] of q's dtype; row_token, row_seq, row_len: [R]
+// projection); k_cache, v_cache: [Hkv, NB, bs, D] of q's dtype, or float8_e4m3fn holding K / k_scale and
+// V / v_scale; row_token, row_seq, row_len: [R]
 // int64 (q/out row, block_tables row and visible length of each row); block_tables: [S, W] int64.
 // window <= 0: no sliding window. Rows of out not named in row_token are left alone.
 void paged_attention_(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& row_token, const at::Tensor& row_seq,
-                      const at::Tensor& row_len, const at::Tensor& block_tables, double scale, int64_t window) {
+                      const at::Tensor& row_len, const at::Tensor& block_tables, double scale, int64_t window,
+                      double k_scale, double v_scale) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
   for (const at::Tensor* t : {&out, &k_cache, &v_cache, &row_token, &row_seq, &row_len, &block_tables})
     TORCH_CHECK(t->is_contiguous(), "paged_attention_: inputs must be contiguous");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention_: q's heads must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
-              v_cache.scalar_type() == q.scalar_type(), "paged_attention_: q, out and the cache must share a dtype");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK((k_cache.scalar_type() == q.scalar_type() || fp8) && out.scalar_type() == q.scalar_type() &&
+              v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_attention_: q and out must share a dtype, the cache that dtype or float8_e4m3fn");
   for (const at::Tensor* t : {&row_token, &row_seq, &row_len, &block_tables})
     TORCH_CHECK(t->scalar_type() == at::kLong, "paged_attention_: index tensors must be int64");
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(0);
@@ -197,15 +204,20 @@ void paged_attention_(const at::Tensor& q, const at::Tensor& out, const at::Tens
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   for (int64_t i = 0; i < S * W; ++i)
     TORCH_CHECK(tables[i] >= 0 && tables[i] < NB, "paged_attention_: block id ", tables[i], " out of range");
-  auto run = [&](auto tag) {
-    using T = decltype(tag);
+  auto with_cache = [&](auto q_tag, auto cache_tag) {
+    using T = decltype(q_tag);
+    using C = decltype(cache_tag);
     switch (D) {
-      case 16: return paged_attention_impl<T, 1>(q, out, k_cache, v_cache, rows, block_tables, scale, window);
-      case 32: return paged_attention_impl<T, 2>(q, out, k_cache, v_cache, rows, block_tables, scale, window);
-      case 64: return paged_attention_impl<T, 4>(q, out, k_cache, v_cache, rows, block_tables, scale, window);
-      case 128: return paged_attention_impl<T, 8>(q, out, k_cache, v_cache, rows, block_tables, scale, window);
+      case 16: return paged_attention_impl<T, C, 1>(q, out, k_cache, v_cache, rows, block_tables, scale, window, k_scale, v_scale);
+      case 32: return paged_attention_impl<T, C, 2>(q, out, k_cache, v_cache, rows, block_tables, scale, window, k_scale, v_scale);
+      case 64: return paged_attention_impl<T, C, 4>(q, out, k_cache, v_cache, rows, block_tables, scale, window, k_scale, v_scale);
+      case 128: return paged_attention_impl<T, C, 8>(q, out, k_cache, v_cache, rows, block_tables, scale, window, k_scale, v_scale);
       default: TORCH_CHECK(false, "paged_attention_: head_dim must be 16, 32, 64 or 128, got ", D);
     }
+  };
+  auto run = [&](auto q_tag) {
+    if (fp8) with_cache(q_tag, c10::Float8_e4m3fn{});
+    else with_cache(q_tag, q_tag);
   };
   if (q.scalar_type() == at::kBFloat16) run(c10::BFloat16{});
   else if (q.scalar_type() == at::kFloat) run(float{});
@@ -215,8 +227,9 @@ void paged_attention_(const at::Tensor& q, const at::Tensor& out, const at::Tens
 // Writes the new tokens' K and V ([T, Hkv, D], heads contiguous, tokens possibly strided: views of the
 // fused QKV projection) into the head-major caches at their slots (block * bs + offset), converting to the
 // cache's dtype. One call for what took a transpose, a copy and an index_copy_ per tensor.
+// A float8 e4m3 cache stores K / k_scale and V / v_scale, rounded to nearest and saturated at +-448.
 void cache_kv_(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
-               const at::Tensor& slots) {
+               const at::Tensor& slots, double k_scale, double v_scale) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "cache_kv_: k, v [T, Hkv, D]; caches [Hkv, NB, bs, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
@@ -230,23 +243,34 @@ void cache_kv_(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cac
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < slots_per_head, "cache_kv_: slot ", sp[t], " out of range");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0), "cache_kv_: scales apply to a float8 cache only");
   auto copy = [&](auto in_tag, auto cache_tag) {
     using I = decltype(in_tag);
     using C = decltype(cache_tag);
-    for (const auto& [src, dst] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
+    for (const auto& [src, dst, scale] : {std::tuple{&k, &k_cache, k_scale}, std::tuple{&v, &v_cache, v_scale}}) {
       const I* in = static_cast<const I*>(src->data_ptr());
       C* out = static_cast<C*>(dst->data_ptr());
       const int64_t stride = src->stride(0);
+      const float inv = static_cast<float>(1.0 / scale);
       for (int64_t t = 0; t < T; ++t)
         for (int64_t h = 0; h < Hkv; ++h) {
           const I* row = in + t * stride + h * D;
           C* to = out + (h * slots_per_head + sp[t]) * D;
-          for (int64_t d = 0; d < D; d += 16) store(to + d, load(row + d, D - d), D - d);
+          if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) {
+            // A handful of rows per layer and step: c10's scalar conversion (round to nearest even) will do.
+            for (int64_t d = 0; d < D; ++d)
+              to[d] = C(std::clamp(static_cast<float>(row[d]) * inv, -448.f, 448.f));
+          } else {
+            for (int64_t d = 0; d < D; d += 16) store(to + d, load(row + d, D - d), D - d);
+          }
         }
     }
   };
   const auto in = k.scalar_type(), cache = k_cache.scalar_type();
-  if (in == at::kFloat && cache == at::kFloat) copy(float{}, float{});
+  if (fp8 && in == at::kFloat) copy(float{}, c10::Float8_e4m3fn{});
+  else if (fp8 && in == at::kBFloat16) copy(c10::BFloat16{}, c10::Float8_e4m3fn{});
+  else if (in == at::kFloat && cache == at::kFloat) copy(float{}, float{});
   else if (in == at::kFloat && cache == at::kBFloat16) copy(float{}, c10::BFloat16{});
   else if (in == at::kBFloat16 && cache == at::kBFloat16) copy(c10::BFloat16{}, c10::BFloat16{});
   else TORCH_CHECK(false, "cache_kv_: unsupported dtypes ", in, " -> ", cache);
@@ -256,8 +280,10 @@ void cache_kv_(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cac
 
 TORCH_LIBRARY(KVSERVE_NS, m) {
   m.def("paged_attention_(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, Tensor row_token, "
-        "Tensor row_seq, Tensor row_len, Tensor block_tables, float scale, int window) -> ()");
-  m.def("cache_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+        "Tensor row_seq, Tensor row_len, Tensor block_tables, float scale, int window, float k_scale=1.0, "
+        "float v_scale=1.0) -> ()");
+  m.def("cache_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, float k_scale=1.0, "
+        "float v_scale=1.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
