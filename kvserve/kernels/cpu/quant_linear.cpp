@@ -165,8 +165,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& wq, const at::Ten
   at::Tensor y = at::empty(out_sizes, x.options());
   if (M == 0 || N == 0) return y;
 
-  at::Tensor aq, ad;
-  const QuantAct act = quantize_activations(xc, M, K, aq, ad);
+  const QuantAct act = quantize_activations(xc, M, K);
 
   dispatch_act(x.scalar_type(), [&](auto act_tag) {
     using T = decltype(act_tag);

@@ -151,8 +151,7 @@ at::Tensor quant_linear_x8(const at::Tensor& x, const at::Tensor& wq, const at::
   out_sizes.back() = N;
   at::Tensor y = at::empty(out_sizes, x.options());
   if (M == 0 || N == 0) return y;
-  at::Tensor aq, ad;
-  const QuantAct act = quantize_activations(xc, M, K, aq, ad);
+  const QuantAct act = quantize_activations(xc, M, K);
   dispatch_act(x.scalar_type(), [&](auto act_tag) {
     using T = decltype(act_tag);
     dispatch_scale(scales.scalar_type(), [&](auto scale_tag) {
