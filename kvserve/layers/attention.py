@@ -26,7 +26,8 @@ from kvserve.layers.attention_metadata import AttentionMetadata, DecodeGroup, Pr
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
+                 scale: float | None = None) -> None:
         super().__init__()
         # Mistral-style: the query at position p sees keys p - sliding_window < j <= p.
         self.sliding_window = sliding_window
@@ -34,7 +35,7 @@ class PagedAttention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale  # Gemma scales by its query_pre_attn_scalar
 
     def forward(
         self,

@@ -11,16 +11,17 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.layers.linear import pack_float_weights
 from kvserve.layers.quantization import QuantConfig
+from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.default import default_model_path
 from kvserve.models.gguf import GGUFTensor, gguf_model_config, iter_gguf_weights, read_metadata
 from kvserve.models.hf import iter_hf_weights, read_hf_config
-from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.registry import CausalLM, build_model
 from kvserve.tokenizer.tokenizer import Tokenizer
 
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     config: ModelConfig
     tokenizer: Tokenizer
 
@@ -71,13 +72,15 @@ def _load(path: str | None, quant: QuantConfig) -> LoadedModel:
 
 
 def _build(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | GGUFTensor]], quant: QuantConfig
-           ) -> LlamaForCausalLM:
+           ) -> CausalLM:
     # Built on the meta device and cast there, so no memory or time goes into a float32 random init that
     # the weights overwrite anyway. Linear layers make their weights from the loaded shards (finalize).
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, quant).to(quant.dtype)
+        model = build_model(cfg, quant).to(quant.dtype)
     model = model.to_empty(device=quant.device)
-    model.rotary.reset_table(quant.device)
+    for m in model.modules():  # every RoPE table (Gemma has one per layer kind)
+        if isinstance(m, RotaryEmbedding):
+            m.reset_table(quant.device)
     model.load_weights(weights)
     pack_float_weights(model)  # bf16 on CPU only; a no-op elsewhere
     return model.eval().requires_grad_(False)
