@@ -14,6 +14,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.layers.quantization.blocks import BlockWeight
 from kvserve.models.gemma3 import default_layer_types
+from kvserve.models.gguf_file import GGUFFile
 from kvserve.models.gguf_blocks import FLOAT_TYPES, to_block_weight
 
 _ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
@@ -48,6 +49,7 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """gguf.GGUFReader's fields as Python values (kvserve's loader reads files with gguf_file.read_gguf)."""
     out: dict[str, Any] = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
@@ -159,7 +161,8 @@ class GGUFTensor:
         return unpermute_qk(a, self.unpermute_heads) if self.unpermute_heads else a
 
 
-def iter_gguf_weights(reader: gguf.GGUFReader, cfg: ModelConfig, arch: str) -> Iterator[tuple[str, GGUFTensor]]:
+def iter_gguf_weights(reader: GGUFFile | gguf.GGUFReader, cfg: ModelConfig, arch: str
+                      ) -> Iterator[tuple[str, GGUFTensor]]:
     # llama.cpp permutes Q/K only for archs whose converter targets its "normal" (adjacent-pair) RoPE.
     permuted = arch in ("llama", "mistral")
     layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES

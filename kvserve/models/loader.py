@@ -5,7 +5,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import torch
 
 from kvserve.config import ModelConfig
@@ -13,7 +12,8 @@ from kvserve.layers.linear import pack_float_weights
 from kvserve.layers.quantization import QuantConfig
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.default import default_model_path
-from kvserve.models.gguf import GGUFTensor, gguf_model_config, iter_gguf_weights, read_metadata
+from kvserve.models.gguf import GGUFTensor, gguf_model_config, iter_gguf_weights
+from kvserve.models.gguf_file import read_gguf
 from kvserve.models.hf import iter_hf_weights, read_hf_config
 from kvserve.models.registry import CausalLM, build_model
 from kvserve.tokenizer.tokenizer import Tokenizer
@@ -42,7 +42,7 @@ def load_tokenizer(path: str, eos_token_ids: list[int] | None = None) -> Tokeniz
     if p.is_dir():
         return Tokenizer.from_hf_dir(p, eos_token_ids)
     if p.is_file() and p.suffix == ".gguf":
-        return Tokenizer.from_gguf_fields(read_metadata(gguf.GGUFReader(str(p))))
+        return Tokenizer.from_gguf_fields(read_gguf(p).metadata)
     if not p.exists():
         raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
     raise ValueError(f"tokenizer {path!r} is neither a Hugging Face directory nor a .gguf file")
@@ -59,10 +59,10 @@ def _load(path: str | None, quant: QuantConfig) -> LoadedModel:
         model = _build(cfg, iter_hf_weights(p), quant)
         return LoadedModel(model, cfg, Tokenizer.from_hf_dir(p, cfg.eos_token_ids))
     if p.is_file() and p.suffix == ".gguf":
-        reader = gguf.GGUFReader(str(p))
-        meta = read_metadata(reader)
-        cfg = gguf_model_config(meta, {t.name: t for t in reader.tensors})
-        weights = list(iter_gguf_weights(reader, cfg, meta["general.architecture"]))
+        file = read_gguf(p)
+        meta = file.metadata
+        cfg = gguf_model_config(meta, {t.name: t for t in file.tensors})
+        weights = list(iter_gguf_weights(file, cfg, meta["general.architecture"]))
         quant.quantized_tensors = {name: t.quantized for name, t in weights}
         model = _build(cfg, weights, quant)
         return LoadedModel(model, cfg, Tokenizer.from_gguf_fields(meta))
