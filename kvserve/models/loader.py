@@ -1,4 +1,5 @@
-"""load_model: a Hugging Face directory, a GGUF file, or None (the embedded default) -> model + tokenizer."""
+"""load_model: a Hugging Face directory, a GGUF file, a preset name (kvserve/models/presets.py) or None (the
+embedded default) -> model + tokenizer."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -11,10 +12,10 @@ from kvserve.config import ModelConfig
 from kvserve.layers.linear import pack_float_weights
 from kvserve.layers.quantization import QuantConfig
 from kvserve.layers.rotary import RotaryEmbedding
-from kvserve.models.default import default_model_path
 from kvserve.models.gguf import GGUFTensor, gguf_model_config, iter_gguf_weights
 from kvserve.models.gguf_file import read_gguf
 from kvserve.models.hf import iter_hf_weights, read_hf_config
+from kvserve.models.presets import resolve_model
 from kvserve.models.registry import CausalLM, build_model
 from kvserve.tokenizer.tokenizer import Tokenizer
 
@@ -38,7 +39,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, token
 
 
 def load_tokenizer(path: str, eos_token_ids: list[int] | None = None) -> Tokenizer:
-    p = Path(path)
+    p = Path(resolve_model(path))
     if p.is_dir():
         return Tokenizer.from_hf_dir(p, eos_token_ids)
     if p.is_file() and p.suffix == ".gguf":
@@ -49,8 +50,7 @@ def load_tokenizer(path: str, eos_token_ids: list[int] | None = None) -> Tokeniz
 
 
 def _load(path: str | None, quant: QuantConfig) -> LoadedModel:
-    if path is None:
-        path = default_model_path()
+    path = resolve_model(path)  # a preset name or None (the default) -> the file it names
     p = Path(path)
     if p.is_dir():
         if not (p / "config.json").exists():

@@ -55,7 +55,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if not self.chat_template:
-            raise ValueError("model has no chat template")
+            raise ValueError("model has no chat template (a base model takes plain text: use completions, not chat)")
         if self._template is None:
             self._template = _jinja_env().from_string(self.chat_template)
         try:
