@@ -159,8 +159,9 @@ def _sentencepiece_bpe(vocab: GGUFVocab) -> Tokenizer:
 
 def spm_merges(vocab: GGUFVocab) -> list[tuple[str, str]]:
     """Every split of a piece into two pieces, best merged piece first: SentencePiece merges the adjacent
-    pair whose concatenation is the highest-scoring piece. Ties (one piece, several splits) go to the
-    shorter left half, which never matters for a real vocabulary's scores."""
+    pair whose concatenation is the highest-scoring piece. Equal scores are ranked by token id (llama.cpp
+    takes the leftmost pair instead); SentencePiece's trainer gives every piece its own score, so only a
+    piece's own splits tie, and those never compete for the same characters."""
     pieces = {t for t, ty in zip(vocab.tokens, vocab.types) if ty in (NORMAL, USER_DEFINED)}
     ranked: list[tuple[float, int, int, str, str]] = []
     for i, (piece, ty, score) in enumerate(zip(vocab.tokens, vocab.types, vocab.scores)):
