@@ -8,6 +8,7 @@ step by step (chunked prefill over a cached prefix, mixed with decodes, block si
 (scheduler, block manager, sampler) generating greedily."""
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.models.gemma3 import FULL, SLIDING
+from kvserve.models.hf import read_hf_config
 from kvserve.models.loader import load_model
 from kvserve.sampling_params import SamplingParams
 from engine_helpers import drain
@@ -129,3 +131,19 @@ def test_engine_generates_what_transformers_generates(tmp_path: Path) -> None:
             for t, entry in lp.items():
                 assert entry.logprob == pytest.approx(ref_lp[step, t].item(), abs=2e-4)
     assert engine.block_manager.usage == 0.0
+
+
+def test_transformers_4_config_form_reads_the_same(tmp_path: Path) -> None:
+    """Gemma 3 checkpoints saved by transformers 4.x (google/gemma-3-270m's config.json among them) spell the
+    RoPE bases and the layer pattern differently; both forms must give the same ModelConfig."""
+    build_gemma3("untied_pattern_scaled", tmp_path)
+    new = read_hf_config(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg.pop("layer_types")
+    cfg.update(rope_theta=rope[FULL]["rope_theta"], rope_local_base_freq=rope[SLIDING]["rope_theta"],
+               rope_scaling={"rope_type": "linear", "factor": rope[FULL]["factor"]}, sliding_window_pattern=6)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert read_hf_config(tmp_path) == new
+    assert new.layer_types == [SLIDING] * 5 + [FULL] and new.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert (new.rope_theta, new.rope_local_theta, new.query_pre_attn_scalar) == (50_000.0, 500.0, 40.0)

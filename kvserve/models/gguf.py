@@ -14,8 +14,8 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.layers.quantization.blocks import BlockWeight
 from kvserve.models.gemma3 import default_layer_types
-from kvserve.models.gguf_file import GGUFFile
 from kvserve.models.gguf_blocks import FLOAT_TYPES, to_block_weight
+from kvserve.models.gguf_file import GGUFFile
 
 _ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 
