@@ -9,7 +9,7 @@ module runs in CI or with KVSERVE_TEST_SLOW=1.
 Bounds, float32:
 - weights dequantized (quantization="none"): greedy tokens identical for 32 steps on every prompt, and
   teacher-forced logits within 5e-4 absolute of the reference's (their largest is 27-44; measured at most
-  5.1e-5 on AVX-512).
+  5.1e-5, on an AVX2 machine).
 - quantized weights kept (auto: the file's Q4_K/Q5_0/Q6_K/Q8_0 blocks through kvserve's kernel, which
   also rounds activations to int8 per block of 32): teacher-forced log-probabilities of the reference's
   tokens within 0.08 nats on average per prompt (measured 0.013-0.026, worst single token 0.13), and the
