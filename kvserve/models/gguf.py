@@ -13,12 +13,11 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.layers.quantization.blocks import BlockWeight
+from kvserve.models.gemma3 import default_layer_types
 from kvserve.models.gguf_blocks import FLOAT_TYPES, to_block_weight
+from kvserve.models.gguf_file import GGUFFile
 
-if TYPE_CHECKING:
-    from kvserve.models.gguf_file import GGUFFile
-
-_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 
 # GGUF tensor name -> Hugging Face name ({} is the layer index).
 _LAYER_NAMES = {
@@ -34,6 +33,13 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms around both sublayers: its "ffn_norm" is the norm before the MLP, not after attention.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -43,6 +49,7 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """gguf.GGUFReader's fields as Python values (kvserve's loader reads files with gguf_file.read_gguf)."""
     out: dict[str, Any] = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
@@ -72,6 +79,8 @@ def gguf_model_config(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelCon
                    "factors": gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist()}
     vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
     eos = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    extra = _gemma3_fields(meta, int(get("block_count")), int(hidden), int(heads), int(head_dim)) \
+        if arch == "gemma3" else {}
     return ModelConfig(
         architecture=_ARCHITECTURES[arch],
         vocab_size=int(vocab),
@@ -91,6 +100,19 @@ def gguf_model_config(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelCon
         sliding_window=get("attention.sliding_window"),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(int(i) for i in eos if i is not None)),
+        **extra,
+    )
+
+
+def _gemma3_fields(meta: dict[str, Any], layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """What a Gemma 3 GGUF leaves out, as llama.cpp fills it in: every 6th layer global, RoPE base 10000 on
+    sliding layers (any rope scaling is the global layers'), scores scaled by head_dim ** -0.5 except in
+    the 62-layer 27B model, whose query_pre_attn_scalar is hidden / heads."""
+    return dict(
+        layer_types=default_layer_types(layers),
+        rope_local_theta=10_000.0,
+        query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim),
+        final_logit_softcapping=meta.get("gemma3.final_logit_softcapping"),
     )
 
 
@@ -104,12 +126,14 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 @dataclass
 class GGUFTensor:
     """A GGUF tensor as stored in the (memory-mapped) file; rows are output features.
-    unpermute_heads: undo llama.cpp's Q/K row order for this many heads (0: none)."""
+    unpermute_heads: undo llama.cpp's Q/K row order for this many heads (0: none).
+    offset: added to the values (Gemma's norms: llama.cpp stores 1 + w, Hugging Face w)."""
     name: str
     data: np.ndarray
     qtype: gguf.GGMLQuantizationType
     shape: tuple[int, ...]           # torch order (slowest dim first)
     unpermute_heads: int = 0
+    offset: float = 0.0
 
     @property
     def quantized(self) -> bool:
@@ -118,10 +142,13 @@ class GGUFTensor:
     def to_float(self) -> torch.Tensor:
         w = gguf.quants.dequantize(self.data, self.qtype).reshape(self.shape)
         w = np.ascontiguousarray(self._rows(w), dtype=np.float32)
+        if self.offset:
+            w = w + np.float32(self.offset)
         # Unquantized tensors are read-only views of the memory-mapped file.
         return torch.from_numpy(w if w.flags.writeable else w.copy())
 
     def to_blocks(self) -> BlockWeight:
+        assert not self.offset, "offset tensors (norms) are never kept quantized"
         if len(self.shape) != 2:
             raise ValueError(f"GGUF tensor {self.name!r} of shape {self.shape} is not a matrix")
         try:
@@ -134,10 +161,11 @@ class GGUFTensor:
         return unpermute_qk(a, self.unpermute_heads) if self.unpermute_heads else a
 
 
-def iter_gguf_weights(reader: gguf.GGUFReader | GGUFFile, cfg: ModelConfig, arch: str
+def iter_gguf_weights(reader: GGUFFile | gguf.GGUFReader, cfg: ModelConfig, arch: str
                       ) -> Iterator[tuple[str, GGUFTensor]]:
     # llama.cpp permutes Q/K only for archs whose converter targets its "normal" (adjacent-pair) RoPE.
     permuted = arch in ("llama", "mistral")
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # read into the config's rope_scaling, not a weight
             continue
@@ -145,9 +173,9 @@ def iter_gguf_weights(reader: gguf.GGUFReader | GGUFFile, cfg: ModelConfig, arch
             name = _GLOBAL_NAMES[t.name]
         else:
             m = _LAYER_RE.fullmatch(t.name)
-            if m is None or m.group(2) not in _LAYER_NAMES:
+            if m is None or m.group(2) not in layer_names:
                 raise ValueError(f"unexpected GGUF tensor {t.name!r}")
-            name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+            name = f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
         heads = 0
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             heads = cfg.num_attention_heads
@@ -155,4 +183,5 @@ def iter_gguf_weights(reader: gguf.GGUFReader | GGUFFile, cfg: ModelConfig, arch
             heads = cfg.num_key_value_heads
         # GGUF lists dims fastest-first; numpy/torch want them slowest-first.
         shape = tuple(reversed([int(d) for d in t.shape]))
-        yield name, GGUFTensor(t.name, t.data, t.tensor_type, shape, heads)
+        offset = -1.0 if arch == "gemma3" and name.endswith("norm.weight") else 0.0
+        yield name, GGUFTensor(t.name, t.data, t.tensor_type, shape, heads, offset)

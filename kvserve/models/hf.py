@@ -10,12 +10,14 @@ import torch
 from safetensors import safe_open
 
 from kvserve.config import ModelConfig
+from kvserve.models.gemma3 import FULL, SLIDING, default_layer_types
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 
@@ -30,7 +32,7 @@ def read_hf_config(path: Path) -> ModelConfig:
         )
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported")
-    if cfg.get("hidden_act", "silu") != "silu":
+    if arch != "gemma3" and cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
     heads = cfg["num_attention_heads"]
     # transformers 5 writes rope_parameters; 4.x wrote rope_theta + rope_scaling.
@@ -42,7 +44,7 @@ def read_hf_config(path: Path) -> ModelConfig:
     sliding = cfg.get("sliding_window")
     if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         sliding = None
-    return ModelConfig(
+    fields = dict(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -61,6 +63,48 @@ def read_hf_config(path: Path) -> ModelConfig:
         sliding_window=sliding,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=hf_eos_ids(path, cfg),
+    )
+    if arch == "gemma3":
+        fields.update(gemma3_fields(cfg))
+    return ModelConfig(**fields)
+
+
+def gemma3_fields(cfg: dict) -> dict:
+    """Gemma 3's own config.json keys, in transformers 5's form (layer_types, rope_parameters per layer
+    kind) or 4.x's (sliding_window_pattern, rope_theta + rope_local_base_freq + rope_scaling)."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"Gemma 3 hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=true is not supported (kvserve is causal only)")
+    rope = cfg.get("rope_parameters") or {}
+    if FULL in rope or SLIDING in rope:
+        global_rope, local_rope = dict(rope.get(FULL) or {}), dict(rope.get(SLIDING) or {})
+    else:
+        global_rope = dict(rope or cfg.get("rope_scaling") or {})
+        global_rope.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+        local_rope = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+    theta = float(global_rope.pop("rope_theta", 1_000_000.0))
+    local_theta = float(local_rope.pop("rope_theta", 10_000.0))
+    if local_rope.get("rope_type", local_rope.get("type", "default")) != "default":
+        raise ValueError(f"RoPE scaling on sliding-window layers is not supported: {local_rope}")
+    if global_rope.get("rope_type", global_rope.get("type")) in ("default", None):
+        global_rope = {}
+    layer_types = cfg.get("layer_types") or default_layer_types(
+        cfg["num_hidden_layers"], cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+    return dict(
+        rope_theta=theta,
+        rope_scaling=global_rope or None,
+        rope_local_theta=local_theta,
+        layer_types=list(layer_types),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        sliding_window=cfg.get("sliding_window", 4096),
+        qk_norm=True,
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
     )
 
 

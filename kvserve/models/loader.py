@@ -1,4 +1,5 @@
-"""load_model: a Hugging Face directory, a GGUF file, or None (the embedded default) -> model + tokenizer."""
+"""load_model: a Hugging Face directory, a GGUF file, a preset name (kvserve/models/presets.py) or None (the
+embedded default) -> model + tokenizer."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -10,17 +11,24 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.layers.linear import pack_float_weights
 from kvserve.layers.quantization import QuantConfig
-from kvserve.models.default import default_model_path
-from kvserve.models.gguf import GGUFTensor, gguf_model_config, iter_gguf_weights
-from kvserve.models.gguf_file import open_gguf
+           ) -> CausalLM:
+    # Linear layers make their weights from the loaded shards (finalize); construction itself only makes
+    # norm weights and RoPE tables, so it runs on the target device directly. (On the meta device, the
+    # first tensor op went through torch's Python reference kernels, whose imports cost ~1-2 s a start.)
+    with torch.device(quant.device):
+        model = build_model(cfg, quant).to(quant.dtype)
+    for m in model.modules():  # every RoPE table (Gemma has one per layer kind), float32 again after the cast
+        if isinstance(m, RotaryEmbedding):
+            m.reset_table(quant.device)
 from kvserve.models.hf import iter_hf_weights, read_hf_config
-from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.presets import resolve_model
+from kvserve.models.registry import CausalLM, build_model
 from kvserve.tokenizer.tokenizer import Tokenizer
 
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     config: ModelConfig
     tokenizer: Tokenizer
 
@@ -37,19 +45,18 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, token
 
 
 def load_tokenizer(path: str, eos_token_ids: list[int] | None = None) -> Tokenizer:
-    p = Path(path)
+    p = Path(resolve_model(path))
     if p.is_dir():
         return Tokenizer.from_hf_dir(p, eos_token_ids)
     if p.is_file() and p.suffix == ".gguf":
-        return Tokenizer.from_gguf_fields(open_gguf(p).fields)
+        return Tokenizer.from_gguf_fields(read_gguf(p).metadata)
     if not p.exists():
         raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
     raise ValueError(f"tokenizer {path!r} is neither a Hugging Face directory nor a .gguf file")
 
 
 def _load(path: str | None, quant: QuantConfig) -> LoadedModel:
-    if path is None:
-        path = default_model_path()
+    path = resolve_model(path)  # a preset name or None (the default) -> the file it names
     p = Path(path)
     if p.is_dir():
         if not (p / "config.json").exists():
@@ -58,8 +65,8 @@ def _load(path: str | None, quant: QuantConfig) -> LoadedModel:
         model = _build(cfg, iter_hf_weights(p), quant)
         return LoadedModel(model, cfg, Tokenizer.from_hf_dir(p, cfg.eos_token_ids))
     if p.is_file() and p.suffix == ".gguf":
-        file = open_gguf(p)
-        meta = file.fields
+        file = read_gguf(p)
+        meta = file.metadata
         cfg = gguf_model_config(meta, {t.name: t for t in file.tensors})
         weights = list(iter_gguf_weights(file, cfg, meta["general.architecture"]))
         quant.quantized_tensors = {name: t.quantized for name, t in weights}
@@ -71,13 +78,15 @@ def _load(path: str | None, quant: QuantConfig) -> LoadedModel:
 
 
 def _build(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | GGUFTensor]], quant: QuantConfig
-           ) -> LlamaForCausalLM:
+           ) -> CausalLM:
     # Linear layers make their weights from the loaded shards (finalize); construction itself only makes
-    # norm weights and the RoPE table, so it runs on the target device directly. (On the meta device, the
+    # norm weights and RoPE tables, so it runs on the target device directly. (On the meta device, the
     # first tensor op went through torch's Python reference kernels, whose imports cost ~1-2 s a start.)
     with torch.device(quant.device):
-        model = LlamaForCausalLM(cfg, quant).to(quant.dtype)
-    model.rotary.reset_table(quant.device)  # float32 again after the cast
+        model = build_model(cfg, quant).to(quant.dtype)
+    for m in model.modules():  # every RoPE table (Gemma has one per layer kind), float32 again after the cast
+        if isinstance(m, RotaryEmbedding):
+            m.reset_table(quant.device)
     model.load_weights(weights)
     pack_float_weights(model)  # bf16 on CPU only; a no-op elsewhere
     return model.eval().requires_grad_(False)

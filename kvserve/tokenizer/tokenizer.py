@@ -1,8 +1,8 @@
 """Tokenizer: a `tokenizers.Tokenizer` plus the model's chat template and special-token ids.
 
 Built from a Hugging Face directory (tokenizer.json read as-is: transformers 5's AutoTokenizer may
-rebuild some tokenizers its own way and give different ids) or from GGUF metadata (byte-level BPE
-rebuilt from tokenizer.ggml.*)."""
+rebuild some tokenizers its own way and give different ids) or from GGUF metadata (rebuilt from
+tokenizer.ggml.* by gguf_tokenizer.py)."""
 from __future__ import annotations
 
 import json
@@ -12,11 +12,9 @@ from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer as BackendTokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
 
-# GGUF token_type values (llama.cpp's llama_token_type).
-_GGUF_CONTROL = 3
-_GGUF_USER_DEFINED = 4
+from kvserve.tokenizer.gguf_tokenizer import build_gguf_tokenizer
 
 
 class Tokenizer:
@@ -57,7 +55,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if not self.chat_template:
-            raise ValueError("model has no chat template")
+            raise ValueError("model has no chat template (a base model takes plain text: use completions, not chat)")
         if self._template is None:
             self._template = _jinja_env().from_string(self.chat_template)
         try:
@@ -96,43 +94,15 @@ class Tokenizer:
     @classmethod
     def from_gguf_fields(cls, fields: dict[str, Any]) -> "Tokenizer":
         """`fields`: GGUF metadata key -> decoded value (see kvserve.models.gguf.read_metadata)."""
-        model = fields.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
+        backend = build_gguf_tokenizer(fields)
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
-        types: list[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        backend = BackendTokenizer(
-            # Byte-level BPE covers every byte, so no unknown token is needed.
-            models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False)
-        )
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-        )
-        backend.decoder = decoders.ByteLevel()
-        added = [
-            AddedToken(t, special=ty == _GGUF_CONTROL, normalized=False)
-            for t, ty in zip(tokens, types)
-            if ty in (_GGUF_CONTROL, _GGUF_USER_DEFINED)
-        ]
-        backend.add_tokens([a for a in added if not a.special])
-        backend.add_special_tokens([a for a in added if a.special])
-
         bos_id = fields.get("tokenizer.ggml.bos_token_id")
         eos_id = fields.get("tokenizer.ggml.eos_token_id")
-        bos = tokens[bos_id] if bos_id is not None else None
-        if fields.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
-            )
-        else:
-            backend.post_processor = processors.ByteLevel(trim_offsets=False)
         eos_ids = [i for i in (eos_id, fields.get("tokenizer.ggml.eot_token_id")) if i is not None]
         return cls(
             backend,
             fields.get("tokenizer.chat_template"),
-            bos,
+            tokens[bos_id] if bos_id is not None else None,
             tokens[eos_id] if eos_id is not None else None,
             list(dict.fromkeys(eos_ids)),
         )
