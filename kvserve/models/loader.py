@@ -11,15 +11,9 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.layers.linear import pack_float_weights
 from kvserve.layers.quantization import QuantConfig
-           ) -> CausalLM:
-    # Linear layers make their weights from the loaded shards (finalize); construction itself only makes
-    # norm weights and RoPE tables, so it runs on the target device directly. (On the meta device, the
-    # first tensor op went through torch's Python reference kernels, whose imports cost ~1-2 s a start.)
-    with torch.device(quant.device):
-        model = build_model(cfg, quant).to(quant.dtype)
-    for m in model.modules():  # every RoPE table (Gemma has one per layer kind), float32 again after the cast
-        if isinstance(m, RotaryEmbedding):
-            m.reset_table(quant.device)
+from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.models.gguf import GGUFTensor, gguf_model_config, iter_gguf_weights
+from kvserve.models.gguf_file import read_gguf
 from kvserve.models.hf import iter_hf_weights, read_hf_config
 from kvserve.models.presets import resolve_model
 from kvserve.models.registry import CausalLM, build_model
