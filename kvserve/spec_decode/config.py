@@ -50,13 +50,13 @@ class SpeculativeConfig:
         if self.method == "ngram":
             # One bound given: the other defaults to it (a single n), as vLLM does; neither: 2..4.
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if v is not None and (not _is_int(v) or v < 1):
+                    raise bad(name, f"must be an integer >= 1, got {v!r}")
             if lo is None and hi is None:
                 lo, hi = 2, 4
             lo = hi if lo is None else lo
             hi = lo if hi is None else hi
-            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-                if not _is_int(v) or v < 1:
-                    raise bad(name, f"must be an integer >= 1, got {v!r}")
             if lo > hi:
                 raise bad("prompt_lookup_min", f"({lo}) must be <= prompt_lookup_max ({hi})")
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
