@@ -272,7 +272,7 @@ class LLMEngine:
 
     def _spec_stats(self) -> dict:
         s = self.speculator.stats
-        return dict(spec_num_drafts=s.num_drafts, spec_num_draft_tokens=s.num_draft_tokens,
+        return dict(spec_decode_enabled=True, spec_num_drafts=s.num_drafts, spec_num_draft_tokens=s.num_draft_tokens,
                     spec_num_accepted_tokens=s.num_accepted_tokens, spec_accepted_per_pos=list(s.accepted_per_pos))
 
     def reset_prefix_cache(self) -> None:

@@ -18,6 +18,7 @@ class EngineStats:
     num_prompt_tokens: int = 0           # prompt tokens of requests admitted (computed or cached)
     num_generation_tokens: int = 0       # tokens sampled
     # Speculative decoding (vLLM's spec_decode_* counters): one draft is one sequence's proposal in a step.
+    spec_decode_enabled: bool = False
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
