@@ -209,3 +209,20 @@ def test_ngram_drafts_on_repetitive_text_keep_greedy_output(tiny_model_dirs):
     for i in range(len(ps)):
         assert got[str(i)].outputs[0].token_ids == ref[str(i)].outputs[0].token_ids
     assert engine.get_stats().spec_num_draft_tokens > 0
+
+
+def test_drafts_stop_at_max_model_len(tiny_model_dirs):
+    """Right drafts up to the context limit: no position past max_model_len is computed, and the output is
+    the non-speculative one, ended by the length limit."""
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(7, [9, 14])
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    ref, proposer = reference_and_drafts(path, ps, params, 0.0, max_model_len=37)
+    engine = make_engine(path, NGRAM, max_model_len=37)
+    engine.speculator.proposer = proposer
+    got = run(engine, [[(str(i), p, params) for i, p in enumerate(ps)]], check=True)
+    for i, p in enumerate(ps):
+        out = got[str(i)].outputs[0]
+        assert out.token_ids == ref[i].token_ids and len(p) + len(out.token_ids) == 37
+        assert out.finish_reason == "length"
+    assert engine.get_stats().spec_num_accepted_tokens > 0

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.sampling.sampler import Sampler
+
 
 def num_accepted(sampled: list[int], drafts: list[int]) -> int:
     """How many leading drafts equal the target's samples. sampled has len(drafts) + 1 entries: the
@@ -37,8 +39,6 @@ def rewind_generator(generator: torch.Generator, state_before: torch.Tensor, num
                      device: torch.device, dtype: torch.dtype) -> None:
     """Put generator where it would be after drawing noise for num_rows positions from state_before
     (the sampler draws one row of `vocab` uniforms per position: Sampler.draw_uniform)."""
-    from kvserve.sampling.sampler import Sampler
-
     generator.set_state(state_before)
     for _ in range(num_rows):
         Sampler.draw_uniform(generator, vocab, device, dtype)
