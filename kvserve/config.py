@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+from kvserve.spec_decode.config import SpeculativeConfig
 
 BatchingPolicy = Literal["continuous", "static", "dynamic"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -43,6 +45,10 @@ class EngineConfig:
 
     num_threads: int | None = None        # torch intra-op threads on CPU; None leaves torch's choice
 
+    # Speculative decoding: a SpeculativeConfig or its dict / JSON text, e.g.
+    # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
@@ -62,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be {'|'.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
 
 @dataclass

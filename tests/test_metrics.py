@@ -99,3 +99,33 @@ def test_stats_line():
     assert "Running: 3 reqs" in line and "Waiting: 2 reqs" in line
     assert "KV cache usage: 12.5%" in line and "Prefix cache hit rate: 50.0%" in line
     assert _busy(now, before) and not _busy(EngineStats(), EngineStats())
+
+
+def test_speculative_decoding_counters_with_vllm_names():
+    m = ServerMetrics("m")
+    assert not any("spec_decode" in k for k in samples(m))  # absent while the engine does not speculate
+    m.on_step(StepResult([], [], EngineStats(), 0, 0.0, False))
+    assert not any("spec_decode" in k for k in samples(m))
+    first = EngineStats(spec_decode_enabled=True, spec_num_drafts=2, spec_num_draft_tokens=7,
+                        spec_num_accepted_tokens=4, spec_accepted_per_pos=[2, 1, 1, 0])
+    m.on_step(StepResult([], [], first, 0, 0.01, True))
+    later = EngineStats(spec_decode_enabled=True, spec_num_drafts=5, spec_num_draft_tokens=17,
+                        spec_num_accepted_tokens=9, spec_accepted_per_pos=[4, 3, 1, 1])
+    m.on_step(StepResult([], [], later, 0, 0.01, True))
+    s = samples(m)
+    assert s["kvserve:spec_decode_num_drafts_total"] == 5
+    assert s["kvserve:spec_decode_num_draft_tokens_total"] == 17
+    assert s["kvserve:spec_decode_num_accepted_tokens_total"] == 9
+    assert [s[f"kvserve:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}"] for i in range(4)] == \
+           [4, 3, 1, 1]
+
+
+def test_stats_line_shows_draft_acceptance():
+    before = EngineStats(spec_decode_enabled=True, spec_num_drafts=10, spec_num_draft_tokens=40,
+                         spec_num_accepted_tokens=10)
+    now = EngineStats(spec_decode_enabled=True, spec_num_drafts=20, spec_num_draft_tokens=80,
+                      spec_num_accepted_tokens=40)
+    line = format_stats_line(now, before, 5.0)
+    assert "Draft acceptance rate: 75.0% (30/40 tokens), Mean acceptance length: 4.00" in line
+    assert "Draft acceptance" not in format_stats_line(before, before, 5.0)
+    assert "Draft acceptance" not in format_stats_line(EngineStats(), EngineStats(), 5.0)

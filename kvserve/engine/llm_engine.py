@@ -1,6 +1,10 @@
 """The engine: requests in, one scheduling step at a time, outputs out.
 
     add_request -> Scheduler.schedule -> ModelRunner.execute -> Request.append_token (stops, text) -> RequestOutput
+
+With speculative decoding, a Speculator drafts tokens for the decoding sequences before each schedule; a
+step may then append several tokens to a sequence (the accepted drafts and one more), and its
+num_computed_tokens counts only the verified positions it kept.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from kvserve.models.loader import load_model
 from kvserve.outputs import PositionLogprobs, RequestMetrics, RequestOutput
 from kvserve.sampling.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.speculator import Speculator
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
 from kvserve.utils.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from kvserve.worker.model_runner import ModelRunner
@@ -64,6 +69,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(loaded.model, kv_spec, num_blocks, self.device, self.eos_token_ids)
+        self.speculator = (Speculator(config.speculative_config, self.max_model_len)
+                           if config.speculative_config is not None else None)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._token_text: dict[int, str] = {}
@@ -176,6 +183,8 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         self._num_steps += 1
         self._last_step_tokens = sched.num_batched_tokens
@@ -193,8 +202,6 @@ class LLMEngine:
         for seq, n in sched.scheduled:
             req = self.requests[seq.request_id]
             start = seq.num_computed_tokens
-            seq.num_computed_tokens += n
-            self.block_manager.commit_full_blocks(seq)
             chunk = result.prompt_logprobs.get(seq.seq_id)
             if chunk is not None and seq.index == 0:
                 # chunk[j] is for prompt token start + 1 + j; a resumed (preempted) sequence recomputes
@@ -203,14 +210,30 @@ class LLMEngine:
                 req.prompt_logprobs.extend(self._with_text(lp) for lp in chunk[have - start - 1:])
             sampled = result.sampled.get(seq.seq_id)
             if sampled is None:
+                seq.num_computed_tokens = start + n
+                self.block_manager.commit_full_blocks(seq)
                 continue
-            token, logprobs = sampled
-            self._num_generation_tokens += 1
+            tokens, logprobs = sampled
+            drafts = sched.spec_token_ids.get(seq.seq_id, ())
+            if drafts:
+                self.speculator.record(seq, len(drafts), len(tokens) - 1)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
                 self._num_prompt_tokens += len(req.prompt_token_ids)
             req.metrics.last_token_time = now
-            if req.append_token(seq, token, self._with_text(logprobs) if logprobs else logprobs):
+            finished = False
+            appended = 0
+            for token, lp in zip(tokens, logprobs):  # stops inside an accepted run end it there
+                appended += 1
+                finished = req.append_token(seq, token, self._with_text(lp) if lp else lp)
+                if finished:
+                    break
+            self._num_generation_tokens += appended
+            # The K/V written for rejected drafts (and for drafts after a stop) stay in the blocks as
+            # garbage that the tokens computed there later overwrite; only the kept positions count.
+            seq.num_computed_tokens = start + n - len(drafts) + appended - 1
+            self.block_manager.commit_full_blocks(seq)
+            if finished:
                 self.scheduler.finish(seq)
             touched[req.request_id] = req
 
@@ -245,7 +268,13 @@ class LLMEngine:
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
             last_step_num_tokens=self._last_step_tokens,
+            **(self._spec_stats() if self.speculator is not None else {}),
         )
+
+    def _spec_stats(self) -> dict:
+        s = self.speculator.stats
+        return dict(spec_decode_enabled=True, spec_num_drafts=s.num_drafts, spec_num_draft_tokens=s.num_draft_tokens,
+                    spec_num_accepted_tokens=s.num_accepted_tokens, spec_accepted_per_pos=list(s.accepted_per_pos))
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()

@@ -1,7 +1,8 @@
 """Who runs this step, and with how many tokens.
 
 Every step has a token budget (max_num_batched_tokens). Running sequences are served first, best
-priority first: a decode needs one token, a sequence still in prefill gets the next chunk of its prompt.
+priority first: a decode needs one token (1 + k with k draft tokens to verify, k trimmed to what the
+budget and the block pool allow), a sequence still in prefill gets the next chunk of its prompt.
 What is left of the budget admits waiting sequences (continuous batching), so one step can mix decodes
 with prefill chunks, and a long prompt is spread over several steps instead of stalling the decodes.
 
@@ -28,8 +29,10 @@ from kvserve.engine.sequence import Sequence, SequenceStatus
 @dataclass
 class SchedulerOutput:
     # (sequence, number of new tokens) in batch order; the tokens are
-    # seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n].
+    # seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n], except for a sequence with
+    # drafts: its last token followed by spec_token_ids[seq_id] (n = 1 + len(drafts)).
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)   # seq_id -> drafts to verify
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
 
@@ -71,6 +74,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq)
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -106,12 +110,15 @@ class Scheduler:
             is_decode = remaining == 1
             if is_decode:
                 decodes_left -= 1
-                n = min(1, budget)
+                # Drafts take only what the decodes still to serve do not need.
+                n = max(min(1, budget), min(1 + len(seq.spec_token_ids), budget - decodes_left))
             else:
                 n = min(remaining, max(0, budget - decodes_left))
             if n == 0:
                 kept.append(seq)
                 continue
+            if n > 1 and is_decode and not self.block_manager.allocate(seq, n):
+                n = 1  # drafts never preempt anyone: verify fewer, or none
             while not self.block_manager.allocate(seq, n):
                 if queue:  # preempt the worst sequence not yet served this step
                     victim = queue.pop()
@@ -124,6 +131,8 @@ class Scheduler:
             else:
                 kept.append(seq)
                 out.scheduled.append((seq, n))
+                if is_decode and n > 1:
+                    out.spec_token_ids[seq.seq_id] = seq.spec_token_ids[:n - 1]
                 budget -= n
         self.running = kept
         return budget

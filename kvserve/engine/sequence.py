@@ -8,9 +8,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.spec_decode.speculator import SpecState
 
 
 class SequenceStatus(enum.Enum):
@@ -43,6 +48,10 @@ class Sequence:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     ever_admitted: bool = False
+    # Speculative decoding: tokens proposed for the next step (not part of token_ids until accepted), and
+    # this sequence's recent acceptance.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_state: SpecState | None = None
 
     @property
     def num_tokens(self) -> int:

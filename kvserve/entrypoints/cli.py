@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from kvserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from kvserve.spec_decode.config import SpeculativeConfig
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m": 10**6, "mb": 10**6,
@@ -27,6 +28,13 @@ def parse_memory(text: str) -> int | float:
             raise argparse.ArgumentTypeError(f"a fraction of free memory must be in (0, 1], got {text}")
         return value
     return int(float(number) * _UNITS[unit])
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -80,6 +88,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "batch to fill (default: %(default)s)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="Torch threads for the engine on CPU. Default: torch's choice (all cores).")
+    p.add_argument("--speculative-config", type=parse_speculative_config, default=None,
+                   help="Speculative decoding, as JSON with vLLM's field names, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'. "
+                        "Output is unchanged (greedy: token for token; seeded sampling: the same draws). Also: "
+                        "disable_by_batch_size (no drafting above this many running sequences), "
+                        "min_acceptance_rate and acceptance_window (a request whose drafts keep failing pauses "
+                        "drafting). Default: off.")
     p.set_defaults(prefix_caching=True)
 
 
@@ -91,7 +106,8 @@ def engine_config(args: argparse.Namespace, max_waiting: int | None = None) -> E
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.prefix_caching,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,
-        batching=args.batching, max_waiting=max_waiting, num_threads=args.num_threads)
+        batching=args.batching, max_waiting=max_waiting, num_threads=args.num_threads,
+        speculative_config=args.speculative_config)
 
 
 def build_parser() -> argparse.ArgumentParser:

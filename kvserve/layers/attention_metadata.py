@@ -24,6 +24,7 @@ import torch
 _GROUP_COST_BLOCKS = 64
 _GROUP_STRIDE = 4  # candidate group boundaries every this many rows, which keeps the split's search tiny
 _KERNEL_MAX_PREFILL_CONTEXT = 1024  # longer prefills go to SDPA even where the native kernel runs
+_KERNEL_ALWAYS_MAX_QUERY = 16       # rows this short (decodes, speculative verification) stay on the kernel
 
 
 def split_by_length(num_blocks: list[int]) -> list[int]:
@@ -118,9 +119,11 @@ class AttentionMetadata:
         kernel_rows, torch_seqs = None, range(self.num_seqs)
         if kernel:
             # Long prefills stay with SDPA: the kernel reads a sequence's K/V once per query row, which
-            # stops paying at about 1k tokens of context (benchmarks/results/prefill_attention.md).
+            # stops paying at about 1k tokens of context (benchmarks/results/prefill_attention.md). A
+            # handful of rows (speculative verification) reads it a handful of times, still far cheaper
+            # than SDPA's gather of the whole context.
             torch_seqs = [i for i in range(self.num_seqs)
-                          if self.query_len(i) > 1 and lens[i] > _KERNEL_MAX_PREFILL_CONTEXT]
+                          if self.query_len(i) > _KERNEL_ALWAYS_MAX_QUERY and lens[i] > _KERNEL_MAX_PREFILL_CONTEXT]
             kernel_rows = self._kernel_rows(torch_seqs)
 
         decode_rows = sorted((i for i in torch_seqs if self.query_len(i) == 1), key=lambda i: lens[i])

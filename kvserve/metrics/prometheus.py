@@ -69,6 +69,7 @@ class ServerMetrics:
                                           ITERATION_TOKEN_BUCKETS)
         self._last_stats = EngineStats()
         self._tracked: dict[str, _Tracked] = {}
+        self._spec: _SpecDecodeCounters | None = None  # registered once the engine says it speculates
 
     # ------------------------------------------------------------ feeding
 
@@ -85,6 +86,10 @@ class ServerMetrics:
         ):
             if now > before:
                 counter.inc(now - before)
+        if s.spec_decode_enabled:
+            if self._spec is None:
+                self._spec = _SpecDecodeCounters(self.registry, self.model_name)
+            self._spec.update(s, prev)
         if result.stepped:
             self.iteration_tokens.observe(s.last_step_num_tokens)
         self._last_stats = s
@@ -135,3 +140,36 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpecDecodeCounters:
+    """vLLM's speculative-decoding counters: drafts (one per sequence and step that verified some), draft
+    tokens, accepted draft tokens, and accepted draft tokens by position in the draft (label `position`,
+    0-based: how often the i-th draft token was accepted)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        lbl = ["model_name"]
+        self.model_name = model_name
+        self.num_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Speculative drafts verified.", lbl,
+                                  registry=registry).labels(model_name)
+        self.num_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens verified.", lbl,
+                                        registry=registry).labels(model_name)
+        self.num_accepted_tokens = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                           lbl, registry=registry).labels(model_name)
+        self.per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                               "Draft tokens accepted, by position in the draft.", ["model_name", "position"],
+                               registry=registry)
+
+    def update(self, s: EngineStats, prev: EngineStats) -> None:
+        for counter, now, before in (
+            (self.num_drafts, s.spec_num_drafts, prev.spec_num_drafts),
+            (self.num_draft_tokens, s.spec_num_draft_tokens, prev.spec_num_draft_tokens),
+            (self.num_accepted_tokens, s.spec_num_accepted_tokens, prev.spec_num_accepted_tokens),
+        ):
+            if now > before:
+                counter.inc(now - before)
+        for pos, now in enumerate(s.spec_accepted_per_pos):
+            before = prev.spec_accepted_per_pos[pos] if pos < len(prev.spec_accepted_per_pos) else 0
+            child = self.per_pos.labels(self.model_name, str(pos))  # created at 0 on first sight
+            if now > before:
+                child.inc(now - before)

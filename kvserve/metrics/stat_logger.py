@@ -1,5 +1,6 @@
 """A log line every few seconds while the engine is busy, in the spirit of vLLM's:
-throughput, running/waiting, KV usage, prefix-cache hit rate."""
+throughput, running/waiting, KV usage, prefix-cache hit rate, and with speculative decoding the draft
+acceptance rate over the interval."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,18 @@ def format_stats_line(now: EngineStats, before: EngineStats, interval_s: float) 
     return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: {gen_tps:.1f} tokens/s, "
             f"Running: {now.num_running} reqs, Waiting: {now.num_waiting} reqs, "
             f"KV cache usage: {100.0 * now.kv_cache_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%, "
-            f"Preemptions: {now.num_preemptions - before.num_preemptions}")
+            f"Preemptions: {now.num_preemptions - before.num_preemptions}" + _spec_decode_part(now, before))
+
+
+def _spec_decode_part(now: EngineStats, before: EngineStats) -> str:
+    drafts = now.spec_num_drafts - before.spec_num_drafts
+    if not now.spec_decode_enabled or drafts <= 0:
+        return ""
+    drafted = now.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = now.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    # Mean acceptance length counts the token every verification adds besides the accepted drafts.
+    return (f", Draft acceptance rate: {100.0 * accepted / max(drafted, 1):.1f}% "
+            f"({accepted}/{drafted} tokens), Mean acceptance length: {1 + accepted / drafts:.2f}")
 
 
 def _busy(now: EngineStats, before: EngineStats) -> bool:

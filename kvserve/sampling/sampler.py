@@ -143,10 +143,15 @@ class Sampler:
         uniform = torch.rand_like(probs)
         for i, g in enumerate(generators):
             if g is not None:
-                uniform[i] = torch.rand(probs.shape[1], generator=g, device=probs.device, dtype=probs.dtype)
+                uniform[i] = Sampler.draw_uniform(g, probs.shape[1], probs.device, probs.dtype)
         # -log(U) is Exp(1), and several times cheaper than exponential_ on CPU. U < 1, so the noise
         # is > 0 (no 0/0 = NaN, which would win the argmax); U = 0 gives inf: that token just loses.
         return uniform.log_().neg_()
+
+    @staticmethod
+    def draw_uniform(generator: torch.Generator, vocab: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """One seeded row's uniforms (one position's draw; speculative decoding replays these to rewind)."""
+        return torch.rand(vocab, generator=generator, device=device, dtype=dtype)
 
     @staticmethod
     def _per_row(values: list[float], like: Tensor) -> Tensor:

@@ -1,4 +1,8 @@
-"""Tensors in, tokens out: turns a SchedulerOutput into one forward pass and one sampling pass."""
+"""Tensors in, tokens out: turns a SchedulerOutput into one forward pass and one sampling pass.
+
+A sequence with draft tokens (speculative decoding) is one row of 1 + k query tokens, its last token then
+its drafts, like a chunk of prefill; every one of those positions is sampled, and the drafts are accepted
+while they equal the samples (kvserve/spec_decode/verify.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,12 +17,14 @@ from kvserve.outputs import PositionLogprobs
 from kvserve.models.kv_cache import KVCacheSpec, allocate_kv_caches
 from kvserve.sampling.logprobs import compute_prompt_logprobs
 from kvserve.sampling.sampler import Sampler, SamplingInputs
+from kvserve.spec_decode.verify import num_accepted, rewind_generator
 
 
 @dataclass
 class ModelRunnerOutput:
-    # For each scheduled sequence that reached the end of its tokens: the sampled token (and logprobs).
-    sampled: dict[int, tuple[int, PositionLogprobs | None]]          # seq_id -> (token, logprobs)
+    # For each scheduled sequence that reached the end of its tokens: the tokens to append and their
+    # logprobs (None unless asked for). One token; with k drafts, the accepted ones plus one more.
+    sampled: dict[int, tuple[list[int], list[PositionLogprobs | None]]]
     # For sequences that asked for prompt logprobs: this step's chunk of them, in prompt order.
     prompt_logprobs: dict[int, list[PositionLogprobs]]
 
@@ -44,13 +50,16 @@ class ModelRunner:
         query_start_loc = [0]
         seq_lens: list[int] = []
         sample_rows: list[int] = []          # rows of the flat batch whose logits we sample from
-        sample_seqs: list[Sequence] = []
+        sample_seqs: list[Sequence] = []     # per sampled row (a sequence with k drafts has k + 1 rows)
+        sample_outputs: list[list[int]] = []  # per sampled row: the output tokens before that position
         prompt_lp: list[tuple[Sequence, int, int, int]] = []  # (seq, first row, first position, count)
 
         for seq, n in sched.scheduled:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            drafts = sched.spec_token_ids.get(seq.seq_id, ())
             row0 = len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.token_ids[start:end - len(drafts)])
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
             table = seq.block_table
             if n == 1:
@@ -59,9 +68,12 @@ class ModelRunner:
                 slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(end)
-            if end == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sample_seqs.append(seq)
+            if end - len(drafts) == seq.num_tokens:
+                outputs = seq.output_token_ids
+                for j in range(len(drafts) + 1):  # row j predicts the token after drafts[:j]
+                    sample_rows.append(len(input_ids) - 1 - len(drafts) + j)
+                    sample_seqs.append(seq)
+                    sample_outputs.append(outputs + list(drafts[:j]) if j else outputs)
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 # Row p predicts token p + 1; only positions whose next token is in the prompt.
                 count = min(end, seq.num_prompt_tokens - 1) - start
@@ -98,14 +110,27 @@ class ModelRunner:
 
         if sample_seqs:
             logits = self.model.compute_logits(hidden[sample_rows])
+            # A seeded sequence's generator state before this step's draws, to rewind past rejected rows.
+            seeded = {s.seq_id: s.generator.get_state() for s in sample_seqs
+                      if s.generator is not None and s.seq_id in sched.spec_token_ids and not s.params.greedy}
+            prompts = {s.seq_id: s.prompt_token_ids for s in sample_seqs}
             inputs = SamplingInputs(
                 params=[s.params for s in sample_seqs],
                 generators=[s.generator for s in sample_seqs],
-                prompt_token_ids=[s.prompt_token_ids for s in sample_seqs],
-                output_token_ids=[s.output_token_ids for s in sample_seqs],
+                prompt_token_ids=[prompts[s.seq_id] for s in sample_seqs],
+                output_token_ids=sample_outputs,
                 eos_token_ids=self.eos_token_ids,
             )
             sampled = self.sampler(logits, inputs)
-            for seq, tok, lp in zip(sample_seqs, sampled.token_ids, sampled.logprobs):
-                result.sampled[seq.seq_id] = (tok, lp)
+            row = 0
+            while row < len(sample_seqs):
+                seq = sample_seqs[row]
+                drafts = sched.spec_token_ids.get(seq.seq_id, ())
+                tokens = sampled.token_ids[row:row + len(drafts) + 1]
+                keep = num_accepted(tokens, list(drafts)) + 1 if drafts else 1
+                result.sampled[seq.seq_id] = (tokens[:keep], sampled.logprobs[row:row + keep])
+                state = seeded.get(seq.seq_id)
+                if state is not None and keep < len(tokens):
+                    rewind_generator(seq.generator, state, keep, logits.shape[1], logits.device, torch.float32)
+                row += len(drafts) + 1
         return result

@@ -1,0 +1,186 @@
+"""Speculative decoding on the default model: output tok/s and TPOT with and without each method, at several
+concurrencies, on three workloads, with the acceptance rate per draft position.
+
+    python benchmarks/speculative.py                                   # the full run (long on 2 cores)
+    python benchmarks/speculative.py --concurrency 1 --num-requests 2 --max-tokens 8 --workloads repeat   # smoke
+
+Workloads (prompts cut from offline text, chat template applied, greedy unless --temperature):
+  repeat     copy a given text: a Shakespeare passage or a piece of kvserve's own source code
+  summarise  summarise a given passage
+  chat       open questions, nothing to copy from
+Methods: none; ngram (the configured adaptive defaults: no drafting above disable_by_batch_size running
+sequences, per-request pauses on low acceptance); ngram-always (drafting in every step, no pauses: to
+find the crossover batch size that disable_by_batch_size should sit at).
+
+Each (workload, concurrency) runs a closed loop: `concurrency` requests in flight, a new one added when one
+finishes, until --num-requests (at least `concurrency`) are done. TPOT per request is (last token time -
+first token time) / (output tokens - 1); the table gives the median. "same" says whether every greedy
+output equals that of `none` (it must; a "no" is a bug).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+from pathlib import Path
+
+from common import report
+from kvserve import LLM, SamplingParams
+from kvserve.bench.corpus import load_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTIONS = [
+    "What makes a good cup of tea?", "Explain how a bicycle stays upright.", "Why is the sky blue?",
+    "Give me three tips for learning a new language.", "What is the difference between weather and climate?",
+    "How do vaccines work?", "Describe a pleasant walk in autumn.", "What should I pack for a weekend trip?",
+    "Why do cats purr?", "How does a refrigerator keep food cold?", "What is a prime number?",
+    "Suggest a name for a small bakery.", "How do plants make food?", "What is the tallest mountain?",
+    "Write a short poem about rain.", "What are the benefits of sleep?",
+]
+CODE_FILES = ["kvserve/engine/block_manager.py", "kvserve/sampling/logits_processors.py", "kvserve/engine/request.py"]
+
+
+def make_prompts(workload: str, n: int, seed: int) -> list[list[dict]]:
+    rng = random.Random(seed)
+    corpus = load_corpus() if workload in ("repeat", "summarise") else None
+    convs = []
+    for i in range(n):
+        if workload == "repeat":
+            if i % 2:
+                lines = (ROOT / CODE_FILES[i // 2 % len(CODE_FILES)]).read_text().splitlines()
+                start = rng.randrange(max(1, len(lines) - 20))
+                text, what = "\n".join(lines[start:start + 20]), "Python code"
+            else:
+                text, what = corpus.passage(rng.randrange(len(corpus.lines)), 500), "text"
+            content = f"Repeat the following {what} exactly, with no comment:\n\n{text}"
+        elif workload == "summarise":
+            content = ("Summarise the following passage in a few sentences:\n\n"
+                       + corpus.passage(rng.randrange(len(corpus.lines)), 900))
+        else:
+            content = QUESTIONS[i % len(QUESTIONS)]
+        convs.append([{"role": "user", "content": content}])
+    return convs
+
+
+def method_config(method: str, args) -> dict | None:
+    if method == "none":
+        return None
+    cfg = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+           "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    if method == "ngram-always":
+        cfg.update(disable_by_batch_size=None, min_acceptance_rate=0.0)
+    return cfg
+
+
+def run_closed_loop(llm: LLM, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict:
+    engine = llm.engine
+    engine.reset_prefix_cache()
+    before = engine.get_stats()
+    pending = list(enumerate(prompts))
+    in_flight: set[str] = set()
+    outputs = {}
+    t0 = time.perf_counter()
+    while pending or in_flight:
+        while pending and len(in_flight) < concurrency:
+            i, p = pending.pop(0)
+            engine.add_request(f"r{i}", p, params)
+            in_flight.add(f"r{i}")
+        for out in engine.step():
+            if out.finished:
+                in_flight.discard(out.request_id)
+                outputs[int(out.request_id[1:])] = out
+    elapsed = time.perf_counter() - t0
+    after = engine.get_stats()
+    tokens = [len(outputs[i].outputs[0].token_ids) for i in range(len(prompts))]
+    tpots = [(o.metrics.last_token_time - o.metrics.first_token_time) / (n - 1)
+             for o, n in ((outputs[i], tokens[i]) for i in range(len(prompts))) if n > 1]
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    per_pos = [a - (before.spec_accepted_per_pos[j] if j < len(before.spec_accepted_per_pos) else 0)
+               for j, a in enumerate(after.spec_accepted_per_pos)]
+    return {
+        "seconds": elapsed, "output_tokens": sum(tokens), "output_tok_s": sum(tokens) / elapsed,
+        "tpot_median_ms": 1000 * statistics.median(tpots) if tpots else None,
+        "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "acceptance_per_position": [a / drafts for a in per_pos] if drafts else [],
+        "token_ids": [outputs[i].outputs[0].token_ids for i in range(len(prompts))],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", nargs="+", default=["repeat", "summarise", "chat"],
+                    choices=["repeat", "summarise", "chat"])
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
+    ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-always"],
+                    choices=["none", "ngram", "ngram-always"])
+    ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--prompt-lookup-max", type=int, default=4)
+    ap.add_argument("--prompt-lookup-min", type=int, default=2)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--name", default="speculative", help="results/<name>.json and .md")
+    args = ap.parse_args()
+    if "none" not in args.methods:
+        args.methods = ["none", *args.methods]  # the baseline every ratio is taken against
+
+    results: dict = {}
+    for method in args.methods:
+        llm = LLM(dtype=args.dtype, quantization=args.quantization, num_threads=args.num_threads,
+                  speculative_config=method_config(method, args), max_num_seqs=max(args.concurrency))
+        tok = llm.get_tokenizer()
+        for workload in args.workloads:
+            for c in args.concurrency:
+                n = max(c, args.num_requests)
+                prompts = [tok.encode(tok.apply_chat_template(conv), add_special_tokens=False)
+                           for conv in make_prompts(workload, n, args.seed)]
+                params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                                        seed=args.seed if args.temperature > 0 else None)
+                run_closed_loop(llm, prompts[:1], params, 1)  # warm-up
+                r = run_closed_loop(llm, prompts, params, c)
+                results.setdefault(workload, {}).setdefault(str(c), {})[method] = r
+                print(f"{workload:9s} c={c:<3d} {method:13s} {r['output_tok_s']:7.1f} tok/s "
+                      f"TPOT {r['tpot_median_ms'] or 0:6.1f} ms  acceptance {r['acceptance_rate']}", flush=True)
+        del llm
+        gc.collect()
+
+    lines = ["| workload | concurrency | method | output tok/s | x none | TPOT median ms | acceptance rate | "
+             "mean acceptance length | acceptance by position | same |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---|---|"]
+    for workload, by_c in results.items():
+        for c, by_m in by_c.items():
+            base = by_m["none"]
+            for method, r in by_m.items():
+                same = "yes" if r["token_ids"] == base["token_ids"] else "no"
+                if args.temperature > 0 and method != "none":
+                    same = "(sampled)"
+                rate = "" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%"
+                length = "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
+                pos = " / ".join(f"{100 * a:.0f}%" for a in r["acceptance_per_position"])
+                tpot = "" if r["tpot_median_ms"] is None else f"{r['tpot_median_ms']:.1f}"
+                lines.append(f"| {workload} | {c} | {method} | {r['output_tok_s']:.1f} | "
+                             f"{r['output_tok_s'] / base['output_tok_s']:.2f} | {tpot} | {rate} | {length} | "
+                             f"{pos} | {same} |")
+    for by_c in results.values():
+        for by_m in by_c.values():
+            for r in by_m.values():
+                del r["token_ids"]
+    setup = (f"Model: the default SmolLM2-135M-Instruct (dtype {args.dtype}, quantization {args.quantization}); "
+             f"n-gram k={args.num_speculative_tokens}, lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}; "
+             f"{args.max_tokens} output tokens per request, temperature {args.temperature}; closed loop, "
+             f"max(concurrency, {args.num_requests}) requests per run.")
+    report(args.name, "Speculative decoding", args, setup, "\n".join(lines), results)
+
+
+if __name__ == "__main__":
+    main()

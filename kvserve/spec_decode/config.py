@@ -1,0 +1,95 @@
+"""Speculative decoding's configuration: vLLM's field names, validated once, with messages a user can act on.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+given as `LLM(..., speculative_config={...})` or `kvserve serve --speculative-config '{...}'`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram",)
+
+# Above this many sequences decoding in a step, nobody drafts (vLLM's disable_by_batch_size). Chosen from
+# the step times measured on this project's 2-core AVX2 machine (benchmarks/results/quantization.md, Q4_1
+# kept: 15.0 ms at batch 1, 69.8 ms at 16, so ~3.6 ms per extra token). Verifying k drafts for each of B
+# sequences costs T(B(1+k)) against T(B) and pays only if each row accepts more than T(B(1+k))/T(B) - 1
+# tokens: with k = 4 that is ~1.0 at batch 1, ~1.6 at 2, ~2.2 at 4 and ~2.7 at 8. Only copy-heavy text
+# accepts 2+ of 4, so 4 is the last batch size where it still can win. benchmarks/speculative.py
+# measures the real crossover; re-derive this default from its report.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    # n-gram (prompt lookup): match the last n tokens, n from prompt_lookup_max down to prompt_lookup_min,
+    # against the sequence's earlier tokens and propose what followed the most recent match.
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    # Per step: no drafting when more sequences than this decode (None: always draft).
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # Per request: once at least acceptance_window draft tokens have been verified, a request whose recent
+    # acceptance (accepted / drafted, a moving average over about that many drafts) is below
+    # min_acceptance_rate stops drafting for a while: 8 steps, doubling while it stays low. 0 disables it.
+    min_acceptance_rate: float = 0.2
+    acceptance_window: int = 16
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"speculative_config: {name} {why}")
+
+        if self.method not in METHODS:
+            raise bad("method", f"must be one of {', '.join(map(repr, METHODS))}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not _is_int(k) or k < 1:
+            raise bad("num_speculative_tokens", f"must be an integer >= 1, got {k!r}")
+        if self.method == "ngram":
+            # One bound given: the other defaults to it (a single n), as vLLM does; neither: 2..4.
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if v is not None and (not _is_int(v) or v < 1):
+                    raise bad(name, f"must be an integer >= 1, got {v!r}")
+            if lo is None and hi is None:
+                lo, hi = 2, 4
+            lo = hi if lo is None else lo
+            hi = lo if hi is None else hi
+            if lo > hi:
+                raise bad("prompt_lookup_min", f"({lo}) must be <= prompt_lookup_max ({hi})")
+            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        b = self.disable_by_batch_size
+        if b is not None and (not _is_int(b) or b < 1):
+            raise bad("disable_by_batch_size", f"must be an integer >= 1 or null, got {b!r}")
+        r = self.min_acceptance_rate
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise bad("min_acceptance_rate", f"must be in [0, 1], got {r!r}")
+        if not _is_int(self.acceptance_window) or self.acceptance_window < 1:
+            raise bad("acceptance_window", f"must be an integer >= 1, got {self.acceptance_window!r}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
+        """From a dict or its JSON text; unknown keys are errors (a typo must not silently disable speculation)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {known}")
+        for name in ("method", "num_speculative_tokens"):
+            if name not in value:
+                raise ValueError(f"speculative_config: {name} is required")
+        return cls(**value)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

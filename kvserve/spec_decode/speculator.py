@@ -1,0 +1,97 @@
+"""Who drafts this step, and how many tokens: the engine's side of speculative decoding.
+
+Before each schedule the engine asks the Speculator to fill `seq.spec_token_ids` for the running
+sequences that decode; the scheduler budgets 1 + len(drafts) tokens for them, the runner verifies the
+drafts, and the engine reports back how many were accepted (`record`). Drafting pays only while the step
+is memory-bound and the drafts are good, so it is switched off for a whole step above
+`disable_by_batch_size` sequences, and per request while that request's acceptance stays low.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.engine.sequence import Sequence
+from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.spec_decode.ngram import NgramProposer
+
+_FIRST_PAUSE_STEPS = 8
+_MAX_PAUSE_STEPS = 256
+
+
+@dataclass
+class SpecDecodeStats:
+    """Cumulative counters, with vLLM's meanings: a draft is one sequence's proposal in one step."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0                                  # accepted drafts (not the bonus tokens)
+    accepted_per_pos: list[int] = field(default_factory=list)     # [i]: drafts whose token i was accepted
+
+
+@dataclass
+class SpecState:
+    """A sequence's recent acceptance, for turning its drafting off while it is poor."""
+    acceptance: float = 1.0      # moving average of accepted / drafted
+    num_verified: int = 0        # draft tokens verified so far
+    paused_until: int = 0        # no drafts before this step
+    pause_steps: int = _FIRST_PAUSE_STEPS
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        assert config.method == "ngram"
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._step = 0
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Set spec_token_ids of every running sequence: drafts for those that decode and may draft, [] else."""
+        self._step += 1
+        limit = self.config.disable_by_batch_size
+        off = limit is not None and len(running) > limit
+        for seq in running:
+            seq.spec_token_ids = [] if off else self._propose_one(seq)
+
+    def _propose_one(self, seq: Sequence) -> list[int]:
+        if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.prefill_done:
+            return []  # still in prefill
+        state = seq.spec_state
+        if state is not None and self._step < state.paused_until:
+            return []
+        # Never draft past what the request may still emit: the step emits up to len(drafts) + 1 tokens,
+        # and positions must stay inside max_model_len.
+        max_new = min(self.config.num_speculative_tokens,
+                      seq.params.max_tokens - seq.num_output_tokens - 1,
+                      self.max_model_len - seq.num_tokens - 1)
+        return self.proposer.propose(seq.token_ids, max_new) if max_new > 0 else []
+
+    def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        """The runner verified num_drafted drafts of seq and accepted the first num_accepted."""
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += num_drafted
+        s.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            s.accepted_per_pos[i] += 1
+
+        cfg = self.config
+        if cfg.min_acceptance_rate <= 0:
+            return
+        state = seq.spec_state
+        if state is None:
+            state = seq.spec_state = SpecState()
+        # Each verified draft token moves the average by 1/window of the way to this draft's rate.
+        weight = min(1.0, num_drafted / cfg.acceptance_window)
+        state.acceptance += weight * (num_accepted / num_drafted - state.acceptance)
+        state.num_verified += num_drafted
+        if state.num_verified < cfg.acceptance_window:
+            return
+        if state.acceptance < cfg.min_acceptance_rate:
+            state.paused_until = self._step + state.pause_steps
+            state.pause_steps = min(2 * state.pause_steps, _MAX_PAUSE_STEPS)
+            # Resume at the threshold: one good draft then keeps it drafting, one more bad one pauses it
+            # again, for twice as long.
+            state.acceptance = cfg.min_acceptance_rate
+        else:
+            state.pause_steps = _FIRST_PAUSE_STEPS

@@ -1,0 +1,59 @@
+"""Helpers for the speculative-decoding tests: a proposer whose draft quality the test sets, and the
+invariants a sequence's KV bookkeeping must keep after every step."""
+from __future__ import annotations
+
+import random
+
+from kvserve.engine.llm_engine import LLMEngine
+
+
+class ScriptedProposer:
+    """Drafts a known continuation (e.g. non-speculative decoding's output for the same prompt), each draft
+    token replaced by a wrong one with probability `wrong`: a draft quality set by the test, from always
+    right (0) to always wrong (1), with rejections at every position in between."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], wrong: float, vocab: int = 256,
+                 seed: int = 0) -> None:
+        self.continuations = continuations
+        self.wrong = wrong
+        self.vocab = vocab
+        self.rng = random.Random(seed)
+        self.calls = 0
+
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        self.calls += 1
+        for prompt, out in self.continuations.items():
+            if tuple(token_ids[:len(prompt)]) == prompt:
+                done = len(token_ids) - len(prompt)
+                return [t if self.rng.random() >= self.wrong else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                        for t in out[done:done + max_tokens]]
+        return []
+
+
+def num_tokens_now(engine: LLMEngine) -> dict[int, int]:
+    return {seq.seq_id: seq.num_tokens for seq in engine.scheduler.running}
+
+
+def check_kv_bookkeeping(engine: LLMEngine, max_drafts: int, tokens_before: dict[int, int] | None = None) -> None:
+    """After a step: a running sequence that gained tokens has all but its last one computed (rejected
+    drafts rolled back), its blocks cover its computed tokens with at most the drafts' room to spare, the
+    prefix cache holds only blocks of kept tokens, and every block's reference count is the number of
+    sequences holding it. tokens_before: num_tokens_now() before the step."""
+    bm, bs = engine.block_manager, engine.block_manager.block_size
+    refs: dict[int, int] = {}
+    for seq in engine.scheduler.running:
+        assert seq.num_computed_tokens <= seq.num_tokens - 1
+        if tokens_before is not None and seq.num_tokens > tokens_before.get(seq.seq_id, seq.num_tokens):
+            assert seq.num_computed_tokens == seq.num_tokens - 1, (seq.num_computed_tokens, seq.num_tokens)
+        assert len(seq.block_table) * bs >= seq.num_computed_tokens
+        assert len(seq.block_table) <= -(-(seq.num_computed_tokens + 1 + max_drafts) // bs)
+        if bm.enable_prefix_caching:
+            assert len(seq.block_hashes) == seq.num_computed_tokens // bs
+        for i, block_id in enumerate(seq.block_table[:len(seq.block_hashes)]):
+            block = bm.blocks[block_id]
+            assert block.hash == seq.block_hashes[i]
+            assert block.token_ids == tuple(seq.token_ids[i * bs:(i + 1) * bs])
+        for block_id in seq.block_table:
+            refs[block_id] = refs.get(block_id, 0) + 1
+    for block in bm.blocks:
+        assert block.ref_count == refs.get(block.block_id, 0)

@@ -1,0 +1,72 @@
+"""Adaptive speculation: no drafting in a step with more running sequences than disable_by_batch_size, and a
+request whose drafts keep failing stops drafting for a while; outputs stay those without speculation."""
+import random
+
+from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.sampling_params import SamplingParams
+from engine_helpers import assert_no_leaks, drain
+from spec_helpers import ScriptedProposer
+
+
+def engine_for(path, spec=None) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", block_size=4, max_num_batched_tokens=64,
+                                  speculative_config=spec))
+
+
+def continuations(path, ps, params):
+    e = engine_for(path)
+    for i, p in enumerate(ps):
+        e.add_request(str(i), p, params[i] if isinstance(params, list) else params)
+    done = drain(e)
+    return {tuple(p): done[str(i)].outputs[0].token_ids for i, p in enumerate(ps)}, done
+
+
+def test_no_drafts_in_steps_above_the_batch_size_limit(tiny_model_dirs):
+    path, _ = tiny_model_dirs["llama"]
+    rng = random.Random(0)
+    ps = [[rng.randrange(256) for _ in range(5)] for _ in range(3)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 30, 30)]
+    conts, ref = continuations(path, ps, params)
+    engine = engine_for(path, {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 2,
+                               "min_acceptance_rate": 0.0})
+    engine.speculator.proposer = ScriptedProposer(conts, wrong=0.0)
+    for i, p in enumerate(ps):
+        engine.add_request(str(i), p, params[i])
+    done = {}
+    drafted_with = []  # (running sequences, drafts verified) per step
+    while engine.has_unfinished_requests():
+        running = len(engine.scheduler.running)
+        before = engine.get_stats().spec_num_drafts
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        drafted_with.append((running, engine.get_stats().spec_num_drafts - before))
+    assert_no_leaks(engine)
+    assert all(d == 0 for r, d in drafted_with if r > 2)
+    assert any(d > 0 for r, d in drafted_with if r <= 2)
+    assert any(r == 3 for r, _ in drafted_with)
+    for i in range(3):
+        assert done[str(i)].outputs[0].token_ids == ref[str(i)].outputs[0].token_ids
+
+
+def test_a_request_with_failing_drafts_pauses_drafting(tiny_model_dirs):
+    path, _ = tiny_model_dirs["llama"]
+    prompt = [random.Random(1).randrange(256) for _ in range(7)]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    conts, ref = continuations(path, [prompt], params)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None,
+            "min_acceptance_rate": 0.3, "acceptance_window": 8}
+    counts = {}
+    for wrong in (1.0, 0.0):
+        engine = engine_for(path, spec)
+        engine.speculator.proposer = ScriptedProposer(conts, wrong=wrong)
+        engine.add_request("r", prompt, params)
+        out = drain(engine)["r"].outputs[0]
+        assert out.token_ids == ref["0"].outputs[0].token_ids
+        counts[wrong] = engine.get_stats()
+    bad, good = counts[1.0], counts[0.0]
+    # Always wrong: two drafts fill the window, then pauses of 8, 16, 32 steps with one draft between them.
+    assert bad.spec_num_accepted_tokens == 0 and bad.spec_num_drafts <= 6
+    # Always right: never paused, every step drafts as far as max_tokens allows.
+    assert good.spec_num_accepted_tokens == good.spec_num_draft_tokens and good.spec_num_drafts >= 59 // 5

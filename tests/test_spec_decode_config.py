@@ -1,0 +1,54 @@
+"""The speculative-decoding configuration: vLLM's field names, defaults, and errors a user can act on, the
+same from LLM(..., speculative_config=...) and from `kvserve serve --speculative-config`."""
+import pytest
+
+from kvserve.config import EngineConfig
+from kvserve.entrypoints.cli import build_parser, engine_config
+from kvserve.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+
+
+def test_vllm_fields_and_lookup_defaults():
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                                 "prompt_lookup_min": 2})
+    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (4, 2, 4)
+    assert c.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
+    only_max = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (5, 5)
+    neither = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    assert (neither.prompt_lookup_min, neither.prompt_lookup_max) == (2, 4)
+    off = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": None})
+    assert off.disable_by_batch_size is None
+
+
+@pytest.mark.parametrize("value,message", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of 'ngram'"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"num_speculative_tokens": 2}, "method is required"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2.5}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+     "prompt_lookup_min (3) must be <= prompt_lookup_max (2)"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 1.5}, "min_acceptance_rate"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_lookahead": 1}, "unknown field(s) ['num_lookahead']"),
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+])
+def test_invalid_configs_are_refused_with_the_field_named(value, message):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(speculative_config=value)
+    assert message in str(e.value)
+    assert "speculative_config" in str(e.value)
+
+
+def test_serve_flag_parses_and_validates(capsys):
+    args = build_parser().parse_args(["serve", "--speculative-config",
+                                      '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'])
+    cfg = engine_config(args)
+    assert isinstance(cfg.speculative_config, SpeculativeConfig)
+    assert (cfg.speculative_config.num_speculative_tokens, cfg.speculative_config.prompt_lookup_min) == (3, 1)
+    assert engine_config(build_parser().parse_args(["serve"])).speculative_config is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram"}'])
+    assert "num_speculative_tokens is required" in capsys.readouterr().err

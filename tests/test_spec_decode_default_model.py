@@ -1,0 +1,65 @@
+"""The default model (float32, dequantized) with n-gram speculation: greedy output token for token that of
+the same engine without speculation, with preemptions and prefix-cache hits forced; and the real proposer
+drafts well on text that repeats."""
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.spec_decode.speculator import Speculator
+
+CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+        "def mul(a, b):\n    return a * b\n\n\n")
+PROMPTS = [
+    "Repeat this code exactly.\n\n" + CODE + "Again:\n\n",
+    "Copy the list: apples, pears, plums, cherries, grapes, lemons. Copy: apples, pears,",
+    "The capital of France is",
+]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    # 12 blocks of 16 tokens cannot hold the three requests at once: preemptions.
+    return LLM(dtype="float32", quantization="none", block_size=16, max_num_batched_tokens=64, num_kv_blocks=12,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                                   "prompt_lookup_min": 2, "disable_by_batch_size": None})
+
+
+def generate(llm: LLM, speculate: bool, prompts, params):
+    engine = llm.engine
+    spec = engine.speculator
+    if not speculate:
+        engine.speculator = None
+    engine.reset_prefix_cache()
+    try:
+        before = engine.get_stats()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        after = engine.get_stats()
+    finally:
+        engine.speculator = spec
+    return outs, before, after
+
+
+def test_greedy_identical_with_preemption_and_prefix_hits(llm):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    ref, _, ref_stats = generate(llm, False, PROMPTS, params)
+    # Second wave: the first wave's prompts plus part of their outputs (prefix-cache hits on generated blocks).
+    second = [o.prompt_token_ids + o.outputs[0].token_ids[:30] for o in ref]
+    ref2, _, _ = generate(llm, False, second, params)
+
+    outs, before, after = generate(llm, True, PROMPTS, params)
+    outs2 = llm.generate(second, params, use_tqdm=False)
+    after2 = llm.engine.get_stats()
+    for r, o in zip(ref + ref2, outs + outs2):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        for lp, rlp in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
+            (t, e), = lp.items()
+            assert rlp[t].logprob == pytest.approx(e.logprob, abs=1e-4)
+    assert after.num_preemptions > before.num_preemptions and ref_stats.num_preemptions > 0
+    assert after2.prefix_cache_hits - after.prefix_cache_hits >= 3 * 16
+    accepted = after2.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    drafted = after2.spec_num_draft_tokens - before.spec_num_draft_tokens
+    assert accepted > 0.4 * drafted > 0, (accepted, drafted)
+
+
+def test_offline_llm_accepts_speculative_config(llm):
+    assert isinstance(llm.engine.speculator, Speculator)
+    assert llm.engine.speculator.config.num_speculative_tokens == 4

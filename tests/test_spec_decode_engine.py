@@ -1,0 +1,228 @@
+"""Speculative decoding through the whole engine on tiny transformers-built models: rows of 1 + k tokens,
+rollback of rejected drafts, and outputs identical to non-speculative decoding of the same engine
+(float32), with chunked prefill, preemption and prefix-cache hits forced."""
+import random
+
+import pytest
+
+from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.sampling_params import SamplingParams
+from engine_helpers import assert_no_leaks, drain
+from spec_helpers import ScriptedProposer, check_kv_bookkeeping, num_tokens_now
+
+K = 4
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "disable_by_batch_size": None,
+         "min_acceptance_rate": 0.0}
+
+
+def make_engine(path, spec=None, **kw) -> LLMEngine:
+    kw = {"dtype": "float32", "block_size": 4, "max_num_batched_tokens": 16, **kw}
+    return LLMEngine(EngineConfig(model=str(path), speculative_config=spec, **kw))
+
+
+def run(engine: LLMEngine, waves: list[list[tuple[str, list[int], SamplingParams]]], check: bool = False):
+    """Each wave's requests are added once the previous wave has finished; returns outputs by id."""
+    done = {}
+    for wave in waves:
+        for rid, prompt, params in wave:
+            engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            before = num_tokens_now(engine)
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            if check:
+                check_kv_bookkeeping(engine, K, before)
+    assert_no_leaks(engine)
+    return done
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(n)] for n in lengths]
+
+
+def reference_and_drafts(path, prompt_list, params, wrong, **kw):
+    ref = run(make_engine(path, **kw), [[(str(i), p, params) for i, p in enumerate(prompt_list)]])
+    outs = [ref[str(i)].outputs[0] for i in range(len(prompt_list))]
+    return outs, ScriptedProposer({tuple(p): o.token_ids for p, o in zip(prompt_list, outs)}, wrong)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("wrong", [0.0, 0.3, 1.0])
+def test_greedy_identical_to_non_speculative_with_partial_acceptance(arch, wrong, tiny_model_dirs):
+    """Drafts right, wrong at random positions, or always wrong: the same tokens and logprobs as without
+    speculation; after every step the KV bookkeeping holds only kept tokens."""
+    path, _ = tiny_model_dirs[arch]
+    ps = prompts(1, [3, 17, 9, 30, 5])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    ref, proposer = reference_and_drafts(path, ps, params, wrong)
+    engine = make_engine(path, NGRAM)
+    engine.speculator.proposer = proposer
+    got = run(engine, [[(str(i), p, params) for i, p in enumerate(ps)]], check=True)
+    for i, r in enumerate(ref):
+        out = got[str(i)].outputs[0]
+        assert out.token_ids == r.token_ids
+        for lp, rlp in zip(out.logprobs, r.logprobs):
+            assert lp.keys() == rlp.keys()
+            for t in lp:
+                assert lp[t].logprob == pytest.approx(rlp[t].logprob, abs=1e-5)
+                assert lp[t].rank == rlp[t].rank
+    s = engine.get_stats()
+    assert s.spec_num_drafts > 0 and s.spec_num_draft_tokens > s.spec_num_drafts
+    if wrong == 0.0:  # every draft accepted: steps emit 1 + K tokens
+        assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens
+        assert engine._num_steps < 24
+    elif wrong == 1.0:
+        assert s.spec_num_accepted_tokens == 0
+    else:
+        assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
+        assert s.spec_accepted_per_pos[K - 1] > 0  # whole runs accepted, too
+    assert s.spec_accepted_per_pos == sorted(s.spec_accepted_per_pos, reverse=True)
+
+
+def test_preemption_chunked_prefill_and_prefix_hits_on_speculated_blocks(tiny_model_dirs):
+    """A pool too small for the batch (preemptions), prompts chunked over steps, and a second wave whose
+    prompts extend the first wave's outputs: their prefix-cache hits land on blocks filled by accepted
+    drafts, so a rejected draft's K/V committed to the cache would change their outputs."""
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(2, [6, 23, 14, 31])
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+    kw = dict(num_kv_blocks=60, max_num_seqs=4)
+
+    def waves(first_outs):
+        second = [p + o[:20] + [7, 8, 9] for p, o in zip(ps, first_outs)]
+        return second
+
+    ref_engine = make_engine(path, **kw)
+    ref1 = run(ref_engine, [[(f"a{i}", p, params) for i, p in enumerate(ps)]])
+    ref_outs = [ref1[f"a{i}"].outputs[0].token_ids for i in range(len(ps))]
+    second = waves(ref_outs)
+    ref2 = run(ref_engine, [[(f"b{i}", p, params) for i, p in enumerate(second)]])
+
+    conts = {tuple(p): o for p, o in zip(ps, ref_outs)}
+    conts.update({tuple(p): ref2[f"b{i}"].outputs[0].token_ids for i, p in enumerate(second)})
+    engine = make_engine(path, NGRAM, **kw)
+    engine.speculator.proposer = ScriptedProposer(conts, wrong=0.25)
+    got = run(engine, [[(f"a{i}", p, params) for i, p in enumerate(ps)],
+                       [(f"b{i}", p, params) for i, p in enumerate(second)]], check=True)
+    for rid, out in {**ref1, **ref2}.items():
+        assert got[rid].outputs[0].token_ids == out.outputs[0].token_ids, rid
+    s = engine.get_stats()
+    assert s.num_preemptions > 0
+    assert s.spec_num_accepted_tokens > 0
+    # The second wave found the first wave's blocks, including ones its drafts filled.
+    hits = [got[f"b{i}"].num_cached_tokens for i in range(len(ps))]
+    assert all(h > len(p) for h, p in zip(hits, ps)), hits
+
+
+def test_stops_inside_an_accepted_run(tiny_model_dirs):
+    """Drafts run past a stop token id, a stop string and max_tokens; nothing after them is emitted, and
+    min_tokens keeps stop ids masked inside the run, as without speculation."""
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(3, [5, 12])
+    free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref, _ = reference_and_drafts(path, ps, free, 0.0)
+    stop_tok = ref[0].token_ids[9]        # the first run would go on past it
+    text = ref[1].text
+    stop_str = text[len(text) // 2: len(text) // 2 + 2]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_tok]),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_tok], min_tokens=12),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop_str]),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+    ]
+    for params in cases:
+        expected = run(make_engine(path), [[(str(i), p, params) for i, p in enumerate(ps)]])
+        engine = make_engine(path, NGRAM)
+        # Drafts of the unstopped continuation: they always reach past the stop.
+        engine.speculator.proposer = ScriptedProposer({tuple(p): r.token_ids for p, r in zip(ps, ref)}, 0.0)
+        got = run(engine, [[(str(i), p, params) for i, p in enumerate(ps)]], check=True)
+        for i in range(len(ps)):
+            e, g = expected[str(i)].outputs[0], got[str(i)].outputs[0]
+            assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == \
+                   (e.token_ids, e.text, e.finish_reason, e.stop_reason), params
+        assert engine.get_stats().spec_num_accepted_tokens > 0
+    assert expected["0"].outputs[0].finish_reason == "length"  # the last case: max_tokens inside a run
+
+
+def test_seeded_sampling_identical_to_non_speculative(tiny_model_dirs):
+    """Every logits stage at once, n = 2, preemptions: a seeded request draws the same tokens with
+    speculation (drafts right and wrong) as without it, because each position is sampled with the same
+    noise and rejected positions' draws are given back to its generator."""
+    path, _ = tiny_model_dirs["qwen2"]
+    ps = prompts(4, [5, 13, 21, 8])
+    params = SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
+                            presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 3.0, 9: -2.0},
+                            min_tokens=5, stop_token_ids=[7], max_tokens=24, seed=11, logprobs=1)
+    kw = dict(num_kv_blocks=40)
+    ref_engine = make_engine(path, **kw)
+    ref = run(ref_engine, [[(str(i), p, params) for i, p in enumerate(ps)]])
+    assert ref_engine.get_stats().num_preemptions > 0
+    conts = {tuple(p): ref[str(i)].outputs[0].token_ids for i, p in enumerate(ps)}
+    engine = make_engine(path, NGRAM, **kw)
+    engine.speculator.proposer = ScriptedProposer(conts, wrong=0.2)
+    got = run(engine, [[(str(i), p, params) for i, p in enumerate(ps)]], check=True)
+    for i in range(len(ps)):
+        for e, g in zip(ref[str(i)].outputs, got[str(i)].outputs):
+            assert g.token_ids == e.token_ids
+            assert [list(lp) for lp in g.logprobs] == [list(lp) for lp in e.logprobs]
+            for lg, le in zip(g.logprobs, e.logprobs):
+                for t in lg:
+                    assert lg[t].logprob == pytest.approx(le[t].logprob, abs=1e-5)
+    s = engine.get_stats()
+    assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
+
+
+def test_abort_mid_speculation_frees_everything(tiny_model_dirs):
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(5, [9, 14, 6])
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    _, proposer = reference_and_drafts(path, ps, params, 0.3)
+    engine = make_engine(path, NGRAM)
+    engine.speculator.proposer = proposer
+    for i, p in enumerate(ps):
+        engine.add_request(str(i), p, params)
+    for _ in range(6):
+        before = num_tokens_now(engine)
+        engine.step()
+        check_kv_bookkeeping(engine, K, before)
+    assert engine.get_stats().spec_num_drafts > 0
+    engine.abort_request(["0", "2"])
+    check_kv_bookkeeping(engine, K)
+    drain(engine)
+    engine.abort_request("1")  # already finished: a no-op
+    assert_no_leaks(engine)
+
+
+def test_ngram_drafts_on_repetitive_text_keep_greedy_output(tiny_model_dirs):
+    """The real proposer, on prompts that repeat themselves: it drafts, and the output is unchanged."""
+    path, _ = tiny_model_dirs["mistral"]
+    rng = random.Random(6)
+    unit = [rng.randrange(256) for _ in range(7)]
+    ps = [unit * 4, unit * 3 + unit[:3], [rng.randrange(256) for _ in range(11)] * 2]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ref = run(make_engine(path), [[(str(i), p, params) for i, p in enumerate(ps)]])
+    engine = make_engine(path, NGRAM)
+    got = run(engine, [[(str(i), p, params) for i, p in enumerate(ps)]], check=True)
+    for i in range(len(ps)):
+        assert got[str(i)].outputs[0].token_ids == ref[str(i)].outputs[0].token_ids
+    assert engine.get_stats().spec_num_draft_tokens > 0
+
+
+def test_drafts_stop_at_max_model_len(tiny_model_dirs):
+    """Right drafts up to the context limit: no position past max_model_len is computed, and the output is
+    the non-speculative one, ended by the length limit."""
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(7, [9, 14])
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    ref, proposer = reference_and_drafts(path, ps, params, 0.0, max_model_len=37)
+    engine = make_engine(path, NGRAM, max_model_len=37)
+    engine.speculator.proposer = proposer
+    got = run(engine, [[(str(i), p, params) for i, p in enumerate(ps)]], check=True)
+    for i, p in enumerate(ps):
+        out = got[str(i)].outputs[0]
+        assert out.token_ids == ref[i].token_ids and len(p) + len(out.token_ids) == 37
+        assert out.finish_reason == "length"
+    assert engine.get_stats().spec_num_accepted_tokens > 0
