@@ -183,6 +183,20 @@ def test_prompt_forms_and_cached_tokens(client, http):
     assert again.usage.prompt_tokens_details.cached_tokens >= 16
 
 
+def test_chat_message_shapes_accepted(http):
+    """Every OpenAI role, text content parts, and an assistant turn with null content are valid."""
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "developer", "content": [{"type": "text", "text": "Answer in one word."}]},
+                {"role": "user", "content": [{"type": "text", "text": "Capital of "}, {"type": "text", "text": "France?"}]},
+                {"role": "assistant", "content": None},
+                {"role": "user", "content": "Well?", "name": "ann"}]
+    r = http.post("/v1/chat/completions", json={**CHAT_REQ, "messages": messages})
+    assert r.status_code == 200, r.text
+    rendered = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    text = http.post("/detokenize", json={"tokens": rendered}).json()["prompt"]
+    assert "Capital of France?" in text and "Answer in one word." in text
+
+
 def test_extra_fields_accepted(http):
     r = http.post("/v1/chat/completions", json={
         "model": MODEL, "messages": CHAT, "max_completion_tokens": 3, "ignore_eos": True, "min_tokens": 3,
@@ -280,7 +294,28 @@ BAD_REQUESTS = [
     ("min_tokens > max_tokens", "/v1/completions", {**COMPLETION, "min_tokens": 10}, "min_tokens"),
     ("image content", "/v1/chat/completions",
      {**CHAT_REQ, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     None),
+     "messages.0.content"),
+    # Chat message shapes: each names the offending message and field.
+    ("unknown role", "/v1/chat/completions", {**CHAT_REQ, "messages": [{"role": "wizard", "content": "hi"}]},
+     "messages.0.role"),
+    ("unknown role in a later message", "/v1/chat/completions",
+     {**CHAT_REQ, "messages": [*CHAT, {"role": "assistant", "content": "Paris."}, {"role": "robot", "content": "x"}]},
+     "messages.2.role"),
+    ("role missing", "/v1/chat/completions", {**CHAT_REQ, "messages": [{"content": "hi"}]}, "messages.0.role"),
+    ("role not a string", "/v1/chat/completions", {**CHAT_REQ, "messages": [{"role": 1, "content": "hi"}]},
+     "messages.0.role"),
+    ("message not an object", "/v1/chat/completions", {**CHAT_REQ, "messages": ["hello"]}, "messages.0"),
+    ("content a number", "/v1/chat/completions", {**CHAT_REQ, "messages": [{"role": "user", "content": 5}]},
+     "messages.0.content"),
+    ("user content missing", "/v1/chat/completions", {**CHAT_REQ, "messages": [{"role": "user"}]},
+     "messages.0.content"),
+    ("text part without text", "/v1/chat/completions",
+     {**CHAT_REQ, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content"),
+    ("content part not an object", "/v1/chat/completions",
+     {**CHAT_REQ, "messages": [{"role": "user", "content": ["hi"]}]}, "messages.0.content"),
+    ("name not a string", "/v1/chat/completions",
+     {**CHAT_REQ, "messages": [{"role": "user", "content": "hi", "name": ["x"]}]}, "messages.0.name"),
+    ("tokenize unknown role", "/tokenize", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
 ]
 
 

@@ -65,7 +65,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
-    msg = str(first.get("msg", "invalid value"))
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # pydantic's prefix for our checks
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {msg}", None
     return (f"{param}: {msg}" if param else msg), param

@@ -39,18 +39,10 @@ from kvserve.outputs import PositionLogprobs, RequestOutput
 
 
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """What the chat template renders; roles and content were validated with the request."""
     out = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"messages[{i}].content: only text content parts are supported",
-                                      f"messages.{i}.content")
-                parts.append(part["text"])
-            content = "".join(parts)
-        d = {"role": m.role, "content": content or ""}
+    for m in messages:
+        d = {"role": m.role, "content": m.text}
         if m.name is not None:
             d["name"] = m.name
         out.append(d)
