@@ -70,6 +70,29 @@ def test_stop_string_cuts_text_before_it(llm):
     assert kept.text == "The capital of France is Paris"
 
 
+def test_stops_wait_for_min_tokens(llm):
+    """Neither a stop string nor a stop token id ends a sequence within its first min_tokens tokens."""
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    plain = llm.chat(CHATS[0], greedy, use_tqdm=False)[0].outputs[0]      # "The capital of France is Paris."
+    capital = tok.encode(" capital", add_special_tokens=False)
+    assert len(capital) == 1 and plain.token_ids[1] == capital[0]
+
+    def run(**kw):
+        return llm.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=16, **kw), use_tqdm=False)[0].outputs[0]
+
+    early = run(stop=["capital"])
+    assert early.finish_reason == "stop" and early.text == "The " and len(early.token_ids) == 2
+    held = run(stop=["capital"], min_tokens=6)
+    # "capital" arrives as token 2 (inside min_tokens) and never again: the answer runs on to EOS.
+    assert len(held.token_ids) >= 6 and held.text == plain.text and held.stop_reason is None
+
+    early_tok = run(stop_token_ids=capital)
+    assert early_tok.finish_reason == "stop" and early_tok.stop_reason == capital[0] and len(early_tok.token_ids) == 2
+    held_tok = run(stop_token_ids=capital, min_tokens=6)
+    assert len(held_tok.token_ids) >= 6 and capital[0] not in held_tok.token_ids[:6]
+
+
 def test_generate_text_prompts_and_token_prompts_agree(llm):
     tok = llm.get_tokenizer()
     prompt = "The capital of France is"

@@ -138,6 +138,10 @@ def test_n_seed_and_stop(client):
 
     stopped = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0, stop=["."])
     assert "." not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+    # Within min_tokens a stop string is not looked for (the greedy answer has its "." in the first few tokens).
+    held = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0, stop=["."],
+                                     extra_body={"min_tokens": 12})
+    assert stopped.usage.completion_tokens < 12 <= held.usage.completion_tokens
 
 
 def test_completion_logprobs_and_echo(client):

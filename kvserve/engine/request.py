@@ -55,7 +55,8 @@ class Request:
             seq.finish_reason, seq.stop_reason = token_stop
             detok.update([token], stop_terminated=True)
         else:
-            stop_str = detok.update([token])
+            # Stop strings, like stop tokens, cannot end a sequence within its first min_tokens tokens.
+            stop_str = detok.update([token], check_stop=seq.num_output_tokens > p.min_tokens)
             if stop_str is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop_str
             elif token_stop is not None or seq.num_tokens >= self.max_model_len:
