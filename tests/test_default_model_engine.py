@@ -136,6 +136,38 @@ def test_prompt_logprobs_with_prefix_cache_hit(llm, hf_reference):
         assert len(lp) <= 3
 
 
+def test_n_samples_compute_prompt_logprobs_once(llm):
+    """With n > 1 one sequence computes the prompt logprobs (without reading the prefix cache, whose
+    positions would have no logits); its siblings take the prompt's blocks from the cache."""
+    engine, bs = llm.engine, llm.engine.config.block_size
+    ids = llm.get_tokenizer().encode("A stitch in time saves nine, and a penny saved is a penny earned. " * 3)
+    single = llm.generate([ids], SamplingParams(max_tokens=2, prompt_logprobs=3), use_tqdm=False)[0]
+    rows_computed: list[int] = []
+    execute = engine.runner.execute
+
+    def counting_execute(sched):  # the real runner; we only count the prompt-logprob rows it returns
+        result = execute(sched)
+        rows_computed.extend(len(chunk) for chunk in result.prompt_logprobs.values())
+        return result
+
+    engine.runner.execute = counting_execute
+    hits_before = engine.get_stats().prefix_cache_hits
+    try:
+        out = llm.generate([ids], SamplingParams(n=3, max_tokens=2, prompt_logprobs=3, temperature=1.0, seed=4),
+                           use_tqdm=False)[0]
+    finally:
+        engine.runner.execute = execute
+    assert sum(rows_computed) == len(ids) - 1                      # once, not once per sample
+    full_blocks = (len(ids) - 1) // bs
+    assert engine.get_stats().prefix_cache_hits - hits_before == 2 * full_blocks * bs  # the two siblings
+    assert out.num_cached_tokens == 0                               # sequence 0 computed the whole prompt
+    assert len(out.outputs) == 3 and all(len(c.token_ids) == 2 for c in out.outputs)
+    assert len(out.prompt_logprobs) == len(ids)
+    for got, want in zip(out.prompt_logprobs[1:], single.prompt_logprobs[1:]):
+        assert got.keys() == want.keys()
+        assert all(got[t].logprob == pytest.approx(want[t].logprob, abs=1e-5) for t in got)
+
+
 def test_default_dtype_still_answers_correctly():
     """The default dtype (bfloat16 on CPUs with native bf16) with float weights: a numerics slip in a
     bf16 path shows up here, not in the float32 parity tests."""

@@ -142,8 +142,8 @@ class LLMEngine:
                 seq_id=next(self._seq_ids), request_id=request_id, index=i, token_ids=list(token_ids),
                 num_prompt_tokens=n_prompt, params=params, priority=priority, arrival_time=arrival,
                 parent=seqs[0] if seqs else None, cache_salt=salt,
-                # Cached prompt tokens are never computed, so they would have no prompt logprobs.
-                skip_prefix_cache=params.prompt_logprobs is not None,
+                # One sequence computes the prompt's logprobs for the whole request.
+                needs_prompt_logprobs=params.prompt_logprobs is not None and i == 0,
             )
             if params.seed is not None:
                 seq.generator = make_generator(params.seed + i, self.device)
@@ -200,6 +200,8 @@ class LLMEngine:
                 # positions we already have, so keep only the new ones.
                 have = len(req.prompt_logprobs)
                 req.prompt_logprobs.extend(self._with_text(lp) for lp in chunk[have - start - 1:])
+                if len(req.prompt_logprobs) == seq.num_prompt_tokens:
+                    seq.needs_prompt_logprobs = False  # a later resume (after preemption) may use the cache
             sampled = result.sampled.get(seq.seq_id)
             if sampled is None:
                 continue

@@ -31,7 +31,10 @@ class Sequence:
     arrival_time: float = 0.0
     parent: Sequence | None = None        # sibling 0, for n > 1; we wait for its prefill
     cache_salt: str | None = None         # keeps this request's blocks out of other requests' reach
-    skip_prefix_cache: bool = False
+    # Sequence 0 of a request with prompt_logprobs, until the request has them all. Positions served from
+    # the prefix cache are never run through the model, so they would have no logits: like vLLM, such a
+    # sequence does not read the cache (it still fills it). Its n > 1 siblings read it as usual.
+    needs_prompt_logprobs: bool = False
 
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0          # tokens whose K/V are in the cache
@@ -59,6 +62,10 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def skip_prefix_cache(self) -> bool:
+        return self.needs_prompt_logprobs
 
     @property
     def is_finished(self) -> bool:

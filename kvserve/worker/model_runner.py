@@ -62,7 +62,7 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
-            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+            if seq.needs_prompt_logprobs and start < seq.num_prompt_tokens - 1:
                 # Row p predicts token p + 1; only positions whose next token is in the prompt.
                 count = min(end, seq.num_prompt_tokens - 1) - start
                 prompt_lp.append((seq, row0, start, count))
