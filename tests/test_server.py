@@ -201,6 +201,27 @@ def test_chat_message_shapes_accepted(http):
     assert "Capital of France?" in text and "Answer in one word." in text
 
 
+def test_cache_salt_separates_prefix_cache_entries(http):
+    """vLLM's cache_salt on both endpoints: the same salt shares cached blocks, another salt (or none) does not."""
+    long_prompt = "Salted prefixes stay apart from each other. " * 12
+    chat = [{"role": "user", "content": long_prompt}]
+
+    def cached(path: str, salt: str | None) -> int:
+        body = {**COMPLETION, "prompt": long_prompt} if path == "/v1/completions" else {**CHAT_REQ, "messages": chat}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = http.post(path, json={**body, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert cached(path, "salt-a") == 0                 # first time under this salt
+        assert cached(path, "salt-a") >= 64                # same salt: served from the cache
+        assert cached(path, "salt-b") == 0                 # another salt sees nothing of salt-a's
+        assert cached(path, None) == 0                     # nor does an unsalted request
+        assert cached(path, None) >= 64 and cached(path, "salt-b") >= 64
+
+
 def test_extra_fields_accepted(http):
     r = http.post("/v1/chat/completions", json={
         "model": MODEL, "messages": CHAT, "max_completion_tokens": 3, "ignore_eos": True, "min_tokens": 3,
@@ -319,6 +340,8 @@ BAD_REQUESTS = [
      {**CHAT_REQ, "messages": [{"role": "user", "content": ["hi"]}]}, "messages.0.content"),
     ("name not a string", "/v1/chat/completions",
      {**CHAT_REQ, "messages": [{"role": "user", "content": "hi", "name": ["x"]}]}, "messages.0.name"),
+    ("empty cache_salt", "/v1/completions", {**COMPLETION, "cache_salt": ""}, "cache_salt"),
+    ("cache_salt not a string", "/v1/chat/completions", {**CHAT_REQ, "cache_salt": 5}, "cache_salt"),
     ("tokenize unknown role", "/tokenize", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
 ]
 

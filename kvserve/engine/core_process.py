@@ -39,6 +39,7 @@ class AddRequest(msgspec.Struct, tag=True):
     params: SamplingParams
     priority: int = 0
     arrival_time: float | None = None
+    cache_salt: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -122,7 +123,8 @@ class EngineCore:
             self.num_added += 1
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                        priority=msg.priority, arrival_time=msg.arrival_time)
+                                        priority=msg.priority, arrival_time=msg.arrival_time,
+                                        cache_salt=msg.cache_salt)
                 self.live.add(msg.request_id)
             except ValueError as e:
                 errors.append(RequestError(msg.request_id, str(e), client_error=True))

@@ -225,7 +225,7 @@ class AsyncLLM:
         return len(self._streams)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs until it finishes. Leaving early (the client went away, the task was
         cancelled) aborts the request in the engine, which frees its KV blocks before its next step."""
         if self.dead is not None:
@@ -242,7 +242,8 @@ class AsyncLLM:
         self._streams[request_id] = stream
         finished = False
         try:
-            self._send(AddRequest(request_id, list(prompt_token_ids), params, priority, time.monotonic()))
+            self._send(AddRequest(request_id, list(prompt_token_ids), params, priority, time.monotonic(),
+                                  cache_salt))
             self._num_sent += 1
             while True:
                 item = await stream.queue.get()

@@ -57,6 +57,8 @@ class SamplingFields(OpenAIBase):
     priority: BoundedInt = 0
     add_special_tokens: bool | None = None
     request_id: str | None = None
+    # vLLM's field: only requests with the same salt share prefix-cache entries (e.g. one salt per tenant).
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            prompt_logprobs: int | None) -> SamplingParams:

@@ -85,7 +85,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_admission(1)
 
         request_id = req.request_id or random_id("chatcmpl")
-        gen = self.generate(raw_request, ids, params, req.priority, request_id)
+        gen = self.generate(raw_request, ids, params, req.priority, request_id, req.cache_salt)
         if req.stream:
             return await self._stream(req, raw_request, request_id, model, len(ids), gen)
 

@@ -52,7 +52,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_admission(len(prompts))
 
         request_id = req.request_id or random_id("cmpl")
-        gens = [self.generate(raw_request, ids, p, req.priority, f"{request_id}-{i}")
+        gens = [self.generate(raw_request, ids, p, req.priority, f"{request_id}-{i}", req.cache_salt)
                 for i, ((_, ids), p) in enumerate(zip(prompts, params))]
         merged = merge(gens)
         if req.stream:
