@@ -218,7 +218,8 @@ def test_cache_salt_separates_prefix_cache_entries(http):
         assert cached(path, "salt-a") == 0                 # first time under this salt
         assert cached(path, "salt-a") >= 64                # same salt: served from the cache
         assert cached(path, "salt-b") == 0                 # another salt sees nothing of salt-a's
-        assert cached(path, None) == 0                     # nor does an unsalted request
+        # Nor does an unsalted request (which may find the chat template's opening, cached by earlier tests).
+        assert cached(path, None) < 64
         assert cached(path, None) >= 64 and cached(path, "salt-b") >= 64
 
 
