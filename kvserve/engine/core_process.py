@@ -19,7 +19,7 @@ import msgspec
 
 from kvserve.config import EngineConfig
 from kvserve.engine.stats import EngineStats
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import RequestDelta
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class RequestError(msgspec.Struct):
 
 
 class StepResult(msgspec.Struct, tag=True):
-    outputs: list[RequestOutput]
+    outputs: list[RequestDelta]   # per touched request, only what this step added (DESIGN.md §1)
     errors: list[RequestError]
     stats: EngineStats
     num_added: int           # AddRequests handled so far: lets the server count what is still in flight
@@ -137,9 +137,9 @@ class EngineCore:
                 self.engine.abort_request(ids)
                 self.live.difference_update(ids)
 
-    def step(self, errors: list[RequestError]) -> list[RequestOutput]:
+    def step(self, errors: list[RequestError]) -> list[RequestDelta]:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step_deltas()
         except Exception as e:  # noqa: BLE001
             # We cannot tell which request broke the step: fail every live one and free its blocks,
             # so the engine is clean and keeps serving new requests.
@@ -175,7 +175,7 @@ def run_loop(core: EngineCore, recv: Callable[[float | None], list], send: Calla
             if isinstance(msg, Shutdown):
                 return
             core.handle(msg, errors)
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestDelta] = []
         step_time = 0.0
         stepped = False
         if core.has_work():

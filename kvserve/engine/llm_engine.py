@@ -1,6 +1,9 @@
 """The engine: requests in, one scheduling step at a time, outputs out.
 
-    add_request -> Scheduler.schedule -> ModelRunner.execute -> Request.append_token (stops, text) -> RequestOutput
+    add_request -> Scheduler.schedule -> ModelRunner.execute -> Request.append_token (stops, text) -> RequestDelta
+
+step_deltas() hands back, per touched request, only what the step added (what the engine process sends);
+step() folds those into vLLM's cumulative RequestOutput for in-process callers (the offline LLM).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from kvserve.engine.sequence import Sequence
 from kvserve.engine.stats import EngineStats
 from kvserve.models.kv_cache import kv_cache_spec
 from kvserve.models.loader import load_model
-from kvserve.outputs import PositionLogprobs, RequestMetrics, RequestOutput
+from kvserve.outputs import PositionLogprobs, RequestDelta, RequestMetrics, RequestOutput, RequestOutputAccumulator
 from kvserve.sampling.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
@@ -64,6 +67,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(loaded.model, kv_spec, num_blocks, self.device, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self._accumulators: dict[str, RequestOutputAccumulator] = {}   # only for callers of step()
         self._seq_ids = itertools.count()
         self._token_text: dict[int, str] = {}
         self._num_steps = 0
@@ -163,6 +167,7 @@ class LLMEngine:
             request_ids = [request_ids]
         for rid in request_ids:
             req = self.requests.pop(rid, None)
+            self._accumulators.pop(rid, None)
             if req is None:
                 continue
             for seq in req.seqs:
@@ -175,6 +180,23 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step; for each request it touched, everything generated so far (vLLM's RequestOutput)."""
+        outputs = []
+        for req, delta in self._step():
+            acc = self._accumulators.get(req.request_id)
+            if acc is None:
+                acc = self._accumulators[req.request_id] = RequestOutputAccumulator(
+                    req.request_id, req.prompt, req.prompt_token_ids, len(req.seqs), req.params.logprobs is not None)
+            outputs.append(acc.add(delta))
+            if delta.finished:
+                del self._accumulators[req.request_id]
+        return outputs
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """One step; for each request it touched, only what this step added."""
+        return [delta for _, delta in self._step()]
+
+    def _step(self) -> list[tuple[Request, RequestDelta]]:
         sched = self.scheduler.schedule()
         self._num_steps += 1
         self._last_step_tokens = sched.num_batched_tokens
@@ -220,7 +242,7 @@ class LLMEngine:
             if req.finished:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
-            outputs.append(req.make_output())
+            outputs.append((req, req.take_delta()))
         return outputs
 
     def _with_text(self, lp: PositionLogprobs) -> PositionLogprobs:

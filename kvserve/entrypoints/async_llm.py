@@ -38,7 +38,7 @@ from kvserve.engine.core_process import (
     use_passive_openmp,
 )
 from kvserve.engine.stats import EngineStats
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import RequestDelta
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer.tokenizer import Tokenizer
 
@@ -65,7 +65,7 @@ class EngineOverloadedError(Exception):
 
 @dataclass
 class _Stream:
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutputs, or the exception ending it
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestDeltas, or the exception ending it
 
 
 StepListener = Callable[[StepResult], None]
@@ -225,9 +225,10 @@ class AsyncLLM:
         return len(self._streams)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields the request's outputs until it finishes. Leaving early (the client went away, the task was
-        cancelled) aborts the request in the engine, which frees its KV blocks before its next step."""
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestDelta]:
+        """Yields the request's deltas (what each step added) until it finishes. Leaving early (the client went
+        away, the task was cancelled) aborts the request in the engine, which frees its KV blocks before its
+        next step."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         # Checked here, right before the send with no await in between, so concurrent requests cannot all

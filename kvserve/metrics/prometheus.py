@@ -2,7 +2,7 @@
 
 Each server owns its CollectorRegistry (no process-global state), so tests can run several servers.
 Everything is fed from the engine's step results: gauges and engine counters from EngineStats, request
-histograms from each RequestOutput's RequestMetrics (monotonic times, comparable across processes)."""
+histograms from each RequestDelta's RequestMetrics (monotonic times, comparable across processes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvserve.engine.core_process import StepResult
 from kvserve.engine.stats import EngineStats
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import RequestDelta
 
 # vLLM's bucket boundaries.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -91,14 +91,14 @@ class ServerMetrics:
         for out in result.outputs:
             self._on_output(out)
 
-    def _on_output(self, out: RequestOutput) -> None:
+    def _on_output(self, out: RequestDelta) -> None:
         # Token counters count what the engine delivered, output by output, so they equal the sum of the
         # `usage` the server reports (prompt tokens once per request, as in usage.prompt_tokens).
         tracked = self._tracked.get(out.request_id)
         if tracked is None:
             tracked = self._tracked[out.request_id] = _Tracked()
-            self.prompt_tokens.inc(len(out.prompt_token_ids))
-        new_tokens = sum(len(t) for t in out.new_token_ids)
+            self.prompt_tokens.inc(out.num_prompt_tokens)
+        new_tokens = sum(len(c.token_ids) for c in out.outputs)
         if new_tokens:
             self.generation_tokens.inc(new_tokens)
         m = out.metrics
@@ -112,7 +112,7 @@ class ServerMetrics:
         if out.finished:
             self._on_finished(out)
 
-    def _on_finished(self, out: RequestOutput) -> None:
+    def _on_finished(self, out: RequestDelta) -> None:
         self._tracked.pop(out.request_id, None)
         reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "stop"
         self._request_success.labels(self.model_name, reason).inc()

@@ -14,7 +14,7 @@ from kvserve.entrypoints.async_llm import AsyncLLM, EngineDeadError, EngineOverl
 from kvserve.entrypoints.openai.auth import bearer_token, tenant_cache_salt
 from kvserve.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from kvserve.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import RequestDelta
 from kvserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -105,7 +105,7 @@ class OpenAIServing:
         return params
 
     async def generate(self, raw_request: Request, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int, request_id: str, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int, request_id: str, cache_salt: str | None = None) -> AsyncIterator[RequestDelta]:
         """AsyncLLM.generate with engine errors mapped to HTTP errors."""
         gen = self.engine.generate(prompt_token_ids, params, request_id=request_id, priority=priority,
                                    cache_salt=self.cache_salt(raw_request, cache_salt))
