@@ -13,7 +13,7 @@ from kvserve.outputs import CompletionDelta, RequestDelta, RequestMetrics
 EXPECTED = {
     "gauge": ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"],
     "counter": ["prompt_tokens", "generation_tokens", "request_success", "num_preemptions",
-                "prefix_cache_queries", "prefix_cache_hits"],
+                "prefix_cache_queries", "prefix_cache_hits", "engine_restarts"],
     "histogram": ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
                   "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                   "iteration_tokens_total"],

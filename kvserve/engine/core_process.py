@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Union
 import msgspec
 
 from kvserve.config import EngineConfig
+from kvserve.engine import faults
 from kvserve.engine.stats import EngineStats
 from kvserve.outputs import RequestDelta
 from kvserve.sampling_params import SamplingParams
@@ -223,6 +224,7 @@ def run_engine_core_process(config: EngineConfig, input_addr: str, output_addr: 
             push.send(encoder.encode(StartupFailed(f"{type(e).__name__}: {e}")))
             return
         push.send(encoder.encode(core.ready()))
+        fault_token = faults.crash_token()
 
         def recv(timeout: float | None) -> list:
             msgs = []
@@ -232,6 +234,8 @@ def run_engine_core_process(config: EngineConfig, input_addr: str, output_addr: 
                         msgs.append(to_engine_decoder.decode(pull.recv(zmq.NOBLOCK)))
                     except zmq.Again:
                         break
+                    if isinstance(msgs[-1], AddRequest):
+                        faults.maybe_crash(msgs[-1].prompt_token_ids, fault_token)
             return msgs
 
         def send(result: StepResult) -> None:

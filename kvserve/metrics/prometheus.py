@@ -54,6 +54,8 @@ class ServerMetrics:
         self.num_preemptions = counter("num_preemptions_total", "Preemptions (a request evicted to free KV).")
         self.prefix_cache_queries = counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
+        self.engine_restarts = counter("engine_restarts_total",
+                                       "Engine processes started to replace one that died (kvserve's own metric).")
         self._request_success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
                                         ["model_name", "finished_reason"], registry=r)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
@@ -128,6 +130,12 @@ class ServerMetrics:
                 self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
         if m.first_token_time is not None and m.last_token_time is not None:
             self.decode_time.observe(max(0.0, m.last_token_time - m.first_token_time))
+
+    def on_engine_restart(self) -> None:
+        """A new engine process counts from zero: engine counters are diffed against its stats from now on."""
+        self.engine_restarts.inc()
+        self._last_stats = EngineStats()
+        self._tracked.clear()
 
     def on_request_end(self, request_id: str) -> None:
         """An aborted request sends no final output: forget it here."""

@@ -144,6 +144,7 @@ def build_app(args: ServerArgs, state: ServerState | None = None) -> FastAPI:
         await engine.start()
         engine.step_listeners.append(metrics.on_step)
         engine.end_listeners.append(metrics.on_request_end)
+        engine.restart_listeners.append(metrics.on_engine_restart)
         stat_task = asyncio.create_task(log_stats_periodically(lambda: engine.stats, args.log_stats_interval_s))
         logger.info("engine ready (%s mode, pid %s): serving %s, max_model_len=%d", args.engine_mode,
                     engine.engine_pid, ", ".join(names), engine.max_model_len)

@@ -59,7 +59,7 @@ class OpenAIServing:
     def check_admission(self, num_new: int) -> None:
         """A cheap early refusal; AsyncLLM.generate makes the binding check as it submits."""
         if self.engine.dead is not None:
-            raise OpenAIError(503, f"engine is not running: {self.engine.dead}")
+            raise OpenAIError(503, f"engine is not running: {self.engine.dead}", headers={"Retry-After": "2"})
         if self.max_waiting is not None and self.engine.num_waiting + num_new > self.max_waiting:
             raise OpenAIError(429, f"too many requests waiting (max_waiting={self.max_waiting}); retry later",
                               headers={"Retry-After": "1"})
@@ -118,7 +118,7 @@ class OpenAIServing:
                     raise bad_request(str(e)) from None
                 raise OpenAIError(500, str(e)) from None
             except EngineDeadError as e:
-                raise OpenAIError(503, f"engine is not running: {e}") from None
+                raise OpenAIError(503, f"engine is not running: {e}", headers={"Retry-After": "2"}) from None
             except EngineOverloadedError as e:
                 raise OpenAIError(429, str(e), headers={"Retry-After": "1"}) from None
 
