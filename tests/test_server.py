@@ -506,6 +506,40 @@ def test_schema_fuzz_never_500(server, http):
     assert http.post("/v1/completions", json=COMPLETION).status_code == 200
 
 
+def test_fuzz_chat_messages_and_cache_salt(server, http):
+    """Hypothesis-built messages (any role, content of any JSON type, text parts or not) and cache_salt values:
+    always 200, or a 400 whose param names the offending field; never a 5xx."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    json_value = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                              lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                         max_size=3), max_leaves=6)
+    role = st.sampled_from(["system", "developer", "user", "assistant", "tool", "function", "wizard", "", "USER"]) \
+        | json_value
+    part = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=10)}) \
+        | json_value
+    content = st.text(max_size=20) | st.lists(part, max_size=3) | json_value
+    message = st.fixed_dictionaries({"role": role, "content": content}) | json_value
+    salt = st.none() | st.text(max_size=6) | json_value
+
+    @settings(max_examples=80, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(messages=st.lists(message, min_size=1, max_size=3), cache_salt=salt)
+    def fuzz(messages, cache_salt) -> None:
+        body = {"messages": messages, "max_tokens": 2}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code in (200, 400), (body, r.text)
+        if r.status_code == 400:
+            err = r.json()["error"]
+            assert err["param"] is not None and err["param"].split(".")[0] in ("messages", "cache_salt"), (body, err)
+
+    fuzz()
+    assert http.get("/health").status_code == 200
+
+
 def test_sigterm_finishes_inflight_stream_then_exits_0(server):
     """Runs last: it stops the module's server."""
     body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 40, "ignore_eos": True, "stream": True}
