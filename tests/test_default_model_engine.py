@@ -70,6 +70,29 @@ def test_stop_string_cuts_text_before_it(llm):
     assert kept.text == "The capital of France is Paris"
 
 
+def test_stops_wait_for_min_tokens(llm):
+    """Neither a stop string nor a stop token id ends a sequence within its first min_tokens tokens."""
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    plain = llm.chat(CHATS[0], greedy, use_tqdm=False)[0].outputs[0]      # "The capital of France is Paris."
+    capital = tok.encode(" capital", add_special_tokens=False)
+    assert len(capital) == 1 and plain.token_ids[1] == capital[0]
+
+    def run(**kw):
+        return llm.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=16, **kw), use_tqdm=False)[0].outputs[0]
+
+    early = run(stop=["capital"])
+    assert early.finish_reason == "stop" and early.text == "The " and len(early.token_ids) == 2
+    held = run(stop=["capital"], min_tokens=6)
+    # "capital" arrives as token 2 (inside min_tokens) and never again: the answer runs on to EOS.
+    assert len(held.token_ids) >= 6 and held.text == plain.text and held.stop_reason is None
+
+    early_tok = run(stop_token_ids=capital)
+    assert early_tok.finish_reason == "stop" and early_tok.stop_reason == capital[0] and len(early_tok.token_ids) == 2
+    held_tok = run(stop_token_ids=capital, min_tokens=6)
+    assert len(held_tok.token_ids) >= 6 and capital[0] not in held_tok.token_ids[:6]
+
+
 def test_generate_text_prompts_and_token_prompts_agree(llm):
     tok = llm.get_tokenizer()
     prompt = "The capital of France is"
@@ -111,6 +134,38 @@ def test_prompt_logprobs_with_prefix_cache_hit(llm, hf_reference):
         lp = out.prompt_logprobs[pos]
         assert lp[ids[pos]].logprob == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=1e-3)
         assert len(lp) <= 3
+
+
+def test_n_samples_compute_prompt_logprobs_once(llm):
+    """With n > 1 one sequence computes the prompt logprobs (without reading the prefix cache, whose
+    positions would have no logits); its siblings take the prompt's blocks from the cache."""
+    engine, bs = llm.engine, llm.engine.config.block_size
+    ids = llm.get_tokenizer().encode("A stitch in time saves nine, and a penny saved is a penny earned. " * 3)
+    single = llm.generate([ids], SamplingParams(max_tokens=2, prompt_logprobs=3), use_tqdm=False)[0]
+    rows_computed: list[int] = []
+    execute = engine.runner.execute
+
+    def counting_execute(sched):  # the real runner; we only count the prompt-logprob rows it returns
+        result = execute(sched)
+        rows_computed.extend(len(chunk) for chunk in result.prompt_logprobs.values())
+        return result
+
+    engine.runner.execute = counting_execute
+    hits_before = engine.get_stats().prefix_cache_hits
+    try:
+        out = llm.generate([ids], SamplingParams(n=3, max_tokens=2, prompt_logprobs=3, temperature=1.0, seed=4),
+                           use_tqdm=False)[0]
+    finally:
+        engine.runner.execute = execute
+    assert sum(rows_computed) == len(ids) - 1                      # once, not once per sample
+    full_blocks = (len(ids) - 1) // bs
+    assert engine.get_stats().prefix_cache_hits - hits_before == 2 * full_blocks * bs  # the two siblings
+    assert out.num_cached_tokens == 0                               # sequence 0 computed the whole prompt
+    assert len(out.outputs) == 3 and all(len(c.token_ids) == 2 for c in out.outputs)
+    assert len(out.prompt_logprobs) == len(ids)
+    for got, want in zip(out.prompt_logprobs[1:], single.prompt_logprobs[1:]):
+        assert got.keys() == want.keys()
+        assert all(got[t].logprob == pytest.approx(want[t].logprob, abs=1e-5) for t in got)
 
 
 def test_default_dtype_still_answers_correctly():

@@ -8,12 +8,12 @@ from kvserve.engine.core_process import StepResult
 from kvserve.engine.stats import EngineStats
 from kvserve.metrics.prometheus import ServerMetrics
 from kvserve.metrics.stat_logger import _busy, format_stats_line
-from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.outputs import CompletionDelta, RequestDelta, RequestMetrics
 
 EXPECTED = {
     "gauge": ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"],
     "counter": ["prompt_tokens", "generation_tokens", "request_success", "num_preemptions",
-                "prefix_cache_queries", "prefix_cache_hits"],
+                "prefix_cache_queries", "prefix_cache_hits", "engine_restarts"],
     "histogram": ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
                   "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                   "iteration_tokens_total"],
@@ -30,12 +30,11 @@ def samples(m: ServerMetrics) -> dict[str, float]:
     return out
 
 
-def output(rid: str, step: int, n_new: int, finished: bool, t0: float = 100.0) -> RequestOutput:
+def output(rid: str, step: int, n_new: int, finished: bool, t0: float = 100.0) -> RequestDelta:
     m = RequestMetrics(arrival_time=t0, first_scheduled_time=t0 + 0.5, first_token_time=t0 + 1.0,
                        last_token_time=t0 + 1.0 + 0.1 * step, finished_time=(t0 + 1.0 + 0.1 * step) if finished else None)
-    c = CompletionOutput(0, "x" * (step + 1), list(range(step + 1)), finish_reason="length" if finished else None)
-    return RequestOutput(rid, None, [1, 2, 3, 4], [c], finished, metrics=m, new_token_ids=[[7] * n_new],
-                         new_texts=["x"])
+    c = CompletionDelta(0, [7] * n_new, "x", finish_reason="length" if finished else None)
+    return RequestDelta(rid, [c], finished, num_prompt_tokens=4, metrics=m)
 
 
 def test_names_types_and_labels():

@@ -138,6 +138,10 @@ def test_n_seed_and_stop(client):
 
     stopped = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0, stop=["."])
     assert "." not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+    # Within min_tokens a stop string is not looked for (the greedy answer has its "." in the first few tokens).
+    held = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0, stop=["."],
+                                     extra_body={"min_tokens": 12})
+    assert stopped.usage.completion_tokens < 12 <= held.usage.completion_tokens
 
 
 def test_completion_logprobs_and_echo(client):
@@ -181,6 +185,42 @@ def test_prompt_forms_and_cached_tokens(client, http):
     client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=1)
     again = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=1)
     assert again.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_chat_message_shapes_accepted(http):
+    """Every OpenAI role, text content parts, and an assistant turn with null content are valid."""
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "developer", "content": [{"type": "text", "text": "Answer in one word."}]},
+                {"role": "user", "content": [{"type": "text", "text": "Capital of "}, {"type": "text", "text": "France?"}]},
+                {"role": "assistant", "content": None},
+                {"role": "user", "content": "Well?", "name": "ann"}]
+    r = http.post("/v1/chat/completions", json={**CHAT_REQ, "messages": messages})
+    assert r.status_code == 200, r.text
+    rendered = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    text = http.post("/detokenize", json={"tokens": rendered}).json()["prompt"]
+    assert "Capital of France?" in text and "Answer in one word." in text
+
+
+def test_cache_salt_separates_prefix_cache_entries(http):
+    """vLLM's cache_salt on both endpoints: the same salt shares cached blocks, another salt (or none) does not."""
+    long_prompt = "Salted prefixes stay apart from each other. " * 12
+    chat = [{"role": "user", "content": long_prompt}]
+
+    def cached(path: str, salt: str | None) -> int:
+        body = {**COMPLETION, "prompt": long_prompt} if path == "/v1/completions" else {**CHAT_REQ, "messages": chat}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = http.post(path, json={**body, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert cached(path, "salt-a") == 0                 # first time under this salt
+        assert cached(path, "salt-a") >= 64                # same salt: served from the cache
+        assert cached(path, "salt-b") == 0                 # another salt sees nothing of salt-a's
+        # Nor does an unsalted request (which may find the chat template's opening, cached by earlier tests).
+        assert cached(path, None) < 64
+        assert cached(path, None) >= 64 and cached(path, "salt-b") >= 64
 
 
 def test_extra_fields_accepted(http):
@@ -280,7 +320,30 @@ BAD_REQUESTS = [
     ("min_tokens > max_tokens", "/v1/completions", {**COMPLETION, "min_tokens": 10}, "min_tokens"),
     ("image content", "/v1/chat/completions",
      {**CHAT_REQ, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     None),
+     "messages.0.content"),
+    # Chat message shapes: each names the offending message and field.
+    ("unknown role", "/v1/chat/completions", {**CHAT_REQ, "messages": [{"role": "wizard", "content": "hi"}]},
+     "messages.0.role"),
+    ("unknown role in a later message", "/v1/chat/completions",
+     {**CHAT_REQ, "messages": [*CHAT, {"role": "assistant", "content": "Paris."}, {"role": "robot", "content": "x"}]},
+     "messages.2.role"),
+    ("role missing", "/v1/chat/completions", {**CHAT_REQ, "messages": [{"content": "hi"}]}, "messages.0.role"),
+    ("role not a string", "/v1/chat/completions", {**CHAT_REQ, "messages": [{"role": 1, "content": "hi"}]},
+     "messages.0.role"),
+    ("message not an object", "/v1/chat/completions", {**CHAT_REQ, "messages": ["hello"]}, "messages.0"),
+    ("content a number", "/v1/chat/completions", {**CHAT_REQ, "messages": [{"role": "user", "content": 5}]},
+     "messages.0.content"),
+    ("user content missing", "/v1/chat/completions", {**CHAT_REQ, "messages": [{"role": "user"}]},
+     "messages.0.content"),
+    ("text part without text", "/v1/chat/completions",
+     {**CHAT_REQ, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content"),
+    ("content part not an object", "/v1/chat/completions",
+     {**CHAT_REQ, "messages": [{"role": "user", "content": ["hi"]}]}, "messages.0.content"),
+    ("name not a string", "/v1/chat/completions",
+     {**CHAT_REQ, "messages": [{"role": "user", "content": "hi", "name": ["x"]}]}, "messages.0.name"),
+    ("empty cache_salt", "/v1/completions", {**COMPLETION, "cache_salt": ""}, "cache_salt"),
+    ("cache_salt not a string", "/v1/chat/completions", {**CHAT_REQ, "cache_salt": 5}, "cache_salt"),
+    ("tokenize unknown role", "/tokenize", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
 ]
 
 
@@ -441,6 +504,40 @@ def test_schema_fuzz_never_500(server, http):
     assert any(s == 200 for s in statuses) and any(s == 400 for s in statuses)
     assert http.get("/health").status_code == 200
     assert http.post("/v1/completions", json=COMPLETION).status_code == 200
+
+
+def test_fuzz_chat_messages_and_cache_salt(server, http):
+    """Hypothesis-built messages (any role, content of any JSON type, text parts or not) and cache_salt values:
+    always 200, or a 400 whose param names the offending field; never a 5xx."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    json_value = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                              lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                         max_size=3), max_leaves=6)
+    role = st.sampled_from(["system", "developer", "user", "assistant", "tool", "function", "wizard", "", "USER"]) \
+        | json_value
+    part = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=10)}) \
+        | json_value
+    content = st.text(max_size=20) | st.lists(part, max_size=3) | json_value
+    message = st.fixed_dictionaries({"role": role, "content": content}) | json_value
+    salt = st.none() | st.text(max_size=6) | json_value
+
+    @settings(max_examples=80, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(messages=st.lists(message, min_size=1, max_size=3), cache_salt=salt)
+    def fuzz(messages, cache_salt) -> None:
+        body = {"messages": messages, "max_tokens": 2}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code in (200, 400), (body, r.text)
+        if r.status_code == 400:
+            err = r.json()["error"]
+            assert err["param"] is not None and err["param"].split(".")[0] in ("messages", "cache_salt"), (body, err)
+
+    fuzz()
+    assert http.get("/health").status_code == 200
 
 
 def test_sigterm_finishes_inflight_stream_then_exits_0(server):

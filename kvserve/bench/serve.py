@@ -67,7 +67,7 @@ class BenchResult:
                 item["generated_text"] = r.generated_text
             raw.append(item)
         return {"date": self.date, "label": self.config.label, "machine": machine_info(),
-                "config": cfg, "metrics": self.metrics.to_dict(), "requests": raw}
+                "corpus": load_corpus().name, "config": cfg, "metrics": self.metrics.to_dict(), "requests": raw}
 
     def save(self, path: str | Path) -> None:
         p = Path(path)

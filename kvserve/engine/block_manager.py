@@ -1,16 +1,17 @@
 """The KV block pool: allocation on demand, reference counts, and the prefix cache.
 
-Every full block is identified by a chain hash: hash(parent block's hash, this block's token ids), the
-first block's parent being the request's salt. Equal hashes mean equal prefixes, so a new sequence can
-take over every cached full block of its prompt. A block whose last user is gone keeps its hash and
-stays in the free list as a cache entry; it is evicted (hash dropped) only when the pool hands it out
-again, least recently freed first.
+Every full block is identified by its content hash (kvserve/engine/block_hash.py): a sha256 chain over
+the salt and every token up to the block's end. Equal digests mean equal prefixes under the same salt, so
+a new sequence can take over every cached full block of its prompt. A block whose last user is gone keeps
+its hash and stays in the free list as a cache entry; it is evicted (hash dropped) only when the pool hands
+it out again, least recently freed first.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
+from kvserve.engine.block_hash import BlockHash, hash_block, root_hash
 from kvserve.engine.sequence import Sequence
 
 
@@ -18,13 +19,7 @@ from kvserve.engine.sequence import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
-    token_ids: tuple[int, ...] = ()       # kept to rule out hash collisions on a hit
-
-
-def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    # Python's hash of a tuple of ints is deterministic across runs (no string hashing involved).
-    return hash((parent, token_ids))
+    hash: BlockHash | None = None
 
 
 class BlockManager:
@@ -37,7 +32,7 @@ class BlockManager:
         # (dict insertion order: the block freed longest ago is evicted first).
         self.free_empty: deque[int] = deque(range(num_blocks))
         self.free_cached: dict[int, None] = {}
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[BlockHash, int] = {}
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -54,8 +49,18 @@ class BlockManager:
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
     # ---- prefix cache --------------------------------------------------------------------------
-    def _salt_hash(self, seq: Sequence) -> int | None:
-        return None if seq.cache_salt is None else hash(seq.cache_salt)
+    def _caching(self, seq: Sequence) -> bool:
+        return self.enable_prefix_caching or seq.cache_salt is not None
+
+    def _block_hash(self, seq: Sequence, i: int) -> BlockHash:
+        """Digest of seq's full block i. Computed once per block and kept on the sequence: it depends only on
+        the tokens, which never change, so it survives preemption."""
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) <= i:
+            j = len(hashes)
+            parent = hashes[-1] if hashes else root_hash(seq.cache_salt)
+            hashes.append(hash_block(parent, seq.token_ids[j * bs:(j + 1) * bs]))
+        return hashes[i]
 
     def match_prefix(self, seq: Sequence) -> int:
         """Take every cached full block that starts this sequence's tokens. Returns the tokens covered.
@@ -63,42 +68,35 @@ class BlockManager:
         At most num_tokens - 1 tokens are taken, so the last token is always computed and yields logits.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if seq.skip_prefix_cache or not (self.enable_prefix_caching or seq.cache_salt is not None):
+        if seq.skip_prefix_cache or not self._caching(seq):
             return 0
         bs = self.block_size
-        parent = self._salt_hash(seq)
         for i in range((seq.num_tokens - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(parent, tokens)
-            block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            # The digest covers the salt and the whole prefix: equality is the whole check.
+            block_id = self.hash_to_block.get(self._block_hash(seq, i))
+            if block_id is None:
                 break
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_cached[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
-            seq.block_hashes.append(h)
-            parent = h
+        seq.num_committed_blocks = len(seq.block_table)
         seq.num_computed_tokens = len(seq.block_table) * bs
         return seq.num_computed_tokens
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks this sequence has just filled, so later requests can find them."""
-        if not (self.enable_prefix_caching or seq.cache_salt is not None):
+        if not self._caching(seq):
             return
-        bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        parent = seq.block_hashes[-1] if seq.block_hashes else self._salt_hash(seq)
-        for i in range(len(seq.block_hashes), num_full):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(parent, tokens)
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        for i in range(seq.num_committed_blocks, num_full):
+            h = self._block_hash(seq, i)
             block = self.blocks[seq.block_table[i]]
-            block.hash, block.token_ids = h, tokens
+            block.hash = h
             # If another sequence computed the same prefix at the same time, keep the first entry.
             self.hash_to_block.setdefault(h, block.block_id)
-            seq.block_hashes.append(h)
-            parent = h
+        seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
 
     # ---- allocation ----------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -116,7 +114,7 @@ class BlockManager:
             if block.hash is not None:  # evict the cache entry this block was holding
                 if self.hash_to_block.get(block.hash) == block_id:
                     del self.hash_to_block[block.hash]
-                block.hash, block.token_ids = None, ()
+                block.hash = None
             block.ref_count = 1
             seq.block_table.append(block_id)
         return True
@@ -134,7 +132,7 @@ class BlockManager:
                 else:
                     self.free_cached[block_id] = None
         seq.block_table = []
-        seq.block_hashes = []
+        seq.num_committed_blocks = 0
         seq.num_computed_tokens = 0
 
     def reset_prefix_cache(self) -> None:
@@ -142,6 +140,6 @@ class BlockManager:
         for block_id in self.free_cached:
             block = self.blocks[block_id]
             self.hash_to_block.pop(block.hash, None)
-            block.hash, block.token_ids = None, ()
+            block.hash = None
             self.free_empty.append(block_id)
         self.free_cached = {}

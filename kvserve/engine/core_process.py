@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Union
 import msgspec
 
 from kvserve.config import EngineConfig
+from kvserve.engine import faults
 from kvserve.engine.stats import EngineStats
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import RequestDelta
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class AddRequest(msgspec.Struct, tag=True):
     params: SamplingParams
     priority: int = 0
     arrival_time: float | None = None
+    cache_salt: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -72,7 +74,7 @@ class RequestError(msgspec.Struct):
 
 
 class StepResult(msgspec.Struct, tag=True):
-    outputs: list[RequestOutput]
+    outputs: list[RequestDelta]   # per touched request, only what this step added (DESIGN.md §1)
     errors: list[RequestError]
     stats: EngineStats
     num_added: int           # AddRequests handled so far: lets the server count what is still in flight
@@ -122,7 +124,8 @@ class EngineCore:
             self.num_added += 1
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                        priority=msg.priority, arrival_time=msg.arrival_time)
+                                        priority=msg.priority, arrival_time=msg.arrival_time,
+                                        cache_salt=msg.cache_salt)
                 self.live.add(msg.request_id)
             except ValueError as e:
                 errors.append(RequestError(msg.request_id, str(e), client_error=True))
@@ -135,9 +138,9 @@ class EngineCore:
                 self.engine.abort_request(ids)
                 self.live.difference_update(ids)
 
-    def step(self, errors: list[RequestError]) -> list[RequestOutput]:
+    def step(self, errors: list[RequestError]) -> list[RequestDelta]:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step_deltas()
         except Exception as e:  # noqa: BLE001
             # We cannot tell which request broke the step: fail every live one and free its blocks,
             # so the engine is clean and keeps serving new requests.
@@ -173,7 +176,7 @@ def run_loop(core: EngineCore, recv: Callable[[float | None], list], send: Calla
             if isinstance(msg, Shutdown):
                 return
             core.handle(msg, errors)
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestDelta] = []
         step_time = 0.0
         stepped = False
         if core.has_work():
@@ -221,6 +224,7 @@ def run_engine_core_process(config: EngineConfig, input_addr: str, output_addr: 
             push.send(encoder.encode(StartupFailed(f"{type(e).__name__}: {e}")))
             return
         push.send(encoder.encode(core.ready()))
+        fault_token = faults.crash_token()
 
         def recv(timeout: float | None) -> list:
             msgs = []
@@ -230,6 +234,8 @@ def run_engine_core_process(config: EngineConfig, input_addr: str, output_addr: 
                         msgs.append(to_engine_decoder.decode(pull.recv(zmq.NOBLOCK)))
                     except zmq.Again:
                         break
+                    if isinstance(msgs[-1], AddRequest):
+                        faults.maybe_crash(msgs[-1].prompt_token_ids, fault_token)
             return msgs
 
         def send(result: StepResult) -> None:

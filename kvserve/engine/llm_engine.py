@@ -1,6 +1,9 @@
 """The engine: requests in, one scheduling step at a time, outputs out.
 
-    add_request -> Scheduler.schedule -> ModelRunner.execute -> Request.append_token (stops, text) -> RequestOutput
+    add_request -> Scheduler.schedule -> ModelRunner.execute -> Request.append_token (stops, text) -> RequestDelta
+
+step_deltas() hands back, per touched request, only what the step added (what the engine process sends);
+step() folds those into vLLM's cumulative RequestOutput for in-process callers (the offline LLM).
 
 With speculative decoding, a Speculator drafts tokens for the decoding sequences before each schedule; a
 step may then append several tokens to a sequence (the accepted drafts and one more), and its
@@ -25,7 +28,7 @@ from kvserve.engine.sequence import Sequence
 from kvserve.engine.stats import EngineStats
 from kvserve.models.kv_cache import kv_cache_spec
 from kvserve.models.loader import load_model
-from kvserve.outputs import PositionLogprobs, RequestMetrics, RequestOutput
+from kvserve.outputs import PositionLogprobs, RequestDelta, RequestMetrics, RequestOutput, RequestOutputAccumulator
 from kvserve.sampling.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.speculator import Speculator
@@ -72,6 +75,7 @@ class LLMEngine:
         self.speculator = (Speculator(config.speculative_config, self.max_model_len)
                            if config.speculative_config is not None else None)
         self.requests: dict[str, Request] = {}
+        self._accumulators: dict[str, RequestOutputAccumulator] = {}   # only for callers of step()
         self._seq_ids = itertools.count()
         self._token_text: dict[int, str] = {}
         self._num_steps = 0
@@ -150,8 +154,8 @@ class LLMEngine:
                 seq_id=next(self._seq_ids), request_id=request_id, index=i, token_ids=list(token_ids),
                 num_prompt_tokens=n_prompt, params=params, priority=priority, arrival_time=arrival,
                 parent=seqs[0] if seqs else None, cache_salt=salt,
-                # Cached prompt tokens are never computed, so they would have no prompt logprobs.
-                skip_prefix_cache=params.prompt_logprobs is not None,
+                # One sequence computes the prompt's logprobs for the whole request.
+                needs_prompt_logprobs=params.prompt_logprobs is not None and i == 0,
             )
             if params.seed is not None:
                 seq.generator = make_generator(params.seed + i, self.device)
@@ -171,6 +175,7 @@ class LLMEngine:
             request_ids = [request_ids]
         for rid in request_ids:
             req = self.requests.pop(rid, None)
+            self._accumulators.pop(rid, None)
             if req is None:
                 continue
             for seq in req.seqs:
@@ -183,6 +188,23 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step; for each request it touched, everything generated so far (vLLM's RequestOutput)."""
+        outputs = []
+        for req, delta in self._step():
+            acc = self._accumulators.get(req.request_id)
+            if acc is None:
+                acc = self._accumulators[req.request_id] = RequestOutputAccumulator(
+                    req.request_id, req.prompt, req.prompt_token_ids, len(req.seqs), req.params.logprobs is not None)
+            outputs.append(acc.add(delta))
+            if delta.finished:
+                del self._accumulators[req.request_id]
+        return outputs
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """One step; for each request it touched, only what this step added."""
+        return [delta for _, delta in self._step()]
+
+    def _step(self) -> list[tuple[Request, RequestDelta]]:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
@@ -208,6 +230,8 @@ class LLMEngine:
                 # positions we already have, so keep only the new ones.
                 have = len(req.prompt_logprobs)
                 req.prompt_logprobs.extend(self._with_text(lp) for lp in chunk[have - start - 1:])
+                if len(req.prompt_logprobs) == seq.num_prompt_tokens:
+                    seq.needs_prompt_logprobs = False  # a later resume (after preemption) may use the cache
             sampled = result.sampled.get(seq.seq_id)
             if sampled is None:
                 seq.num_computed_tokens = start + n
@@ -242,7 +266,7 @@ class LLMEngine:
             if req.finished:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
-            outputs.append(req.make_output())
+            outputs.append((req, req.take_delta()))
         return outputs
 
     def _with_text(self, lp: PositionLogprobs) -> PositionLogprobs:

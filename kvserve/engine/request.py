@@ -1,14 +1,22 @@
 """A request as the engine tracks it: its n sequences, their detokenizers, and the stop checks that end
-them. Builds the RequestOutput the engine hands back after each step."""
+them. After each step it hands back a RequestDelta: what is new since the previous one, nothing more."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kvserve.engine.sequence import Sequence
-from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from kvserve.outputs import CompletionDelta, PositionLogprobs, RequestDelta, RequestMetrics
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
-from kvserve.tokenizer.stop_checker import check_token_stop
+from kvserve.tokenizer.stop_checker import token_stop_after
+
+
+@dataclass
+class _Pending:
+    """One sequence's additions since the last delta."""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -22,21 +30,14 @@ class Request:
     metrics: RequestMetrics
     eos_token_ids: frozenset[int]
     max_model_len: int
-    texts: list[str] = field(default_factory=list)           # text emitted so far, per sequence
-    logprobs: list[list[PositionLogprobs] | None] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    # Deltas since the last output, per sequence.
-    new_token_ids: list[list[int]] = field(default_factory=list)
-    new_texts: list[str] = field(default_factory=list)
+    # The engine keeps no copy of the output text or logprobs: once in a delta, they are the receiver's.
+    _pending: dict[int, _Pending] = field(default_factory=dict)   # by sequence index, changed since last delta
+    _sent_any: bool = False
 
     def __post_init__(self) -> None:
-        n = len(self.seqs)
-        self.texts = [""] * n
-        self.logprobs = [[] if self.params.logprobs is not None else None for _ in range(n)]
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first prompt token has no logprob
-        self.new_token_ids = [[] for _ in range(n)]
-        self.new_texts = [""] * n
 
     @property
     def finished(self) -> bool:
@@ -45,51 +46,45 @@ class Request:
     def append_token(self, seq: Sequence, token: int, logprobs: PositionLogprobs | None) -> bool:
         """Add a sampled token to seq, run the stop checks. True if seq is now finished."""
         i, p = seq.index, self.params
+        pending = self._pending.setdefault(i, _Pending())
         seq.token_ids.append(token)
-        self.new_token_ids[i].append(token)
-        if logprobs is not None and self.logprobs[i] is not None:
-            self.logprobs[i].append(logprobs)
+        pending.token_ids.append(token)
+        if logprobs is not None and p.logprobs is not None:
+            pending.logprobs.append(logprobs)
         detok = self.detokenizers[i]
-        token_stop = check_token_stop(p, seq.output_token_ids, self.eos_token_ids)
+        token_stop = token_stop_after(p, seq.num_output_tokens, token, self.eos_token_ids)
         if token_stop is not None and token_stop[0] == "stop":  # EOS or a stop_token_id
             seq.finish_reason, seq.stop_reason = token_stop
             detok.update([token], stop_terminated=True)
         else:
-            stop_str = detok.update([token])
+            # Stop strings, like stop tokens, cannot end a sequence within its first min_tokens tokens.
+            stop_str = detok.update([token], check_stop=seq.num_output_tokens > p.min_tokens)
             if stop_str is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop_str
             elif token_stop is not None or seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = "length"
         finished = seq.finish_reason is not None
-        delta = detok.get_delta(finished)
-        self.texts[i] += delta
-        self.new_texts[i] += delta
+        pending.text += detok.get_delta(finished)
         return finished
 
-    def make_output(self) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=s.index,
-                text=self.texts[s.index],
-                token_ids=s.output_token_ids,
-                logprobs=self.logprobs[s.index],
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for s in self.seqs
-        ]
-        out = RequestOutput(
+    def take_delta(self) -> RequestDelta:
+        """What changed since the previous call, and forget it."""
+        outputs = []
+        for i in sorted(self._pending):
+            pending, seq = self._pending[i], self.seqs[i]
+            outputs.append(CompletionDelta(
+                index=i, token_ids=pending.token_ids, text=pending.text,
+                logprobs=pending.logprobs if self.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        self._pending = {}
+        first = not self._sent_any
+        self._sent_any = True
+        return RequestDelta(
             request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
             outputs=outputs,
             finished=self.finished,
+            num_prompt_tokens=len(self.prompt_token_ids),
             num_cached_tokens=self.seqs[0].num_cached_tokens,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.prompt_logprobs if first else None,
             metrics=self.metrics,
-            new_token_ids=self.new_token_ids,
-            new_texts=self.new_texts,
         )
-        self.new_token_ids = [[] for _ in self.seqs]
-        self.new_texts = [""] * len(self.seqs)
-        return out

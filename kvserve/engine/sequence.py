@@ -36,13 +36,20 @@ class Sequence:
     arrival_time: float = 0.0
     parent: Sequence | None = None        # sibling 0, for n > 1; we wait for its prefill
     cache_salt: str | None = None         # keeps this request's blocks out of other requests' reach
-    skip_prefix_cache: bool = False
+    # Sequence 0 of a request with prompt_logprobs, until the request has them all. Positions served from
+    # the prefix cache are never run through the model, so they would have no logits: like vLLM, such a
+    # sequence does not read the cache (it still fills it). Its n > 1 siblings read it as usual.
+    needs_prompt_logprobs: bool = False
 
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0          # tokens whose K/V are in the cache
     num_cached_tokens: int = 0            # of the prompt, how many came from the prefix cache (first admission)
     block_table: list[int] = field(default_factory=list)   # block_table[i] holds tokens [i*B, (i+1)*B)
-    block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks so far
+    # Content digests of the full blocks of token_ids computed so far (kvserve/engine/block_hash.py). They
+    # depend on the tokens and salt only, so they outlive a preemption. (Rolling back tokens, as speculative
+    # decoding will, must truncate this list too.)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_committed_blocks: int = 0         # of block_table, how many are registered in the prefix cache
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -68,6 +75,10 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def skip_prefix_cache(self) -> bool:
+        return self.needs_prompt_logprobs
 
     @property
     def is_finished(self) -> bool:

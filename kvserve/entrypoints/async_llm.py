@@ -1,21 +1,24 @@
-"""The server's handle on the engine: submit a request, iterate its outputs, abort it.
+"""The server's handle on the engine: submit a request, iterate its deltas, abort it; keep an engine running.
 
 Two transports behind one class (see benchmarks/server_design.py for why "process" is the default):
-  - "process": the engine runs in its own process (kvserve.engine.core_process); requests go over a ZMQ
+  - "process": the engine runs in its own process (kvserve.entrypoints.engine_process); requests go over a ZMQ
     PUSH socket, results come back on a PULL socket, msgpack-encoded. This process never imports torch.
+    If that process dies (kill -9, the OOM killer, a crash in a kernel), the requests in flight fail at once
+    (503; streams end with an SSE error event), /health answers 503, and a new engine process is started;
+    /health is 200 again once it is ready. Requests are never resubmitted by the server, and one that keeps
+    crashing the engine is refused (kvserve.entrypoints.crash_quarantine).
   - "thread": the engine runs in a thread of this process; messages pass through queues.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import os
 import queue
-import tempfile
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -27,24 +30,32 @@ from kvserve.engine.core_process import (
     AbortRequest,
     AddRequest,
     EngineCore,
+    FromEngine,
     Ready,
     Shutdown,
     StartupFailed,
     StepResult,
-    encoder,
-    from_engine_decoder,
-    run_engine_core_process,
     run_engine_core_thread,
     use_passive_openmp,
 )
 from kvserve.engine.stats import EngineStats
-from kvserve.outputs import RequestOutput
+from kvserve.entrypoints.crash_quarantine import CrashQuarantine, request_fingerprint
+from kvserve.entrypoints.engine_process import EngineProcess
+from kvserve.outputs import RequestDelta
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvserve.server")
 
 EngineMode = Literal["process", "thread"]
+
+# How often the server checks that the engine process is alive: /health turns 503 within this (plus a
+# request's own latency) of a death.
+_WATCH_INTERVAL_S = 0.1
+# A dead engine is replaced at once; if engines keep dying (crashes within _CRASH_WINDOW_S of each other),
+# each replacement waits longer, doubling up to _MAX_BACKOFF_S, so a crash loop does not spin the CPU.
+_CRASH_WINDOW_S = 300.0
+_MAX_BACKOFF_S = 30.0
 
 
 class EngineRequestError(Exception):
@@ -65,7 +76,8 @@ class EngineOverloadedError(Exception):
 
 @dataclass
 class _Stream:
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutputs, or the exception ending it
+    fingerprint: bytes | None       # for the crash quarantine (process mode only)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestDeltas, or the exception ending it
 
 
 StepListener = Callable[[StepResult], None]
@@ -82,70 +94,108 @@ class AsyncLLM:
         self.stats = EngineStats()
         self.step_listeners: list[StepListener] = []
         self.end_listeners: list[Callable[[str], None]] = []   # called with the request id when its stream ends
-        self.dead: str | None = None          # why the engine is gone, once it is
+        self.restart_listeners: list[Callable[[], None]] = []  # called when a replacement engine is started
+        self.dead: str | None = None          # why no engine is serving (gone, or being replaced), if so
+        self.num_restarts = 0                 # engine processes started to replace one that died
+        self.quarantine = CrashQuarantine()
         self._streams: dict[str, _Stream] = {}
         self._num_sent = 0                     # AddRequests sent; the engine reports how many it handled
         self._num_handled = 0
         self._send: Callable[[AddRequest | AbortRequest | Shutdown], None] | None = None
-        self._tasks: list[asyncio.Task] = []
-        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._engine: EngineProcess | None = None
+        self._watcher: asyncio.Task | None = None
         self._thread: threading.Thread | None = None
-        self._zmq_ctx = None
-        self._ipc_dir: str | None = None
+        self._closing = False
+        self._crash_times: deque[float] = deque()
 
     # ------------------------------------------------------------ lifecycle
 
     async def start(self, startup_timeout_s: float = 600.0) -> None:
+        if self.mode == "process":
+            await self._launch(startup_timeout_s)
+            self._watcher = asyncio.create_task(self._watch())
+            return
         loop = asyncio.get_running_loop()
         first: asyncio.Future = loop.create_future()
-
-        def deliver(msg: Ready | StartupFailed | StepResult) -> None:
-            if isinstance(msg, StepResult):
-                self._on_step(msg)
-            elif not first.done():
-                first.set_result(msg)
-
-        if self.mode == "process":
-            await self._start_process(deliver)
-        else:
-            self._start_thread(loop, deliver)
+        self._start_thread(loop, self._deliver_to(first))
         msg = await asyncio.wait_for(first, startup_timeout_s)
         if isinstance(msg, StartupFailed):
             await self.shutdown()
             raise RuntimeError(f"engine failed to start: {msg.message}")
         self._apply_ready(msg)
 
-    async def _start_process(self, deliver: Callable) -> None:
-        import zmq
-        import zmq.asyncio
+    def _deliver_to(self, first: asyncio.Future) -> Callable[[FromEngine], None]:
+        def deliver(msg: FromEngine) -> None:
+            if isinstance(msg, StepResult):
+                self._on_step(msg)
+            elif not first.done():
+                first.set_result(msg)
+        return deliver
 
-        self._ipc_dir = tempfile.mkdtemp(prefix="kvserve-")
-        in_addr = f"ipc://{self._ipc_dir}/in"
-        out_addr = f"ipc://{self._ipc_dir}/out"
-        self._zmq_ctx = zmq.asyncio.Context()
-        push = self._zmq_ctx.socket(zmq.PUSH)
-        push.bind(in_addr)
-        pull = self._zmq_ctx.socket(zmq.PULL)
-        pull.bind(out_addr)
-        self._send = lambda m: push.send(encoder.encode(m))  # non-blocking: PUSH queues while the peer is busy
+    async def _launch(self, startup_timeout_s: float) -> None:
+        """Start an engine process and wait for its Ready. Raises RuntimeError if it fails or dies first."""
+        first: asyncio.Future = asyncio.get_running_loop().create_future()
+        engine = EngineProcess(self.config, self._deliver_to(first))
+        self._engine, self._send, self.engine_pid = engine, engine.send, engine.pid
+        deadline = time.monotonic() + startup_timeout_s
+        while not first.done():
+            if not engine.is_alive() or time.monotonic() > deadline:
+                why = (f"exited with code {engine.exitcode}" if not engine.is_alive()
+                       else f"not ready after {startup_timeout_s:.0f}s")
+                await self._drop_engine()
+                raise RuntimeError(f"engine process {why} while starting")
+            await asyncio.wait({first}, timeout=_WATCH_INTERVAL_S)
+        msg = first.result()
+        if isinstance(msg, StartupFailed):
+            await self._drop_engine()
+            raise RuntimeError(f"engine failed to start: {msg.message}")
+        self._apply_ready(msg)
 
-        ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(target=run_engine_core_process, name="kvserve-engine",
-                                 args=(self.config, in_addr, out_addr, os.getpid()), daemon=True)
-        self._proc.start()
-        self.engine_pid = self._proc.pid
+    async def _drop_engine(self) -> None:
+        engine, self._engine, self._send = self._engine, None, None
+        if engine is not None:
+            await engine.stop(timeout_s=0.0 if not engine.is_alive() else 5.0)
 
-        async def receive() -> None:
-            while True:
-                frame = await pull.recv(copy=False)
-                deliver(from_engine_decoder.decode(frame.buffer))
+    async def _watch(self) -> None:
+        """Replace the engine process whenever it dies, until shutdown."""
+        while not self._closing:
+            await asyncio.sleep(_WATCH_INTERVAL_S)
+            engine = self._engine
+            if engine is None or engine.is_alive() or self._closing:
+                continue
+            await self._replace_dead_engine(f"engine process (pid {engine.pid}) died with exit code "
+                                            f"{engine.exitcode}")
 
-        async def watch() -> None:
-            while self._proc is not None and self._proc.is_alive():
-                await asyncio.sleep(0.5)
-            self._mark_dead(f"engine process exited with code {self._proc.exitcode if self._proc else None}")
-
-        self._tasks += [asyncio.create_task(receive()), asyncio.create_task(watch())]
+    async def _replace_dead_engine(self, why: str) -> None:
+        now = time.monotonic()
+        self._crash_times.append(now)
+        while self._crash_times[0] < now - _CRASH_WINDOW_S:
+            self._crash_times.popleft()
+        self.quarantine.note_crash(s.fingerprint for s in self._streams.values() if s.fingerprint is not None)
+        self._mark_dead(f"{why}; a new engine process is starting")
+        await self._drop_engine()
+        self._num_sent = self._num_handled = 0
+        self.stats = EngineStats()
+        attempt = 0
+        while not self._closing:
+            # The first replacement starts at once; engines that keep dying wait longer each time.
+            backoff = min(_MAX_BACKOFF_S, 0.5 * 2 ** (len(self._crash_times) + attempt - 2))
+            if len(self._crash_times) + attempt > 1:
+                logger.warning("engine died %d times in %.0fs; waiting %.1fs before the next start",
+                               len(self._crash_times), _CRASH_WINDOW_S, backoff)
+                await asyncio.sleep(backoff)
+            self.num_restarts += 1
+            for listener in self.restart_listeners:
+                listener()
+            try:
+                await self._launch(600.0)
+            except RuntimeError as e:
+                attempt += 1
+                logger.error("engine restart failed: %s", e)
+                continue
+            self.dead = None
+            logger.warning("engine restarted (pid %s, restart %d) after: %s", self.engine_pid, self.num_restarts, why)
+            return
 
     def _start_thread(self, loop: asyncio.AbstractEventLoop, deliver: Callable) -> None:
         inbox: queue.Queue = queue.Queue()
@@ -172,46 +222,24 @@ class AsyncLLM:
         self.engine_pid = ready.pid
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
-        if self._send is not None and self.dead is None:
-            try:
-                self._send(Shutdown())
-            except Exception:  # noqa: BLE001 - best effort; the process is terminated below anyway
-                pass
-        if self._proc is not None:
-            deadline = time.monotonic() + timeout_s
-            while self._proc.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if self._proc.is_alive():
-                self._proc.terminate()
-                self._proc.join(5)
+        self._closing = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        if self._engine is not None:
+            engine, self._engine, self._send = self._engine, None, None
+            await engine.stop(timeout_s)
         if self._thread is not None:
+            if self._send is not None and self.dead is None:
+                self._send(Shutdown())
             self._thread.join(timeout_s)
-        for t in self._tasks:
-            t.cancel()
-        self._tasks.clear()
-        if self._zmq_ctx is not None:
-            self._zmq_ctx.destroy(linger=0)
-            self._zmq_ctx = None
-        if self._ipc_dir is not None:
-            for name in ("in", "out"):
-                try:
-                    os.unlink(os.path.join(self._ipc_dir, name))
-                except OSError:
-                    pass
-            try:
-                os.rmdir(self._ipc_dir)
-            except OSError:
-                pass
-            self._ipc_dir = None
-        self._proc = None
 
     def _mark_dead(self, why: str) -> None:
-        if self.dead is not None:
-            return
         self.dead = why
         logger.error("%s", why)
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(why))
+        self._streams.clear()  # their generators end on the error; nothing of theirs is in the next engine
 
     # ------------------------------------------------------------ requests
 
@@ -225,11 +253,19 @@ class AsyncLLM:
         return len(self._streams)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yields the request's outputs until it finishes. Leaving early (the client went away, the task was
-        cancelled) aborts the request in the engine, which frees its KV blocks before its next step."""
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestDelta]:
+        """Yields the request's deltas (what each step added) until it finishes. Leaving early (the client went
+        away, the task was cancelled) aborts the request in the engine, which frees its KV blocks before its
+        next step."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        fingerprint = None
+        if self.mode == "process":
+            fingerprint = request_fingerprint(prompt_token_ids, params, cache_salt)
+            crashes = self.quarantine.crashes(fingerprint)
+            if crashes >= self.quarantine.max_crashes:
+                raise EngineRequestError(f"refused: the engine process died {crashes} times while this request "
+                                         "(the same prompt and parameters) was running", client_error=True)
         # Checked here, right before the send with no await in between, so concurrent requests cannot all
         # pass the check before any of them is counted.
         max_waiting = self.config.max_waiting
@@ -238,11 +274,12 @@ class AsyncLLM:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise EngineRequestError(f"request_id {request_id!r} is already in use", client_error=True)
-        stream = _Stream()
+        stream = _Stream(fingerprint)
         self._streams[request_id] = stream
         finished = False
         try:
-            self._send(AddRequest(request_id, list(prompt_token_ids), params, priority, time.monotonic()))
+            self._send(AddRequest(request_id, list(prompt_token_ids), params, priority, time.monotonic(),
+                                  cache_salt))
             self._num_sent += 1
             while True:
                 item = await stream.queue.get()
@@ -254,7 +291,8 @@ class AsyncLLM:
                     finished = True
                     return
         finally:
-            self._streams.pop(request_id, None)
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
             if not finished and self.dead is None:
                 self._send(AbortRequest([request_id]))
             for listener in self.end_listeners:

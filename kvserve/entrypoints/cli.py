@@ -131,8 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1",
                        help="Address to bind; use 0.0.0.0 to accept remote clients (default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="Port (default: %(default)s)")
-    serve.add_argument("--api-key", default=None,
-                       help="Require `Authorization: Bearer KEY` on /v1/* and /tokenize, /detokenize.")
+    serve.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
+                       help="Require `Authorization: Bearer KEY` on /v1/* and /tokenize, /detokenize. Several keys "
+                            "(one per tenant) may be given; any of them is accepted.")
+    serve.add_argument("--cache-salt-by-api-key", action="store_true",
+                       help="Salt each request's prefix-cache entries with a digest of the API key it presents, "
+                            "so clients with different keys never share cached KV blocks (nor learn, by timing, "
+                            "what another has sent). A request's own cache_salt then divides its key's entries "
+                            "further. Requests without a key share one salt.")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="Model name(s) clients use in `model`; the first is reported. Default: the model "
                             "path, or SmolLM2-135M-Instruct.")
@@ -200,7 +206,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = engine_config(args, max_waiting=args.max_waiting)
     resolve_model(config.model)  # a missing preset fails here, with its pip command, before the server starts
     server_args = ServerArgs(
-        engine=config, host=args.host, port=args.port, api_key=args.api_key,
+        engine=config, host=args.host, port=args.port, api_keys=args.api_key or [],
+        cache_salt_by_api_key=args.cache_salt_by_api_key,
         served_model_names=args.served_model_name or [], engine_mode=args.engine_mode,
         max_request_body_bytes=args.max_request_body_bytes, shutdown_grace_s=args.shutdown_grace,
         log_stats_interval_s=args.log_stats_interval, log_level=args.log_level, web=args.web)

@@ -10,6 +10,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer.chat_messages import check_messages
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
@@ -52,9 +53,7 @@ class LLM:
         tok = self.engine.tokenizer
         prompts: list[Prompt] = []
         for conv in convs:
-            if not conv:
-                raise ValueError("messages must not be empty")
-            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            text = tok.apply_chat_template(check_messages(conv), add_generation_prompt=add_generation_prompt)
             # The template already has the special tokens it wants.
             prompts.append(tok.encode(text, add_special_tokens=False))
         return self._run(prompts, sampling_params, None, use_tqdm)

@@ -2,7 +2,7 @@
 
 Each server owns its CollectorRegistry (no process-global state), so tests can run several servers.
 Everything is fed from the engine's step results: gauges and engine counters from EngineStats, request
-histograms from each RequestOutput's RequestMetrics (monotonic times, comparable across processes)."""
+histograms from each RequestDelta's RequestMetrics (monotonic times, comparable across processes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvserve.engine.core_process import StepResult
 from kvserve.engine.stats import EngineStats
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import RequestDelta
 
 # vLLM's bucket boundaries.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -54,6 +54,8 @@ class ServerMetrics:
         self.num_preemptions = counter("num_preemptions_total", "Preemptions (a request evicted to free KV).")
         self.prefix_cache_queries = counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
+        self.engine_restarts = counter("engine_restarts_total",
+                                       "Engine processes started to replace one that died (kvserve's own metric).")
         self._request_success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
                                         ["model_name", "finished_reason"], registry=r)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
@@ -96,14 +98,14 @@ class ServerMetrics:
         for out in result.outputs:
             self._on_output(out)
 
-    def _on_output(self, out: RequestOutput) -> None:
+    def _on_output(self, out: RequestDelta) -> None:
         # Token counters count what the engine delivered, output by output, so they equal the sum of the
         # `usage` the server reports (prompt tokens once per request, as in usage.prompt_tokens).
         tracked = self._tracked.get(out.request_id)
         if tracked is None:
             tracked = self._tracked[out.request_id] = _Tracked()
-            self.prompt_tokens.inc(len(out.prompt_token_ids))
-        new_tokens = sum(len(t) for t in out.new_token_ids)
+            self.prompt_tokens.inc(out.num_prompt_tokens)
+        new_tokens = sum(len(c.token_ids) for c in out.outputs)
         if new_tokens:
             self.generation_tokens.inc(new_tokens)
         m = out.metrics
@@ -117,7 +119,7 @@ class ServerMetrics:
         if out.finished:
             self._on_finished(out)
 
-    def _on_finished(self, out: RequestOutput) -> None:
+    def _on_finished(self, out: RequestDelta) -> None:
         self._tracked.pop(out.request_id, None)
         reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "stop"
         self._request_success.labels(self.model_name, reason).inc()
@@ -133,6 +135,12 @@ class ServerMetrics:
                 self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
         if m.first_token_time is not None and m.last_token_time is not None:
             self.decode_time.observe(max(0.0, m.last_token_time - m.first_token_time))
+
+    def on_engine_restart(self) -> None:
+        """A new engine process counts from zero: engine counters are diffed against its stats from now on."""
+        self.engine_restarts.inc()
+        self._last_stats = EngineStats()
+        self._tracked.clear()
 
     def on_request_end(self, request_id: str) -> None:
         """An aborted request sends no final output: forget it here."""

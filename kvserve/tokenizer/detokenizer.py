@@ -32,12 +32,15 @@ class IncrementalDetokenizer:
         self._sent = 0                   # chars of output_text already returned by get_delta
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
 
-    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False, check_stop: bool = True) -> str | None:
         """Append generated tokens. Returns the stop string if one now occurs in the output (the
         text is then cut before it, or after it with include_stop_str_in_output), else None.
 
         stop_terminated: the last token ended the sequence (EOS or a stop_token_id); as in vLLM its
-        text is left out unless include_stop_str_in_output."""
+        text is left out unless include_stop_str_in_output.
+        check_stop: False while the sequence is within min_tokens. As in vLLM, a stop string must end in
+        text that arrives after the first min_tokens tokens; text checked with check_stop=False is never
+        searched again on its own."""
         assert self.stop_reason is None, "update() after a stop string ended the sequence"
         if stop_terminated and not self.params.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
@@ -49,7 +52,7 @@ class IncrementalDetokenizer:
                 self.output_text += chunk
                 self._decoded_tail = (self._decoded_tail + self._held)[-_PROMPT_CONTEXT:]
                 self._held = []
-        if self.params.stop and len(self.output_text) > checked:
+        if check_stop and self.params.stop and len(self.output_text) > checked:
             return self._check_stop(checked)
         return None
 

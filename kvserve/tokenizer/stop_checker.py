@@ -51,10 +51,17 @@ def check_token_stop(
 
     vLLM's rules: nothing stops before min_tokens; EOS stops unless ignore_eos (stop_reason None); a
     stop_token_id stops with that id as stop_reason; then max_tokens gives "length"."""
-    n = len(output_token_ids)
-    if n == 0 or n < params.min_tokens:
+    if not output_token_ids:
         return None
-    last = output_token_ids[-1]
+    return token_stop_after(params, len(output_token_ids), output_token_ids[-1], eos_token_ids)
+
+
+def token_stop_after(params: SamplingParams, num_output_tokens: int, last: int,
+                     eos_token_ids: Collection[int]) -> tuple[str, int | None] | None:
+    """check_token_stop from the count and the last token alone: O(1) per token, whatever the length."""
+    n = num_output_tokens
+    if n < params.min_tokens:
+        return None
     if not params.ignore_eos and last in eos_token_ids:
         return "stop", None
     if last in params.stop_token_ids:

@@ -74,7 +74,7 @@ class ModelRunner:
                     sample_rows.append(len(input_ids) - 1 - len(drafts) + j)
                     sample_seqs.append(seq)
                     sample_outputs.append(outputs + list(drafts[:j]) if j else outputs)
-            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+            if seq.needs_prompt_logprobs and start < seq.num_prompt_tokens - 1:
                 # Row p predicts token p + 1; only positions whose next token is in the prompt.
                 count = min(end, seq.num_prompt_tokens - 1) - start
                 prompt_lp.append((seq, row0, start, count))

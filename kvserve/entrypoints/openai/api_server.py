@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.config import EngineConfig
 from kvserve.entrypoints.async_llm import AsyncLLM, EngineMode
+from kvserve.entrypoints.openai.auth import bearer_token, key_matches
 from kvserve.entrypoints.openai.errors import bad_request, error_body, install_error_handlers
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -47,7 +47,8 @@ class ServerArgs:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)   # any of them is accepted; none: no auth
+    cache_salt_by_api_key: bool = False  # each key gets its own prefix-cache entries (see openai/auth.py)
     served_model_names: list[str] = field(default_factory=list)
     engine_mode: EngineMode = "process"
     max_request_body_bytes: int = 16 * 2**20
@@ -84,7 +85,7 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         if self.state.draining:
             return await _send_error(send, 503, "server is shutting down", {"Retry-After": "5"})
-        if self.args.api_key is not None and not _authorized(scope, self.args.api_key):
+        if self.args.api_keys and not key_matches(bearer_token(_header(scope, b"authorization")), self.args.api_keys):
             return await _send_error(send, 401, "missing or invalid API key (Authorization: Bearer <key>)",
                                      {"WWW-Authenticate": "Bearer"})
         limit = self.args.max_request_body_bytes
@@ -125,12 +126,6 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def _authorized(scope: Scope, api_key: str) -> bool:
-    value = _header(scope, b"authorization") or ""
-    scheme, _, token = value.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
-
-
 async def _send_error(send: Send, status: int, message: str, headers: dict[str, str] | None = None) -> None:
     await JSONResponse(error_body(status, message), status_code=status, headers=headers)(
         {"type": "http"}, _no_receive, send)
@@ -146,14 +141,15 @@ def build_app(args: ServerArgs, state: ServerState | None = None) -> FastAPI:
     engine = AsyncLLM(args.engine, mode=args.engine_mode)
     metrics = ServerMetrics(names[0])
     history = MetricsHistory(metrics.registry)
-    completions = OpenAIServingCompletion(engine, names, args.engine.max_waiting)
-    chat = OpenAIServingChat(engine, names, args.engine.max_waiting)
+    completions = OpenAIServingCompletion(engine, names, args.engine.max_waiting, args.cache_salt_by_api_key)
+    chat = OpenAIServingChat(engine, names, args.engine.max_waiting, args.cache_salt_by_api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         engine.step_listeners.append(metrics.on_step)
         engine.end_listeners.append(metrics.on_request_end)
+        engine.restart_listeners.append(metrics.on_engine_restart)
         stat_task = asyncio.create_task(log_stats_periodically(lambda: engine.stats, args.log_stats_interval_s))
         history_task = asyncio.create_task(history.run())
         logger.info("engine ready (%s mode, pid %s): serving %s, max_model_len=%d", args.engine_mode,

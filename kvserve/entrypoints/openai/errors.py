@@ -67,7 +67,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if loc[:1] in (["body"], ["query"]):    # where the field was, not which field
         loc = loc[1:]
     param = ".".join(loc) or None
-    msg = str(first.get("msg", "invalid value"))
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # pydantic's prefix for our checks
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {msg}", None
     return (f"{param}: {msg}" if param else msg), param

@@ -8,9 +8,10 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, WithJsonSchema, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
 from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer.chat_messages import CHAT_ROLES, NULL_CONTENT_ROLES, content_text
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Bounded so that anything passing validation fits the engine (torch seeds are 64-bit, msgpack ints too).
@@ -56,6 +57,8 @@ class SamplingFields(OpenAIBase):
     priority: BoundedInt = 0
     add_special_tokens: bool | None = None
     request_id: str | None = None
+    # vLLM's field: only requests with the same salt share prefix-cache entries (e.g. one salt per tenant).
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            prompt_logprobs: int | None) -> SamplingParams:
@@ -142,11 +145,29 @@ class CompletionResponse(BaseModel):
 
 # ---------------------------------------------------------------- chat
 
+_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+    "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}}, "required": ["type", "text"]}}]}
+
+
 class ChatMessage(OpenAIBase):
-    role: str
-    # A string, or OpenAI's list of content parts; only text parts are supported.
-    content: str | list[dict[str, Any]] | None = None
+    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]  # an unknown role is a 400 naming messages.N.role
+    # A string, or OpenAI's list of content parts; only text parts are supported. Checked by hand so that a
+    # bad part gives one error at messages.N.content rather than one per member of a Union.
+    content: Annotated[Any, WithJsonSchema(_CONTENT_SCHEMA)] = Field(default=None, validate_default=True)
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, v: Any, info: ValidationInfo) -> Any:
+        content_text(v)
+        role = info.data.get("role")  # absent when the role itself was invalid (that error is reported)
+        if v is None and role is not None and role not in NULL_CONTENT_ROLES:
+            raise ValueError(f"content is required for role {role!r}")
+        return v
+
+    @property
+    def text(self) -> str:
+        return content_text(self.content) or ""
 
 
 class ChatCompletionRequest(SamplingFields):

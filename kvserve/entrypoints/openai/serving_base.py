@@ -11,9 +11,10 @@ from typing import TypeVar
 from fastapi import Request
 
 from kvserve.entrypoints.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, EngineRequestError
+from kvserve.entrypoints.openai.auth import bearer_token, tenant_cache_salt
 from kvserve.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from kvserve.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import RequestDelta
 from kvserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -24,10 +25,12 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_waiting: int | None) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_waiting: int | None,
+                 cache_salt_by_api_key: bool = False) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_waiting = max_waiting
+        self.cache_salt_by_api_key = cache_salt_by_api_key
 
     @property
     def tokenizer(self):  # kvserve.tokenizer.Tokenizer, available once the engine is ready
@@ -46,10 +49,17 @@ class OpenAIServing:
             raise OpenAIError(404, f"The model `{requested}` does not exist.", "model")
         return requested
 
+    def cache_salt(self, raw_request: Request, requested: str | None) -> str | None:
+        """The prefix-cache salt the engine gets: the request's cache_salt, under its API key's when the
+        server salts by key."""
+        if not self.cache_salt_by_api_key:
+            return requested
+        return tenant_cache_salt(bearer_token(raw_request.headers.get("authorization")), requested)
+
     def check_admission(self, num_new: int) -> None:
         """A cheap early refusal; AsyncLLM.generate makes the binding check as it submits."""
         if self.engine.dead is not None:
-            raise OpenAIError(503, f"engine is not running: {self.engine.dead}")
+            raise OpenAIError(503, f"engine is not running: {self.engine.dead}", headers={"Retry-After": "2"})
         if self.max_waiting is not None and self.engine.num_waiting + num_new > self.max_waiting:
             raise OpenAIError(429, f"too many requests waiting (max_waiting={self.max_waiting}); retry later",
                               headers={"Retry-After": "1"})
@@ -95,9 +105,10 @@ class OpenAIServing:
         return params
 
     async def generate(self, raw_request: Request, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int, request_id: str) -> AsyncIterator[RequestOutput]:
+                       priority: int, request_id: str, cache_salt: str | None = None) -> AsyncIterator[RequestDelta]:
         """AsyncLLM.generate with engine errors mapped to HTTP errors."""
-        gen = self.engine.generate(prompt_token_ids, params, request_id=request_id, priority=priority)
+        gen = self.engine.generate(prompt_token_ids, params, request_id=request_id, priority=priority,
+                                   cache_salt=self.cache_salt(raw_request, cache_salt))
         async with contextlib.aclosing(gen):
             try:
                 async for out in gen:
@@ -107,7 +118,7 @@ class OpenAIServing:
                     raise bad_request(str(e)) from None
                 raise OpenAIError(500, str(e)) from None
             except EngineDeadError as e:
-                raise OpenAIError(503, f"engine is not running: {e}") from None
+                raise OpenAIError(503, f"engine is not running: {e}", headers={"Retry-After": "2"}) from None
             except EngineOverloadedError as e:
                 raise OpenAIError(429, str(e), headers={"Retry-After": "1"}) from None
 

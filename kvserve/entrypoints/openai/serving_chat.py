@@ -35,22 +35,14 @@ from kvserve.entrypoints.openai.serving_base import (
     until_disconnected,
     usage,
 )
-from kvserve.outputs import PositionLogprobs, RequestOutput
+from kvserve.outputs import PositionLogprobs, RequestDelta, RequestOutput, RequestOutputAccumulator
 
 
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """What the chat template renders; roles and content were validated with the request."""
     out = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"messages[{i}].content: only text content parts are supported",
-                                      f"messages.{i}.content")
-                parts.append(part["text"])
-            content = "".join(parts)
-        d = {"role": m.role, "content": content or ""}
+    for m in messages:
+        d = {"role": m.role, "content": m.text}
         if m.name is not None:
             d["name"] = m.name
         out.append(d)
@@ -93,16 +85,17 @@ class OpenAIServingChat(OpenAIServing):
         self.check_admission(1)
 
         request_id = req.request_id or random_id("chatcmpl")
-        gen = self.generate(raw_request, ids, params, req.priority, request_id)
+        gen = self.generate(raw_request, ids, params, req.priority, request_id, req.cache_salt)
         if req.stream:
             return await self._stream(req, raw_request, request_id, model, len(ids), gen)
 
         async def collect() -> RequestOutput:
-            final = None
+            # The engine sends each step's additions; the whole answer is assembled here, once.
+            acc = RequestOutputAccumulator(request_id, None, ids, req.n, num_top is not None)
             async with contextlib.aclosing(gen):
-                async for out in gen:
-                    final = out
-            return final  # type: ignore[return-value]
+                async for delta in gen:
+                    acc.add(delta)
+            return acc.output
 
         try:
             out = await until_disconnected(raw_request, collect())
@@ -133,7 +126,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatChoiceLogprobs(content=content)
 
     async def _stream(self, req: ChatCompletionRequest, raw_request: Request, request_id: str, model: str,
-                      prompt_len: int, gen: AsyncIterator[RequestOutput]) -> Response:
+                      prompt_len: int, gen: AsyncIterator[RequestDelta]) -> Response:
         first = await first_output(raw_request, gen)
         if first is None:
             return Response(status_code=499)
@@ -142,8 +135,7 @@ class OpenAIServingChat(OpenAIServing):
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
-        sent = [0] * n
-        finished = [False] * n
+        sent = [0] * n           # tokens streamed per choice
         cached = 0
 
         def chunk(choices: list[ChatStreamChoice], with_usage: bool) -> str:
@@ -151,22 +143,17 @@ class OpenAIServingChat(OpenAIServing):
             return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
                                            usage=u).model_dump())
 
-        def deltas(out: RequestOutput) -> list[str]:
+        def deltas(out: RequestDelta) -> list[str]:
+            """One chunk per choice the engine's delta touched: the delta is already only what is new."""
             nonlocal cached
             cached = out.num_cached_tokens
             lines = []
-            for j, c in enumerate(out.outputs):
-                if finished[j]:
+            for c in out.outputs:
+                sent[c.index] += len(c.token_ids)
+                if not c.text and not c.token_ids and c.finish_reason is None:
                     continue
-                text = out.new_texts[j] if j < len(out.new_texts) else ""
-                new_ids = c.token_ids[sent[j]:]
-                new_lps = (c.logprobs or [])[sent[j]:]
-                sent[j] = len(c.token_ids)
-                if not text and not new_ids and c.finish_reason is None:
-                    continue
-                finished[j] = c.finish_reason is not None
-                logprobs = self._logprobs(new_ids, new_lps, num_top) if num_top is not None else None
-                lines.append(chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text),
+                logprobs = self._logprobs(c.token_ids, c.logprobs or [], num_top) if num_top is not None else None
+                lines.append(chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
                                                      logprobs=logprobs, finish_reason=c.finish_reason,
                                                      stop_reason=c.stop_reason)], continuous))
             return lines

@@ -29,7 +29,7 @@ from kvserve.entrypoints.openai.serving_base import (
     until_disconnected,
     usage,
 )
-from kvserve.outputs import PositionLogprobs, RequestOutput
+from kvserve.outputs import PositionLogprobs, RequestDelta, RequestOutput, RequestOutputAccumulator
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -52,18 +52,21 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_admission(len(prompts))
 
         request_id = req.request_id or random_id("cmpl")
-        gens = [self.generate(raw_request, ids, p, req.priority, f"{request_id}-{i}")
+        gens = [self.generate(raw_request, ids, p, req.priority, f"{request_id}-{i}", req.cache_salt)
                 for i, ((_, ids), p) in enumerate(zip(prompts, params))]
         merged = merge(gens)
         if req.stream:
             return await self._stream(req, raw_request, request_id, model, prompts, merged)
 
+        # The engine sends each step's additions; the whole answer is assembled here, once.
+        accs = [RequestOutputAccumulator(f"{request_id}-{i}", text, ids, req.n, req.logprobs is not None)
+                for i, (text, ids) in enumerate(prompts)]
+
         async def collect() -> list[RequestOutput]:
-            finals: list[RequestOutput | None] = [None] * len(prompts)
             async with contextlib.aclosing(merged):
-                async for i, out in merged:
-                    finals[i] = out
-            return finals  # type: ignore[return-value]
+                async for i, delta in merged:
+                    accs[i].add(delta)
+            return [acc.output for acc in accs]
 
         try:
             finals = await until_disconnected(raw_request, collect())
@@ -131,7 +134,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _stream(self, req: CompletionRequest, raw_request: Request, request_id: str, model: str,
                       prompts: list[tuple[str | None, list[int]]],
-                      merged: AsyncIterator[tuple[int, RequestOutput]]) -> Response:
+                      merged: AsyncIterator[tuple[int, RequestDelta]]) -> Response:
         first = await first_output(raw_request, merged)
         if first is None:
             return Response(status_code=499)
@@ -139,10 +142,10 @@ class OpenAIServingCompletion(OpenAIServing):
         n = req.n
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
-        sent_tokens = [[0] * n for _ in prompts]     # tokens already streamed per (prompt, completion)
+        sent_tokens = [[0] * n for _ in prompts]     # tokens streamed per (prompt, completion)
         offsets = [[0] * n for _ in prompts]         # text_offset of the next token per (prompt, completion)
-        finished = [[False] * n for _ in prompts]
-        started = [False] * len(prompts)
+        echoed = [[False] * n for _ in prompts]
+        prompt_lps: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
         prompt_tokens = [len(ids) for _, ids in prompts]
         cached = [0] * len(prompts)
 
@@ -150,37 +153,36 @@ class OpenAIServingCompletion(OpenAIServing):
             completion = sum(sum(row) for row in sent_tokens)
             return usage(sum(prompt_tokens), completion, sum(cached))
 
-        def chunks(i: int, out: RequestOutput) -> list[str]:
+        def chunks(i: int, delta: RequestDelta) -> list[str]:
+            """One SSE chunk per sample this delta touched: the delta is already only what is new."""
             lines = []
-            cached[i] = out.num_cached_tokens
+            cached[i] = delta.num_cached_tokens
+            if delta.prompt_logprobs is not None:  # the request's first delta
+                prompt_lps[i] = delta.prompt_logprobs
             text, ids = prompts[i]
-            for j, c in enumerate(out.outputs):
-                if finished[i][j]:
-                    continue
-                delta_text = out.new_texts[j] if j < len(out.new_texts) else ""
-                new_ids = list(c.token_ids[sent_tokens[i][j]:])
-                new_lps = list((c.logprobs or [])[sent_tokens[i][j]:])
-                if req.echo and not started[i]:
+            for c in delta.outputs:
+                j = c.index
+                delta_text, new_ids, new_lps = c.text, c.token_ids, c.logprobs or []
+                if req.echo and not echoed[i][j]:
+                    echoed[i][j] = True
                     prompt_text = text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
                     delta_text = prompt_text + delta_text
                     new_ids = ids + new_ids
-                    new_lps = list(out.prompt_logprobs or [None] * len(ids)) + new_lps
-                sent_tokens[i][j] = len(c.token_ids)
+                    new_lps = list(prompt_lps[i] or [None] * len(ids)) + new_lps
+                sent_tokens[i][j] += len(c.token_ids)
                 if not delta_text and not new_ids and c.finish_reason is None:
                     continue
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs = self._logprobs(new_ids, new_lps, offsets[i][j])
-                    offsets[i][j] = logprobs.text_offset[-1] + len(logprobs.tokens[-1]) if logprobs.tokens \
-                        else offsets[i][j]
-                finished[i][j] = c.finish_reason is not None
+                    if logprobs.tokens:
+                        offsets[i][j] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                 chunk = CompletionResponse(
                     id=request_id, created=created, model=model,
                     choices=[CompletionChoice(index=i * n + j, text=delta_text, logprobs=logprobs,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
                     usage=usage_now() if continuous else None)
                 lines.append(sse(chunk.model_dump(exclude_none=False)))
-            started[i] = True
             return lines
 
         async def body() -> AsyncIterator[str]:
