@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from kvserve.engine.block_hash import block_hashes
 from kvserve.engine.llm_engine import LLMEngine
 
 
@@ -47,12 +48,13 @@ def check_kv_bookkeeping(engine: LLMEngine, max_drafts: int, tokens_before: dict
             assert seq.num_computed_tokens == seq.num_tokens - 1, (seq.num_computed_tokens, seq.num_tokens)
         assert len(seq.block_table) * bs >= seq.num_computed_tokens
         assert len(seq.block_table) <= -(-(seq.num_computed_tokens + 1 + max_drafts) // bs)
+        committed = seq.num_committed_blocks
         if bm.enable_prefix_caching:
-            assert len(seq.block_hashes) == seq.num_computed_tokens // bs
-        for i, block_id in enumerate(seq.block_table[:len(seq.block_hashes)]):
-            block = bm.blocks[block_id]
-            assert block.hash == seq.block_hashes[i]
-            assert block.token_ids == tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            assert committed == seq.num_computed_tokens // bs
+        # Each committed block's digest is the one its kept tokens give (sha256 chain, kvserve/engine/block_hash.py).
+        want = block_hashes(seq.token_ids[:committed * bs], bs, seq.cache_salt)
+        for i, block_id in enumerate(seq.block_table[:committed]):
+            assert bm.blocks[block_id].hash == want[i]
         for block_id in seq.block_table:
             refs[block_id] = refs.get(block_id, 0) + 1
     for block in bm.blocks:
