@@ -211,7 +211,7 @@ def build_app(args: ServerArgs, state: ServerState | None = None) -> FastAPI:
     async def version() -> dict:
         return {"version": VERSION}
 
-    add_api_routes(app, history, api_key_required=args.api_key is not None, version=VERSION, web_page=args.web)
+    add_api_routes(app, history, api_key_required=bool(args.api_keys), version=VERSION, web_page=args.web)
     if args.web:
         add_page_routes(app)
 
