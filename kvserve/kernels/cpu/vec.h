@@ -64,13 +64,14 @@ inline Vec16 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
 }
-// float8 e4m3 (KV cache): sign and the 7 exponent/mantissa bits moved to float32's positions make a
-// float32 2^120 times too small (subnormals included), which one multiply fixes. The cache never holds NaN.
+// float8 e4m3 (KV cache) through float16: e4m3's 7 exponent/mantissa bits shifted into f16's places give an
+// f16 2^8 times too small (e4m3 subnormals become f16 subnormals, which the hardware converts exactly and
+// without the microcode assists that float32 denormals cost in a multiply), then one multiply by 2^8.
 inline Vec16 load16(const c10::Float8_e4m3fn* p) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)), 20);
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-  return {_mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(mag, sign)), _mm512_set1_ps(0x1p120f))};
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return {_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f))};
 }
 inline Vec16 load(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(first_lanes(n), p)}; }
 inline Vec16 load(const c10::BFloat16* p, int64_t n) {
@@ -164,16 +165,14 @@ inline Vec16 load16(const c10::BFloat16* p) {
   return {widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
-// float8 e4m3 (KV cache), as in the AVX-512 branch: bits moved into place, then one multiply by 2^120.
-inline __m256 widen_fp8(__m128i raw) {  // the low 8 bytes -> 8 float32
-  const __m256i b = _mm256_cvtepu8_epi32(raw);
-  const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), 20);
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
-  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(mag, sign)), _mm256_set1_ps(0x1p120f));
-}
+// float8 e4m3 (KV cache) through float16, as in the AVX-512 branch: bits into f16's places, then x 2^8.
 inline Vec16 load16(const c10::Float8_e4m3fn* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return {widen_fp8(raw), widen_fp8(_mm_srli_si128(raw, 8))};
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  const __m256 k = _mm256_set1_ps(256.f);
+  return {_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k),
+          _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k)};
 }
 inline Vec16 load(const float* p, int64_t n) {
   if (n >= 16) return load16(p);
