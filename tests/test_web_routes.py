@@ -23,7 +23,7 @@ API_KEY = "route-test-key"
 @pytest.fixture(scope="module")
 def client() -> TestClient:
     # Not entered as a context manager: the lifespan (and so the engine) never starts.
-    return TestClient(build_app(ServerArgs(api_key=API_KEY)))
+    return TestClient(build_app(ServerArgs(api_keys=[API_KEY])))
 
 
 def asset_paths(html: str) -> list[str]:
