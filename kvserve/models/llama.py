@@ -14,9 +14,10 @@ from kvserve.layers.attention import PagedAttention
 from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.layers.linear import ColumnLinear, LinearBase, MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding
 from kvserve.layers.quantization import QuantConfig
-from kvserve.layers.quantization.methods import Loaded, as_float
+from kvserve.layers.quantization.methods import Loaded
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.models.weight_loading import linear_layers, load_named_weights
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -88,12 +89,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-# Hugging Face projection name -> (our fused layer, shard index in it)
-_SHARDS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-           "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-           "down_proj": ("down_proj", 0)}
-
-
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, quant: QuantConfig | None = None) -> None:
         super().__init__()
@@ -128,48 +123,10 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def linear_layers(self) -> list[LinearBase]:
-        return list(dict.fromkeys(m for m in self.modules() if isinstance(m, LinearBase)))
+        return linear_layers(self)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
         """Route Hugging Face-named tensors to their layers (linear shards through each layer's checked
         weight_loader), then finalize every linear layer. Every weight must be present."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
-                continue
-            parts = name.split(".")
-            if name == "embed_tokens.weight":
-                self.embed_tokens.weight_loader(0, tensor)
-            elif name == "lm_head.weight":
-                self.lm_head.weight_loader(0, tensor)
-            elif len(parts) >= 2 and parts[-2] in _SHARDS:
-                layer_name, shard = _SHARDS[parts[-2]]
-                layer = self.get_submodule(".".join(parts[:-2] + [layer_name]))
-                if parts[-1] == "weight":
-                    layer.weight_loader(shard, tensor)
-                else:
-                    layer.bias_loader(shard, as_float(tensor))
-            elif name in params:
-                tensor = as_float(tensor)
-                if params[name].shape != tensor.shape:
-                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
-                                     f"{tuple(params[name].shape)}")
-                params[name].copy_(tensor)
-                loaded.add(name)
-            else:
-                raise KeyError(f"unexpected weight {name!r}")
-        missing = [n for layer in self.linear_layers() for n in layer.missing()]
-        missing += sorted(n for n, p in params.items() if n not in loaded and not _owned_by_linear(self, n))
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
-        for layer in self.linear_layers():
-            layer.finalize()
-
-
-def _owned_by_linear(model: nn.Module, param_name: str) -> bool:
-    """Biases of linear layers are loaded (and checked) by the layers themselves."""
-    owner = model.get_submodule(param_name.rpartition(".")[0])
-    return isinstance(owner, LinearBase)
+        load_named_weights(self, weights, self.config.tie_word_embeddings)
