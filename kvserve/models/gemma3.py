@@ -20,7 +20,8 @@ from kvserve.config import ModelConfig
 from kvserve.layers.activation import GeluTanhAndMul
 from kvserve.layers.attention import PagedAttention
 from kvserve.layers.attention_metadata import AttentionMetadata
-from kvserve.layers.linear import ColumnLinear, LinearBase, MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding
+from kvserve.layers.linear import ColumnLinear, LinearBase, QKVLinear, RowLinear, VocabEmbedding
+from kvserve.models.llama import MLP
 from kvserve.layers.norm import GemmaRMSNorm
 from kvserve.layers.quantization import QuantConfig
 from kvserve.layers.quantization.methods import Loaded
@@ -65,19 +66,6 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, quant: QuantConfig, prefix: str) -> None:
-        super().__init__()
-        names = [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]
-        self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, quant.method(names), names)
-        down = f"{prefix}.down_proj.weight"
-        self.down_proj = RowLinear(cfg.intermediate_size, cfg.hidden_size, False, quant.method([down]), down)
-        self.act = GeluTanhAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, sliding: bool, rotary: RotaryEmbedding, quant: QuantConfig,
                  prefix: str) -> None:
@@ -87,7 +75,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(cfg, sliding, rotary, quant, f"{prefix}.self_attn")
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.mlp = Gemma3MLP(cfg, quant, f"{prefix}.mlp")
+        self.mlp = MLP(cfg, quant, f"{prefix}.mlp", act=GeluTanhAndMul())
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,

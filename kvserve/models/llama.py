@@ -56,13 +56,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, quant: QuantConfig, prefix: str) -> None:
+    """down(act(gate) * up) over a fused gate/up projection; act is SiLU (Llama family) or tanh-GELU (Gemma)."""
+
+    def __init__(self, cfg: ModelConfig, quant: QuantConfig, prefix: str, act: nn.Module | None = None) -> None:
         super().__init__()
         names = [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]
         self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, quant.method(names), names)
         down = f"{prefix}.down_proj.weight"
         self.down_proj = RowLinear(cfg.intermediate_size, cfg.hidden_size, False, quant.method([down]), down)
-        self.act = SiluAndMul()
+        self.act = act if act is not None else SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
