@@ -1,0 +1,1 @@
+"""One endpoint for many models and replicas: the models config, routing across replicas, admission."""
