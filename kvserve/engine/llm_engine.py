@@ -31,6 +31,8 @@ from kvserve.models.loader import load_model
 from kvserve.outputs import PositionLogprobs, RequestDelta, RequestMetrics, RequestOutput, RequestOutputAccumulator
 from kvserve.sampling.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.draft_model import load_draft
+from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.speculator import Speculator
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
 from kvserve.utils.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
@@ -60,6 +62,13 @@ class LLMEngine:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         kv_spec = kv_cache_spec(mc, config.block_size, self.kv_cache_dtype)
         block_bytes = kv_spec.bytes_per_block
+        spec = config.speculative_config
+        draft_model = draft_kv_spec = None
+        if spec is not None and spec.method == "draft":
+            # The draft's KV pool is addressed by the same block ids: each block costs both pools' bytes.
+            draft_model = load_draft(spec.model, loaded, self.dtype, self.device)
+            draft_kv_spec = kv_cache_spec(draft_model.config, config.block_size, self.kv_cache_dtype)
+            block_bytes += draft_kv_spec.bytes_per_block
         num_blocks = config.num_kv_blocks or self._num_blocks_for_budget(block_bytes)
         if num_blocks < 1:
             raise ValueError("kv_cache_memory is too small to hold a single KV block")
@@ -72,8 +81,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(loaded.model, kv_spec, num_blocks, self.device, self.eos_token_ids)
-        self.speculator = (Speculator(config.speculative_config, self.max_model_len)
-                           if config.speculative_config is not None else None)
+        draft = (DraftProposer(draft_model, draft_kv_spec, num_blocks, self.device, self.eos_token_ids)
+                 if draft_model is not None else None)
+        self.speculator = Speculator(spec, self.max_model_len, draft) if spec is not None else None
         self.requests: dict[str, Request] = {}
         self._accumulators: dict[str, RequestOutputAccumulator] = {}   # only for callers of step()
         self._seq_ids = itertools.count()
@@ -159,6 +169,9 @@ class LLMEngine:
             )
             if params.seed is not None:
                 seq.generator = make_generator(params.seed + i, self.device)
+            elif self.speculator is not None and self.speculator.couples_noise and not params.greedy:
+                # The draft samples with the noise the target will use (spec_decode/draft_proposer.py).
+                seq.generator = make_generator(int(torch.randint(2**62, ())), self.device)
             seqs.append(seq)
         backend = self.tokenizer.backend
         detoks = [IncrementalDetokenizer(backend, token_ids, params) for _ in seqs]
@@ -208,6 +221,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        if self.speculator is not None:
+            self.speculator.fill_drafts(sched)
         self._num_steps += 1
         self._last_step_tokens = sched.num_batched_tokens
         if sched.is_empty:

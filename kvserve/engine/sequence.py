@@ -15,7 +15,7 @@ import torch
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kvserve.spec_decode.speculator import SpecState
+    from kvserve.spec_decode.state import SpecState
 
 
 class SequenceStatus(enum.Enum):

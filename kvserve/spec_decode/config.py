@@ -1,6 +1,8 @@
 """Speculative decoding's configuration: vLLM's field names, validated once, with messages a user can act on.
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    {"method": "draft", "num_speculative_tokens": 3}                   # the shipped draft of the default model
+    {"method": "draft", "num_speculative_tokens": 3, "model": PATH}    # any draft sharing the target's tokenizer
 
 given as `LLM(..., speculative_config={...})` or `kvserve serve --speculative-config '{...}'`.
 """
@@ -10,7 +12,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 
 # Above this many sequences decoding in a step, nobody drafts (vLLM's disable_by_batch_size). Chosen from
 # the step times measured on this project's 2-core AVX2 machine (benchmarks/results/quantization.md, Q4_1
@@ -30,6 +32,10 @@ class SpeculativeConfig:
     # against the sequence's earlier tokens and propose what followed the most recent match.
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    # draft: a Hugging Face directory or GGUF file of a small model with the target's vocabulary, or a
+    # draft checkpoint made by train_draft.py (kvserve/spec_decode/draft_format.py). None: the draft shipped
+    # for the default model.
+    model: str | None = None
     # Per step: no drafting when more sequences than this decode (None: always draft).
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
     # Per request: once at least acceptance_window draft tokens have been verified, a request whose recent
@@ -60,6 +66,12 @@ class SpeculativeConfig:
             if lo > hi:
                 raise bad("prompt_lookup_min", f"({lo}) must be <= prompt_lookup_max ({hi})")
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        else:
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise bad(name, f"applies only to method 'ngram', not {self.method!r}")
+        if self.model is not None and (self.method != "draft" or not isinstance(self.model, str) or not self.model):
+            raise bad("model", "must be a path (a string), and applies only to method 'draft'")
         b = self.disable_by_batch_size
         if b is not None and (not _is_int(b) or b < 1):
             raise bad("disable_by_batch_size", f"must be an integer >= 1 or null, got {b!r}")

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.ngram import NgramProposer
+from kvserve.spec_decode.state import FIRST_PAUSE_STEPS, SpecState, spec_state  # noqa: F401 (SpecState re-exported)
 
-_FIRST_PAUSE_STEPS = 8
 _MAX_PAUSE_STEPS = 256
+PLACEHOLDER = -1  # a draft token the draft model fills in after the schedule
 
 
 @dataclass
@@ -27,21 +30,14 @@ class SpecDecodeStats:
     accepted_per_pos: list[int] = field(default_factory=list)     # [i]: drafts whose token i was accepted
 
 
-@dataclass
-class SpecState:
-    """A sequence's recent acceptance, for turning its drafting off while it is poor."""
-    acceptance: float = 1.0      # moving average of accepted / drafted
-    num_verified: int = 0        # draft tokens verified so far
-    paused_until: int = 0        # no drafts before this step
-    pause_steps: int = _FIRST_PAUSE_STEPS
-
-
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: DraftProposer | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        assert config.method == "ngram"
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        assert (config.method == "draft") == (draft is not None)
+        self.draft = draft
+        if draft is None:
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._step = 0
 
@@ -64,7 +60,21 @@ class Speculator:
         max_new = min(self.config.num_speculative_tokens,
                       seq.params.max_tokens - seq.num_output_tokens - 1,
                       self.max_model_len - seq.num_tokens - 1)
-        return self.proposer.propose(seq.token_ids, max_new) if max_new > 0 else []
+        if max_new <= 0:
+            return []
+        if self.draft is not None:  # the scheduler sizes the row; fill_drafts() runs the draft model
+            return [PLACEHOLDER] * max_new
+        return self.proposer.propose(seq.token_ids, max_new)
+
+    @property
+    def couples_noise(self) -> bool:
+        """Whether sampling requests need a generator of their own (the draft samples with its noise)."""
+        return self.draft is not None
+
+    def fill_drafts(self, sched: SchedulerOutput) -> None:
+        """After the schedule: the draft model's tokens for the rows the scheduler kept."""
+        if self.draft is not None and sched.spec_token_ids:
+            self.draft.fill(sched)
 
     def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """The runner verified num_drafted drafts of seq and accepted the first num_accepted."""
@@ -78,9 +88,7 @@ class Speculator:
         cfg = self.config
         if cfg.min_acceptance_rate <= 0:
             return
-        state = seq.spec_state
-        if state is None:
-            state = seq.spec_state = SpecState()
+        state = spec_state(seq)
         # Each verified draft token moves the average by 1/window of the way to this draft's rate.
         weight = min(1.0, num_drafted / cfg.acceptance_window)
         state.acceptance += weight * (num_accepted / num_drafted - state.acceptance)
@@ -94,4 +102,4 @@ class Speculator:
             # again, for twice as long.
             state.acceptance = cfg.min_acceptance_rate
         else:
-            state.pause_steps = _FIRST_PAUSE_STEPS
+            state.pause_steps = FIRST_PAUSE_STEPS

@@ -1,0 +1,67 @@
+"""The draft checkpoint that train_draft.py writes and kvserve ships for the default model: one safetensors file.
+
+A draft made for one target shares that target's token embedding (read from the target at load time, so
+the file holds none of its 28M parameters) and predicts only the `vocab_ids` the target emits most often
+(a reduced LM head: most of a small model's per-token cost would otherwise be the 49k-row output layer).
+Tensors carry Hugging Face Llama names:
+
+    model.layers.{i}.{input,post_attention}_layernorm.weight, model.layers.{i}.self_attn.{q,k,v,o}_proj.weight,
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight, model.norm.weight, lm_head.weight [len(vocab_ids), hidden],
+    vocab_ids [int64]
+
+and the metadata key "kvserve_draft" holds DraftFileConfig as JSON (plus, under "training", what made it).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+METADATA_KEY = "kvserve_draft"
+SHIPPED_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-draft.safetensors"
+
+
+@dataclass
+class DraftFileConfig:
+    num_hidden_layers: int
+    hidden_size: int                 # must equal the target's (the embedding is the target's)
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int                  # the target's full vocabulary (vocab_ids index into it)
+    rms_norm_eps: float
+    rope_theta: float
+    target: str                      # the model it was trained for, for messages
+
+
+def is_draft_file(path: str | Path) -> bool:
+    p = Path(path)
+    if not (p.is_file() and p.suffix == ".safetensors"):
+        return False
+    with safe_open(str(p), "pt") as f:
+        return METADATA_KEY in (f.metadata() or {})
+
+
+def save_draft(path: str | Path, cfg: DraftFileConfig, tensors: dict[str, torch.Tensor],
+               training: dict[str, Any] | None = None) -> None:
+    meta = {METADATA_KEY: json.dumps(asdict(cfg)), "training": json.dumps(training or {})}
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
+
+
+def read_draft(path: str | Path) -> tuple[DraftFileConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """(config, tensors, training record)."""
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        if METADATA_KEY not in meta:
+            raise ValueError(f"{path} is a safetensors file but not a kvserve draft (no {METADATA_KEY!r} metadata)")
+        raw = json.loads(meta[METADATA_KEY])
+        cfg = DraftFileConfig(**{f.name: raw[f.name] for f in fields(DraftFileConfig)})
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        training = json.loads(meta.get("training", "{}"))
+    return cfg, tensors, training

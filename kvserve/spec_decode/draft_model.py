@@ -1,0 +1,130 @@
+"""The draft model of method "draft": a small decoder that proposes tokens, loaded next to the target.
+
+Two kinds of draft:
+- a draft checkpoint (kvserve/spec_decode/draft_format.py; the shipped one for the default model, or one
+  that train_draft.py wrote): a few Llama layers that read the target's own token embedding and predict a
+  reduced vocabulary (DraftLM below);
+- any model kvserve loads (Hugging Face directory, GGUF file) with the target's tokenizer.
+
+Either is used as the target is (forward over a paged KV cache of its own, compute_logits over the full
+vocabulary), by kvserve/spec_decode/draft_proposer.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvserve.config import ModelConfig
+from kvserve.layers.attention_metadata import AttentionMetadata
+from kvserve.layers.linear import ColumnLinear, VocabEmbedding, pack_float_weights
+from kvserve.layers.norm import RMSNorm
+from kvserve.layers.quantization import QuantConfig
+from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.models.llama import DecoderLayer
+from kvserve.models.loader import LoadedModel, load_model
+from kvserve.models.weight_loading import load_named_weights
+from kvserve.spec_decode.draft_format import SHIPPED_DRAFT, DraftFileConfig, is_draft_file, read_draft
+
+# Encoded by target and draft to check that they share a tokenizer.
+_TOKENIZER_PROBE = "Hello, world! The year 2024 was 366 days long.\n    def f(x):\n        return x ** 2  # ok"
+
+
+class DraftLM(nn.Module):
+    """Llama layers over the target's embedding, with an LM head over vocab_ids only."""
+
+    def __init__(self, cfg: ModelConfig, embed: VocabEmbedding, vocab_ids: torch.Tensor, quant: QuantConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self._embed = (embed,)  # the target's module: a tuple keeps it out of this module's parameters
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, quant, f"model.layers.{i}")
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ColumnLinear(cfg.hidden_size, len(vocab_ids), quant.method(["lm_head.weight"]), "lm_head.weight")
+        self.register_buffer("vocab_ids", vocab_ids.to(torch.int64), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        x, residual = self._embed[0].embed(input_ids).to(self.norm.weight.dtype), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits over the full vocabulary, -inf outside vocab_ids."""
+        out = torch.full((hidden.shape[0], self.config.vocab_size), float("-inf"), device=hidden.device)
+        out[:, self.vocab_ids] = self.lm_head(hidden).float()
+        return out
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(self, weights, tie_word_embeddings=False)
+
+
+def draft_model_config(target: ModelConfig, f: DraftFileConfig) -> ModelConfig:
+    return dataclasses.replace(
+        target, architecture="llama", num_hidden_layers=f.num_hidden_layers, intermediate_size=f.intermediate_size,
+        num_attention_heads=f.num_attention_heads, num_key_value_heads=f.num_key_value_heads, head_dim=f.head_dim,
+        rms_norm_eps=f.rms_norm_eps, rope_theta=f.rope_theta, tie_word_embeddings=False, attention_bias=False,
+        qk_norm=False, sliding_window=None, layer_types=None, final_logit_softcapping=None)
+
+
+def build_draft_lm(path: str | Path, target: LoadedModel, dtype: torch.dtype, device: torch.device) -> DraftLM:
+    fcfg, tensors, _ = read_draft(path)
+    tcfg = target.config
+    if (fcfg.hidden_size, fcfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
+        raise ValueError(f"speculative_config: draft {path} was made for {fcfg.target} (hidden size "
+                         f"{fcfg.hidden_size}, vocabulary {fcfg.vocab_size}); the target has hidden size "
+                         f"{tcfg.hidden_size} and vocabulary {tcfg.vocab_size}")
+    embed = getattr(target.model, "embed_tokens", None)
+    if not isinstance(embed, VocabEmbedding):
+        raise ValueError(f"speculative_config: draft checkpoints need a target with a token embedding "
+                         f"(architecture {tcfg.architecture!r} has none kvserve can share)")
+    cfg = draft_model_config(tcfg, fcfg)
+    quant = QuantConfig("none", 32, dtype, device)
+    with torch.device(device):
+        model = DraftLM(cfg, embed, tensors.pop("vocab_ids"), quant).to(dtype)
+    model.rotary.reset_table(device)
+    model.load_weights(tensors.items())
+    pack_float_weights(model)
+    return model.eval().requires_grad_(False)
+
+
+def load_draft(model_path: str | None, target: LoadedModel, dtype: torch.dtype, device: torch.device
+               ) -> nn.Module:
+    """The draft of method "draft": model_path (None: the draft shipped for the default model)."""
+    if model_path is None:
+        if not SHIPPED_DRAFT.exists():
+            raise FileNotFoundError(f"speculative_config: the shipped draft {SHIPPED_DRAFT} is missing; "
+                                    "make it with benchmarks/train_draft.py or pass 'model'")
+        try:
+            return build_draft_lm(SHIPPED_DRAFT, target, dtype, device)
+        except ValueError as e:
+            raise ValueError(f"{e}. Method 'draft' without 'model' uses the draft shipped for the default "
+                             "model; for another target pass 'model': a draft with that target's tokenizer"
+                             ) from None
+    p = Path(model_path)
+    if not p.exists():
+        raise FileNotFoundError(f"speculative_config: model {model_path!r} does not exist (a Hugging Face "
+                                "directory, a .gguf file or a draft .safetensors made by train_draft.py)")
+    if is_draft_file(p):
+        return build_draft_lm(p, target, dtype, device)
+    if not (p.is_dir() or p.suffix == ".gguf"):
+        raise ValueError(f"speculative_config: model {model_path!r} is neither a Hugging Face directory, a "
+                         ".gguf file nor a kvserve draft .safetensors")
+    try:
+        draft = load_model(str(p), dtype, device, quantization="auto")
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"speculative_config: cannot load draft model {model_path!r}: {e}") from None
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"speculative_config: draft model {model_path!r} has a vocabulary of "
+                         f"{draft.config.vocab_size} tokens, the target {target.config.vocab_size}: a draft "
+                         "must share the target's tokenizer")
+    if draft.tokenizer.encode(_TOKENIZER_PROBE) != target.tokenizer.encode(_TOKENIZER_PROBE):
+        raise ValueError(f"speculative_config: draft model {model_path!r} tokenizes text differently from "
+                         "the target: a draft must share the target's tokenizer")
+    return draft.model

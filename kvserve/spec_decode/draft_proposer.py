@@ -1,0 +1,131 @@
+"""Runs the draft model: k cheap forward passes after the schedule, before the target verifies.
+
+KV cache. The draft has its own paged pool with the target's block ids: a block id in a sequence's block
+table addresses the target's K/V in the target pool and the draft's K/V (its own layer count and shapes)
+in the draft pool. So the block manager, prefix caching and preemption need no change, and the draft pool
+costs the draft's bytes per block (the engine sizes both pools together). What the draft pool holds is
+tracked per sequence (SpecState.draft_computed): its K/V is valid for positions below that count.
+- Each drafting step first runs the tokens the draft has not seen (the last step's accepted drafts and
+  correction, or, the first time, the whole prompt) and then one position per draft; afterwards the
+  count is min(draft's count, target's num_computed_tokens), which drops the rejected drafts' K/V.
+- After a preemption (new blocks) or a prefix-cache hit (blocks another sequence filled, perhaps in steps
+  where nobody drafted) the count restarts at 0 and the draft recomputes the prompt: cheap next to the
+  target, and never wrong.
+Nothing here can change an output: the target verifies every draft (verify.py), so stale draft K/V could
+only lower the acceptance rate.
+
+Sampling. Draft j of a sequence is sampled with the draft's logits under the request's sampling
+parameters and the very noise the target's sampler will use at that position (the request's generator,
+cloned: the engine gives every sampling request one while a draft runs). The target then emits exactly
+the tokens non-speculative decoding emits with that noise (a draft is accepted only where it equals the
+target's own sample), and the draft matches whenever the two distributions pick the same token under the
+same noise: the exponential-race (Gumbel-max) coupling, whose match rate is close to the sum of
+min(p, q) that rejection sampling against the draft's probabilities would accept, without giving up
+seeded reproducibility. Greedy requests are the special case of argmax against argmax.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.engine.sequence import Sequence
+from kvserve.layers.attention_metadata import AttentionMetadata
+from kvserve.models.kv_cache import KVCacheSpec, allocate_kv_caches
+from kvserve.sampling.sampler import Sampler, SamplingInputs
+from kvserve.spec_decode.state import SpecState, spec_state
+
+
+class DraftProposer:
+    def __init__(self, model: torch.nn.Module, kv_spec: KVCacheSpec, num_blocks: int, device: torch.device,
+                 eos_token_ids: list[int]) -> None:
+        self.model = model
+        self.block_size = kv_spec.block_size
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def fill(self, sched: SchedulerOutput) -> None:
+        """Replace the placeholder drafts in sched.spec_token_ids by the draft model's tokens."""
+        seqs = {seq.seq_id: seq for seq, _ in sched.scheduled}
+        jobs: list[tuple[Sequence, SpecState, int]] = []
+        for seq_id, placeholders in sched.spec_token_ids.items():
+            seq = seqs[seq_id]
+            state = spec_state(seq)
+            if state.draft_preemptions != seq.num_preemptions:  # new blocks: nothing of the draft's is there
+                state.draft_computed, state.draft_preemptions = 0, seq.num_preemptions
+            state.draft_computed = min(state.draft_computed, seq.num_computed_tokens)
+            if state.draft_params is None:
+                state.draft_params = dataclasses.replace(seq.params, logprobs=None, prompt_logprobs=None)
+            jobs.append((seq, state, len(placeholders)))
+        if not jobs:
+            return
+        drafts: dict[int, list[int]] = {seq.seq_id: [] for seq, _, _ in jobs}
+        generators = {seq.seq_id: _clone(seq.generator) for seq, _, _ in jobs
+                      if seq.generator is not None and not seq.params.greedy}
+        for j in range(max(k for _, _, k in jobs)):
+            active = [(seq, state) for seq, state, k in jobs if k > j]
+            rows = []
+            for seq, state in active:
+                if j == 0:  # catch up on every token not yet in the draft's cache, the last one included
+                    start = state.draft_computed
+                    rows.append((seq, start, seq.token_ids[start:]))
+                else:
+                    rows.append((seq, seq.num_tokens + j - 1, [drafts[seq.seq_id][-1]]))
+            logits = self._forward(rows)
+            inputs = SamplingInputs(
+                params=[state.draft_params for _, state in active],
+                generators=[generators.get(seq.seq_id) for seq, _ in active],
+                prompt_token_ids=[seq.prompt_token_ids for seq, _ in active],
+                output_token_ids=[seq.output_token_ids + drafts[seq.seq_id] for seq, _ in active],
+                eos_token_ids=self.eos_token_ids,
+            )
+            for (seq, _), token in zip(active, self.sampler(logits, inputs).token_ids):
+                drafts[seq.seq_id].append(token)
+        for seq, state, k in jobs:
+            sched.spec_token_ids[seq.seq_id] = drafts[seq.seq_id]
+            state.draft_computed = seq.num_tokens + k - 1  # the last draft is never fed back
+
+    def _forward(self, rows: list[tuple[Sequence, int, list[int]]]) -> torch.Tensor:
+        """One pass over rows of (sequence, first position, tokens); the logits of each row's last token."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        for seq, start, tokens in rows:
+            end = start + len(tokens)
+            input_ids.extend(tokens)
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start_loc.append(query_start_loc[-1] + len(tokens))
+            seq_lens.append(end)
+        max_blocks = max(len(seq.block_table) for seq, _, _ in rows)
+        tables = torch.zeros((len(rows), max_blocks), dtype=torch.int64)
+        for i, (seq, _, _) in enumerate(rows):
+            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
+            query_start_loc_list=query_start_loc,
+            seq_lens_list=seq_lens,
+            block_size=bs,
+        )
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                            torch.tensor(positions, dtype=torch.int64, device=dev), meta, self.kv_caches)
+        last = torch.tensor(query_start_loc[1:], device=dev) - 1
+        return self.model.compute_logits(hidden[last])
+
+
+def _clone(g: torch.Generator) -> torch.Generator:
+    c = torch.Generator(device=g.device)
+    c.set_state(g.get_state())
+    return c

@@ -1,0 +1,28 @@
+"""A sequence's speculative-decoding state: its recent acceptance, and what the draft model has cached."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.engine.sequence import Sequence
+from kvserve.sampling_params import SamplingParams
+
+FIRST_PAUSE_STEPS = 8
+
+
+@dataclass
+class SpecState:
+    acceptance: float = 1.0      # moving average of accepted / drafted
+    num_verified: int = 0        # draft tokens verified so far
+    paused_until: int = 0        # no drafts before this step
+    pause_steps: int = FIRST_PAUSE_STEPS
+    # Draft model (method "draft"): its K/V is valid below this position, in the blocks the sequence held
+    # after its draft_preemptions-th preemption.
+    draft_computed: int = 0
+    draft_preemptions: int = 0
+    draft_params: SamplingParams | None = None   # the request's parameters without logprobs
+
+
+def spec_state(seq: Sequence) -> SpecState:
+    if seq.spec_state is None:
+        seq.spec_state = SpecState()
+    return seq.spec_state
