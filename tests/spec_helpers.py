@@ -59,3 +59,31 @@ def check_kv_bookkeeping(engine: LLMEngine, max_drafts: int, tokens_before: dict
             refs[block_id] = refs.get(block_id, 0) + 1
     for block in bm.blocks:
         assert block.ref_count == refs.get(block.block_id, 0)
+
+
+def make_draft_file(path, vocab_ids: list[int], hidden: int = 64, vocab: int = 260, layers: int = 1,
+                    seed: int = 0) -> None:
+    """A random draft checkpoint (kvserve/spec_decode/draft_format.py) for a tiny target of this hidden size
+    and vocabulary, predicting only vocab_ids. Weights are wide, like tiny_models', so argmaxes have margins."""
+    import torch
+
+    from kvserve.spec_decode.draft_format import DraftFileConfig, save_draft
+    from kvserve.spec_decode.draft_reference import LAYER_TENSORS
+
+    cfg = DraftFileConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=96, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=vocab, rms_norm_eps=1e-6,
+                          rope_theta=10000.0, target="a tiny test model")
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"self_attn.q_proj": (64, hidden), "self_attn.k_proj": (32, hidden), "self_attn.v_proj": (32, hidden),
+              "self_attn.o_proj": (hidden, 64), "mlp.gate_proj": (96, hidden), "mlp.up_proj": (96, hidden),
+              "mlp.down_proj": (hidden, 96), "input_layernorm": (hidden,), "post_attention_layernorm": (hidden,)}
+    tensors = {}
+    for i in range(layers):
+        for name in LAYER_TENSORS:
+            shape = shapes[name]
+            w = (1.0 + 0.1 * torch.randn(shape, generator=g)) if len(shape) == 1 else 0.15 * torch.randn(shape, generator=g)
+            tensors[f"model.layers.{i}.{name}.weight"] = w
+    tensors["model.norm.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=g)
+    tensors["lm_head.weight"] = 0.15 * torch.randn(len(vocab_ids), hidden, generator=g)
+    tensors["vocab_ids"] = torch.tensor(sorted(vocab_ids), dtype=torch.int64)
+    save_draft(path, cfg, tensors)

@@ -1,0 +1,257 @@
+"""Speculative decoding with a draft model (method "draft") on tiny transformers-built targets.
+
+Three drafts: the target itself (every draft right: any stale K/V in the draft's pool would show as a
+rejection), a random draft checkpoint (mostly wrong) and another random model of the same tokenizer. The
+outputs must be those of non-speculative decoding: greedy token for token, seeded sampling token for
+token, unseeded sampling in distribution; with chunked prefill, preemptions, prefix-cache hits, n > 1 and
+aborts."""
+import copy
+import random
+import shutil
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.sequence import Sequence
+from kvserve.models.kv_cache import kv_cache_spec
+from kvserve.models.loader import load_model
+from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.draft_format import read_draft
+from kvserve.spec_decode.draft_model import DraftLM, load_draft
+from kvserve.spec_decode.draft_proposer import DraftProposer
+from kvserve.spec_decode.draft_reference import DraftReference
+from engine_helpers import assert_no_leaks, drain
+from spec_helpers import check_kv_bookkeeping, make_draft_file, num_tokens_now
+from test_spec_decode_distribution import BANNED, NUM_TOKENS, PRESENCE, TEMPERATURE, TOP_K, target
+
+K = 3
+CPU = torch.device("cpu")
+
+
+def spec(model, **kw) -> dict:
+    return {"method": "draft", "num_speculative_tokens": K, "model": str(model), "disable_by_batch_size": None,
+            "min_acceptance_rate": 0.0, **kw}
+
+
+def make_engine(path, speculative_config=None, **kw) -> LLMEngine:
+    kw = {"dtype": "float32", "block_size": 4, "max_num_batched_tokens": 16, **kw}
+    return LLMEngine(EngineConfig(model=str(path), speculative_config=speculative_config, **kw))
+
+
+def run(engine: LLMEngine, waves, check: bool = False) -> dict:
+    done = {}
+    for wave in waves:
+        for rid, prompt, params in wave:
+            engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            before = num_tokens_now(engine)
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            if check:
+                check_kv_bookkeeping(engine, K, before)
+    assert_no_leaks(engine)
+    return done
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_model_dirs, tmp_path_factory) -> dict:
+    """Draft paths for the llama target, by kind: itself, a random draft checkpoint, another random model,
+    and the target with noise added to its weights (right part of the time)."""
+    root = tmp_path_factory.mktemp("draft")
+    ckpt = root / "draft.safetensors"
+    make_draft_file(ckpt, list(range(0, 260, 2)) + [257], seed=1)
+    path, hf = tiny_model_dirs["llama"]
+    noisy = copy.deepcopy(hf)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+    noisy.save_pretrained(root / "noisy")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(path / name, root / "noisy" / name)
+    return {"self": path, "checkpoint": ckpt, "other": tiny_model_dirs["qwen3"][0], "noisy": root / "noisy"}
+
+
+def test_draft_checkpoint_forward_matches_the_reference(tiny_model_dirs, drafts):
+    """kvserve's DraftLM over its paged cache (a prefill, a decode, a chunk) gives the logits of the plain
+    torch forward the trainer uses, -inf outside vocab_ids."""
+    path, hf = tiny_model_dirs["llama"]
+    target_model = load_model(str(path), torch.float32, CPU)
+    draft = load_draft(str(drafts["checkpoint"]), target_model, torch.float32, CPU)
+    assert isinstance(draft, DraftLM)
+    cfg, tensors, _ = read_draft(drafts["checkpoint"])
+    ref = DraftReference(cfg, hf.model.embed_tokens.weight.detach(), tensors)
+    tokens = prompts(0, [15])[0]
+    want = torch.full((15, 260), float("-inf"))
+    want[:, tensors["vocab_ids"]] = ref(torch.tensor([tokens]))[0].detach()
+
+    runner = DraftProposer(draft, kv_cache_spec(draft.config, 4, torch.float32), 8, CPU, [257])
+    seq = Sequence(seq_id=0, request_id="r", index=0, token_ids=tokens, num_prompt_tokens=15, params=SamplingParams())
+    seq.block_table = [5, 2, 7, 0]
+    for start, end in ((0, 10), (10, 11), (11, 15)):
+        got = runner._forward([(seq, start, tokens[start:end])])[0]
+        torch.testing.assert_close(got, want[end - 1], atol=1e-4, rtol=1e-4)
+
+
+def assert_same(got: dict, ref: dict) -> None:
+    for rid, r in ref.items():
+        for o, e in zip(got[rid].outputs, r.outputs):
+            assert o.token_ids == e.token_ids, rid
+            for lp, rlp in zip(o.logprobs, e.logprobs):
+                assert lp.keys() == rlp.keys()
+                for t in lp:
+                    assert lp[t].logprob == pytest.approx(rlp[t].logprob, abs=1e-5)
+
+
+def assert_acceptance(engine: LLMEngine, kind: str) -> None:
+    s = engine.get_stats()
+    assert s.spec_num_drafts > 0
+    if kind == "self":  # any stale K/V in the draft's pool would show as a rejection
+        assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens
+    else:
+        assert s.spec_num_accepted_tokens < 0.5 * s.spec_num_draft_tokens
+
+
+@pytest.mark.parametrize("kind", ["self", "checkpoint", "other"])
+def test_greedy_identical_with_preemption_and_n(kind, tiny_model_dirs, drafts):
+    """Chunked prefills, n = 2, and a pool too small for the batch: the non-speculative tokens and logprobs."""
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(2, [6, 23, 14, 31])
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    kw = dict(num_kv_blocks=20, max_num_seqs=8)
+    wave = [[(f"a{i}", p, params) for i, p in enumerate(ps)]]
+    ref = run(make_engine(path, **kw), wave)
+    engine = make_engine(path, spec(drafts[kind]), **kw)
+    assert_same(run(engine, wave, check=True), ref)
+    assert engine.get_stats().num_preemptions > 0
+    assert_acceptance(engine, kind)
+
+
+@pytest.mark.parametrize("kind", ["self", "checkpoint"])
+def test_greedy_identical_with_prefix_hits_on_drafted_blocks(kind, tiny_model_dirs, drafts):
+    """A second wave whose prompts extend the first wave's outputs: prefix-cache hits on blocks that drafts
+    filled (the draft recomputes its own K/V for them), the non-speculative output."""
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(3, [6, 23, 14, 31])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    ref_engine = make_engine(path)
+    ref1 = run(ref_engine, [[(f"a{i}", p, params) for i, p in enumerate(ps)]])
+    second = [p + ref1[f"a{i}"].outputs[0].token_ids[:18] + [7, 8] for i, p in enumerate(ps)]
+    waves = [[(f"a{i}", p, params) for i, p in enumerate(ps)], [(f"b{i}", p, params) for i, p in enumerate(second)]]
+    ref2 = run(ref_engine, waves[1:])
+    engine = make_engine(path, spec(drafts[kind]))
+    got = run(engine, waves, check=True)
+    assert_same(got, {**ref1, **ref2})
+    assert all(got[f"b{i}"].num_cached_tokens > len(p) for i, p in enumerate(ps))
+    assert_acceptance(engine, kind)
+
+
+@pytest.mark.parametrize("kind", ["self", "other"])
+def test_seeded_sampling_identical_to_non_speculative(kind, tiny_model_dirs, drafts):
+    """Every logits stage, n = 2: the same tokens as without speculation (the draft samples with the noise
+    the target will use, and the target emits only its own samples). The target as its own draft is then
+    right every time, in sampling as in greedy."""
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(4, [5, 13, 21, 8])
+    params = SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
+                            presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 3.0, 9: -2.0},
+                            min_tokens=5, stop_token_ids=[7], max_tokens=24, seed=11, logprobs=1)
+    ref = run(make_engine(path), [[(str(i), p, params) for i, p in enumerate(ps)]])
+    engine = make_engine(path, spec(drafts[kind]))
+    got = run(engine, [[(str(i), p, params) for i, p in enumerate(ps)]], check=True)
+    for i in range(len(ps)):
+        for e, g in zip(ref[str(i)].outputs, got[str(i)].outputs):
+            assert g.token_ids == e.token_ids
+            assert [list(lp) for lp in g.logprobs] == [list(lp) for lp in e.logprobs]
+    s = engine.get_stats()
+    if kind == "self":
+        assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens > 0
+    else:
+        assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
+
+
+@pytest.mark.parametrize("kind", ["wrong", "right", "between"])
+def test_unseeded_sampled_distribution_is_the_targets(kind, tiny_model_dirs, drafts, tmp_path):
+    """Chi-square test of the joint distribution of the first four tokens (temperature, top-k, presence
+    penalty, logit_bias) against the exact one from transformers' logits, with a draft that only knows the
+    banned token (always wrong), the target itself (always right) and the target with noisy weights."""
+    path, hf = tiny_model_dirs["llama"]
+    if kind == "wrong":
+        draft = tmp_path / "banned.safetensors"
+        make_draft_file(draft, [BANNED])
+    else:
+        draft = drafts["self" if kind == "right" else "noisy"]
+    prompt = prompts(5, [6])[0]
+    expected: dict[tuple[int, ...], float] = {}
+
+    def walk(outs: tuple[int, ...], p: float) -> None:
+        if len(outs) == NUM_TOKENS:
+            expected[outs] = p
+            return
+        for t, q in target(hf, prompt, outs).items():
+            walk(outs + (t,), p * q)
+    walk((), 1.0)
+
+    samples = 1800
+    engine = make_engine(path, spec(draft), max_num_seqs=samples, max_num_batched_tokens=8192)
+    params = SamplingParams(n=samples // 6, temperature=TEMPERATURE, top_k=TOP_K, presence_penalty=PRESENCE,
+                            logit_bias={BANNED: -100.0}, max_tokens=NUM_TOKENS, ignore_eos=True)
+    for r in range(6):
+        engine.add_request(str(r), prompt, params)
+    outs = [tuple(c.token_ids) for o in drain(engine).values() for c in o.outputs]
+    assert_no_leaks(engine)
+    observed = {o: 0 for o in expected}
+    for o in outs:
+        assert o in observed, f"{o} has probability zero under the target"
+        observed[o] += 1
+    keys = sorted(expected)
+    result = chisquare([observed[k] for k in keys], [expected[k] * samples for k in keys])
+    assert result.pvalue > 1e-3, (result, observed, expected)
+    s = engine.get_stats()
+    assert s.spec_num_draft_tokens >= samples
+    rate = s.spec_num_accepted_tokens / s.spec_num_draft_tokens
+    assert {"wrong": rate == 0, "right": rate == 1, "between": 0.05 < rate < 0.95}[kind], rate
+
+
+def test_abort_mid_speculation_frees_everything(tiny_model_dirs, drafts):
+    path, _ = tiny_model_dirs["llama"]
+    engine = make_engine(path, spec(drafts["self"]))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(prompts(5, [9, 14, 6])):
+        engine.add_request(str(i), p, params)
+    for _ in range(6):
+        before = num_tokens_now(engine)
+        engine.step()
+        check_kv_bookkeeping(engine, K, before)
+    assert engine.get_stats().spec_num_accepted_tokens > 0
+    engine.abort_request(["0", "2"])
+    check_kv_bookkeeping(engine, K)
+    drain(engine)
+    assert_no_leaks(engine)
+
+
+def test_bad_draft_models_are_refused_clearly(tiny_model_dirs, tmp_path):
+    path, _ = tiny_model_dirs["llama"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        make_engine(path, spec(tmp_path / "nope"))
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(ValueError, match="neither a Hugging Face directory"):
+        make_engine(path, spec(tmp_path / "notes.txt"))
+    wide = tmp_path / "wide.safetensors"
+    make_draft_file(wide, [1, 2], vocab=300)
+    with pytest.raises(ValueError, match="vocabulary 300"):
+        make_engine(path, spec(wide))
+    # No model: the shipped draft is the default model's, and this target is not.
+    with pytest.raises((ValueError, FileNotFoundError), match="model"):
+        make_engine(path, {"method": "draft", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="applies only to method 'draft'"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "model": str(path)})
