@@ -10,7 +10,8 @@ Workloads (prompts cut from offline text, chat template applied, greedy unless -
   chat       open questions, nothing to copy from
 Methods: none; ngram (the configured adaptive defaults: no drafting above disable_by_batch_size running
 sequences, per-request pauses on low acceptance); ngram-always (drafting in every step, no pauses: to
-find the crossover batch size that disable_by_batch_size should sit at).
+find the crossover batch size that disable_by_batch_size should sit at); draft and draft-always, the same
+with the draft model (--draft-model, default: the draft shipped for the default model, k = --draft-k).
 
 Each (workload, concurrency) runs a closed loop: `concurrency` requests in flight, a new one added when one
 finishes, until --num-requests (at least `concurrency`) are done. TPOT per request is (last token time -
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import statistics
 import time
@@ -67,9 +69,12 @@ def make_prompts(workload: str, n: int, seed: int) -> list[list[dict]]:
 def method_config(method: str, args) -> dict | None:
     if method == "none":
         return None
-    cfg = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-           "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
-    if method == "ngram-always":
+    if method.startswith("draft"):
+        cfg = {"method": "draft", "num_speculative_tokens": args.draft_k, "model": args.draft_model}
+    else:
+        cfg = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+               "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    if method.endswith("-always"):
         cfg.update(disable_by_batch_size=None, min_acceptance_rate=0.0)
     return cfg
 
@@ -117,14 +122,16 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["repeat", "summarise", "chat"],
                     choices=["repeat", "summarise", "chat"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
-    ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-always"],
-                    choices=["none", "ngram", "ngram-always"])
+    ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-always", "draft", "draft-always"],
+                    choices=["none", "ngram", "ngram-always", "draft", "draft-always"])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
+    ap.add_argument("--draft-k", type=int, default=3, help="num_speculative_tokens of the draft methods")
+    ap.add_argument("--draft-model", default=None, help="the draft methods' model (default: the shipped draft)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--num-threads", type=int, default=None)
@@ -135,6 +142,7 @@ def main() -> None:
         args.methods = ["none", *args.methods]  # the baseline every ratio is taken against
 
     results: dict = {}
+    load_before = os.getloadavg()
     for method in args.methods:
         llm = LLM(dtype=args.dtype, quantization=args.quantization, num_threads=args.num_threads,
                   speculative_config=method_config(method, args), max_num_seqs=max(args.concurrency))
@@ -177,8 +185,11 @@ def main() -> None:
                 del r["token_ids"]
     setup = (f"Model: the default SmolLM2-135M-Instruct (dtype {args.dtype}, quantization {args.quantization}); "
              f"n-gram k={args.num_speculative_tokens}, lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}; "
+             f"draft k={args.draft_k} ({args.draft_model or 'the shipped draft'}); "
              f"{args.max_tokens} output tokens per request, temperature {args.temperature}; closed loop, "
-             f"max(concurrency, {args.num_requests}) requests per run.")
+             f"max(concurrency, {args.num_requests}) requests per run. Load average (1 min) "
+             f"{load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 cores; above ~2 the "
+             "machine was shared and the figures are noisy).")
     report(args.name, "Speculative decoding", args, setup, "\n".join(lines), results)
 
 

@@ -1,4 +1,4 @@
-"""The default model (float32, dequantized) with n-gram speculation: greedy output token for token that of
+"""The default model (float32, dequantized) with n-gram and draft-model speculation: greedy output token for token that of
 the same engine without speculation, with preemptions and prefix-cache hits forced; and the real proposer
 drafts well on text that repeats."""
 import pytest
@@ -63,3 +63,25 @@ def test_greedy_identical_with_preemption_and_prefix_hits(llm):
 def test_offline_llm_accepts_speculative_config(llm):
     assert isinstance(llm.engine.speculator, Speculator)
     assert llm.engine.speculator.config.num_speculative_tokens == 4
+
+
+def test_shipped_draft_greedy_identical_with_preemption_and_prefix_hits(llm):
+    """The draft shipped for the default model (method "draft" without "model"): the output of the engine
+    without speculation, with preemptions and prefix-cache hits; and its drafts are accepted often on text
+    the model copies (the draft never saw these prompts)."""
+    draft_llm = LLM(dtype="float32", quantization="none", block_size=16, max_num_batched_tokens=64, num_kv_blocks=12,
+                    speculative_config={"method": "draft", "num_speculative_tokens": 3, "disable_by_batch_size": None})
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref, _, _ = generate(llm, False, PROMPTS, params)
+    second = [o.prompt_token_ids + o.outputs[0].token_ids[:30] for o in ref]
+    ref2, _, _ = generate(llm, False, second, params)
+    outs, before, after = generate(draft_llm, True, PROMPTS, params)
+    outs2 = draft_llm.generate(second, params, use_tqdm=False)
+    after2 = draft_llm.engine.get_stats()
+    for r, o in zip(ref + ref2, outs + outs2):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+    assert after.num_preemptions > before.num_preemptions
+    assert after2.prefix_cache_hits - after.prefix_cache_hits >= 3 * 16
+    accepted = after2.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    drafted = after2.spec_num_draft_tokens - before.spec_num_draft_tokens
+    assert accepted > 0.3 * drafted > 0, (accepted, drafted)

@@ -1,7 +1,13 @@
 """Speculative decoding: a cheap proposer drafts tokens, the target model verifies them all in one step.
 
-config.py       SpeculativeConfig (vLLM's field names), parsed and validated
-ngram.py        the prompt-lookup proposer
-speculator.py   per step and per request: who drafts, and the acceptance counters
-verify.py       which drafts a step's sampled tokens accept (exact for greedy and sampling)
+config.py          SpeculativeConfig (vLLM's field names), parsed and validated
+ngram.py           the prompt-lookup proposer
+speculator.py      per step and per request: who drafts, and the acceptance counters
+state.py           a sequence's speculative state (acceptance, what the draft has cached)
+draft_model.py     method "draft": loading the draft (a draft checkpoint over the target's embedding, or any model)
+draft_proposer.py  running the draft over its own KV pool, sampling drafts with the target's noise
+draft_format.py    the draft checkpoint file that benchmarks/train_draft.py writes
+draft_reference.py the draft's forward in plain torch (training, and the tests' reference)
+drafts/            the draft shipped for the default model
+verify.py          which drafts a step's sampled tokens accept (exact for greedy and sampling)
 """
