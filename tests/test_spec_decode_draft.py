@@ -86,7 +86,7 @@ def test_draft_checkpoint_forward_matches_the_reference(tiny_model_dirs, drafts)
     torch forward the trainer uses, -inf outside vocab_ids."""
     path, hf = tiny_model_dirs["llama"]
     target_model = load_model(str(path), torch.float32, CPU)
-    draft = load_draft(str(drafts["checkpoint"]), target_model, torch.float32, CPU)
+    draft = load_draft(str(drafts["checkpoint"]), target_model, torch.float32, CPU, quantization="none")
     assert isinstance(draft, DraftLM)
     cfg, tensors, _ = read_draft(drafts["checkpoint"])
     ref = DraftReference(cfg, hf.model.embed_tokens.weight.detach(), tensors)

@@ -66,7 +66,7 @@ class LLMEngine:
         draft_model = draft_kv_spec = None
         if spec is not None and spec.method == "draft":
             # The draft's KV pool is addressed by the same block ids: each block costs both pools' bytes.
-            draft_model = load_draft(spec.model, loaded, self.dtype, self.device)
+            draft_model = load_draft(spec.model, loaded, self.dtype, self.device, config.quantization)
             draft_kv_spec = kv_cache_spec(draft_model.config, config.block_size, self.kv_cache_dtype)
             block_bytes += draft_kv_spec.bytes_per_block
         num_blocks = config.num_kv_blocks or self._num_blocks_for_budget(block_bytes)
