@@ -14,14 +14,16 @@ from typing import Any
 
 METHODS = ("ngram", "draft")
 
-# Above this many sequences decoding in a step, nobody drafts (vLLM's disable_by_batch_size). Chosen from
-# the step times measured on this project's 2-core AVX2 machine (benchmarks/results/quantization.md, Q4_1
-# kept: 15.0 ms at batch 1, 69.8 ms at 16, so ~3.6 ms per extra token). Verifying k drafts for each of B
-# sequences costs T(B(1+k)) against T(B) and pays only if each row accepts more than T(B(1+k))/T(B) - 1
-# tokens: with k = 4 that is ~1.0 at batch 1, ~1.6 at 2, ~2.2 at 4 and ~2.7 at 8. Only copy-heavy text
-# accepts 2+ of 4, so 4 is the last batch size where it still can win. benchmarks/speculative.py
-# measures the real crossover; re-derive this default from its report.
+# Above this many sequences decoding in a step, nobody drafts (vLLM's disable_by_batch_size); per method,
+# from benchmarks/results/speculative_draft.md (2-core AVX2 machine shared with other jobs, load average
+# ~8-10, so the figures are noisy; re-measure on a quiet machine with the command given there):
+# - ngram: drafting in every step against none, copy-heavy prompts (acceptance 0.71-0.79), output tok/s
+#   1.63x at concurrency 1, 1.12x at 4, 0.86x at 16: it stops paying between 4 and 16, so 4.
+# - draft (the shipped draft, acceptance 0.07-0.11): 0.64-1.02x at concurrency 1 and below 1x at 4 and 16,
+#   so it drafts only for a lone sequence, where the per-request pause bounds the loss.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+DRAFT_DEFAULT_DISABLE_BY_BATCH_SIZE = 1
+_METHOD_DEFAULT = -1  # disable_by_batch_size not given: the method's default above
 
 
 @dataclass
@@ -36,8 +38,9 @@ class SpeculativeConfig:
     # draft checkpoint made by train_draft.py (kvserve/spec_decode/draft_format.py). None: the draft shipped
     # for the default model.
     model: str | None = None
-    # Per step: no drafting when more sequences than this decode (None: always draft).
-    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # Per step: no drafting when more sequences than this decode (None: always draft). Not given (-1): the
+    # method's measured default (DEFAULT_DISABLE_BY_BATCH_SIZE for ngram, DRAFT_DEFAULT_... for draft).
+    disable_by_batch_size: int | None = _METHOD_DEFAULT
     # Per request: once at least acceptance_window draft tokens have been verified, a request whose recent
     # acceptance (accepted / drafted, a moving average over about that many drafts) is below
     # min_acceptance_rate stops drafting for a while: 8 steps, doubling while it stays low. 0 disables it.
@@ -72,6 +75,9 @@ class SpeculativeConfig:
                     raise bad(name, f"applies only to method 'ngram', not {self.method!r}")
         if self.model is not None and (self.method != "draft" or not isinstance(self.model, str) or not self.model):
             raise bad("model", "must be a path (a string), and applies only to method 'draft'")
+        if self.disable_by_batch_size == _METHOD_DEFAULT:
+            self.disable_by_batch_size = (DRAFT_DEFAULT_DISABLE_BY_BATCH_SIZE if self.method == "draft"
+                                          else DEFAULT_DISABLE_BY_BATCH_SIZE)
         b = self.disable_by_batch_size
         if b is not None and (not _is_int(b) or b < 1):
             raise bad("disable_by_batch_size", f"must be an integer >= 1 or null, got {b!r}")
