@@ -15,7 +15,7 @@ from kvserve.engine.sequence import Sequence
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.ngram import NgramProposer
-from kvserve.spec_decode.state import FIRST_PAUSE_STEPS, SpecState, spec_state  # noqa: F401 (SpecState re-exported)
+from kvserve.spec_decode.state import FIRST_PAUSE_STEPS, spec_state
 
 _MAX_PAUSE_STEPS = 256
 PLACEHOLDER = -1  # a draft token the draft model fills in after the schedule
