@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.timeout(600),
               pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")]
 
 NAME = "tiny"
-ENGINE = {"dtype": "float32", "max_num_seqs": 2, "max_model_len": 256, "num_kv_blocks": 128, "num_threads": 1}
+ENGINE = {"dtype": "float32", "max_num_seqs": 2, "max_model_len": 512, "num_kv_blocks": 128, "num_threads": 1}
 MAX_TOKENS = 24
 CHAT = [{"role": "user", "content": "Say something."}]
 
@@ -91,6 +91,12 @@ def all_replica_states() -> dict[str, int]:
     return dict(serve.status().applications[APP_NAME].deployments[deployment_name(0, NAME)].replica_states)
 
 
+def engine_stats() -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle(deployment_name(0, NAME), APP_NAME).engine_stats.remote().result()
+
+
 def expected_text(offline, prompts: list[list[int]]) -> list[str]:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return [out.outputs[0].text for out in offline.generate(prompts, params, use_tqdm=False)]
@@ -104,7 +110,7 @@ def test_openai_surface_and_streaming_through_the_ingress(server, offline):
     with httpx.Client(base_url=server.base_url, timeout=120) as http:
         assert http.get("/health").status_code == 200
         models = http.get("/v1/models").json()
-        assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [(NAME, 256)]
+        assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [(NAME, 512)]
 
         # Non-streamed, then streamed: the same greedy text as the engine run in this process.
         want = expected_text(offline, [prompt(0)])[0]
@@ -125,6 +131,20 @@ def test_openai_surface_and_streaming_through_the_ingress(server, offline):
         assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
         r = http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 400 and "error" in r.json()
+
+    # A client that leaves mid-stream has its request aborted in the replica's engine.
+    before = engine_stats()
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        with http.stream("POST", "/v1/completions", json={**body, "max_tokens": 480, "stream": True}) as s:
+            lines = s.iter_lines()
+            for _ in range(3):
+                while not next(lines):
+                    pass
+    deadline = time.monotonic() + 30
+    while (after := engine_stats())["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert after["num_running"] == 0 and after["num_waiting"] == 0
+    assert after["num_generation_tokens"] - before["num_generation_tokens"] < 480
 
     # Chat, streamed, through the official client.
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
@@ -80,6 +81,11 @@ class ModelReplica:
         return {WAITING_METRIC: float(self.engine.num_waiting),
                 RUNNING_METRIC: float(self.engine.stats.num_running),
                 BATCH_SLOTS_METRIC: float(self.engine.config.max_num_seqs)}
+
+    async def engine_stats(self) -> dict:
+        """The engine's gauges and counters (kvserve.engine.stats.EngineStats), for operators and tests:
+        `serve.get_deployment_handle(...).engine_stats.remote()`."""
+        return {"replica": self.replica_id, **dataclasses.asdict(self.engine.stats)}
 
     async def health(self) -> str | None:
         """None when the engine serves; otherwise why not (being replaced after a crash, say)."""
