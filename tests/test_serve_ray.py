@@ -63,7 +63,8 @@ def server(model_dir, tmp_path_factory):
         # 2 batch slots and 1 queue place per replica: 8 concurrent clients leave ~5 waiting, far above
         # target_queue_depth 1 per replica. Short delays so the test sees both directions quickly.
         "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_queue_depth": 1,
-                        "upscale_delay_s": 0.5, "downscale_delay_s": 2.0}}]}
+                        "upscale_delay_s": 0.5, "downscale_delay_s": 2.0}}],
+        "admission": {"max_waiting": 12}}     # above the burst's queue, below the flood's
     ModelsConfig.from_dict(config)   # the file below is valid
     path = tmp_path_factory.mktemp("ray") / "models.yaml"
     path.write_text(json.dumps(config))   # JSON is YAML
@@ -236,6 +237,22 @@ def test_burst_scales_up_and_idle_scales_down_answering_every_request_once(serve
         assert len(r["ids"]) == 1 and r["finish"] == ["length"] and r["done"] == 1, (i, r)
         assert r["text"] == want[i], (i, r["replica"])
     assert len({next(iter(r["ids"])) for r in results.values()}) == len(results)
+
+
+def test_more_waiting_than_admission_allows_is_429(server):
+    """40 long requests at once: the replicas take a batch and a queue place each, 12 wait at the ingress,
+    the rest are refused at once with OpenAI's 429 and Retry-After."""
+    async def flood() -> list[httpx.Response]:
+        body = {"model": NAME, "prompt": prompt(1), "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=180) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(40)))
+
+    responses = asyncio.run(flood())
+    refused = [r for r in responses if r.status_code == 429]
+    others = [(r.status_code, r.text[:300]) for r in responses if r.status_code not in (200, 429)]
+    assert refused and not others, others
+    assert refused[0].headers["retry-after"] == "1"
+    assert refused[0].json()["error"]["type"] == "RateLimitError"
 
 
 def test_sigterm_stops_the_server_cleanly(server):

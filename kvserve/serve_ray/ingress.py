@@ -9,6 +9,7 @@ API keys and the body limit are checked here, by the single-engine server's own 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from kvserve.entrypoints.openai.api_server import VERSION, GuardMiddleware, ServerArgs, ServerState
@@ -60,15 +62,19 @@ class ModelRouter:
         request = ForwardedRequest(
             method=raw.method, path=raw.url.path, body=body, query_string=raw.scope.get("query_string", b""),
             headers=[(k, v) for k, v in raw.headers.raw if k.lower() not in _HOP_BY_HOP])
-        gen = self.handles[name].options(stream=True).handle_http.remote(request)
+        gen = None
         try:
+            # Routing (and Ray's max_queued_requests check) may fail in remote() itself or in the first next.
+            gen = self.handles[name].options(stream=True).handle_http.remote(request)
             start = await gen.__anext__()
         except BaseException as e:
-            gen.cancel()
+            if gen is not None:
+                with contextlib.suppress(Exception):   # cancelling a request that failed re-raises its error
+                    gen.cancel()
             if isinstance(e, BackPressureError):
                 return error_response(429, f"too many requests waiting for model `{name}`; retry later",
                                       headers={"Retry-After": "1"})
-            if isinstance(e, (DeploymentUnavailableError, StopAsyncIteration)) or _is_ray_failure(e):
+            if isinstance(e, (DeploymentUnavailableError, RayError, StopAsyncIteration)):
                 logger.warning("model %s: forwarding failed: %r", name, e)
                 return error_response(503, f"model `{name}` is not available: {type(e).__name__}",
                                       headers={"Retry-After": "2"})
@@ -100,12 +106,6 @@ class ModelRouter:
         return None
 
 
-def _is_ray_failure(e: BaseException) -> bool:
-    from ray.exceptions import RayError
-
-    return isinstance(e, RayError)
-
-
 async def _body(name: str, gen, sse: bool) -> AsyncIterator[bytes]:
     """The rest of the replica's messages as body chunks. If the replica fails mid-answer, a stream ends
     with an SSE error event (as the single-engine server does when its engine dies); a plain body just
@@ -124,7 +124,8 @@ async def _body(name: str, gen, sse: bool) -> AsyncIterator[bytes]:
             yield b"data: [DONE]\n\n"
     finally:
         if not finished:
-            gen.cancel()
+            with contextlib.suppress(Exception):
+                gen.cancel()
 
 
 def build_ingress_app(router: ModelRouter, args: ServerArgs) -> FastAPI:

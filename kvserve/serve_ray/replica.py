@@ -28,17 +28,30 @@ class ModelReplica:
         self.name = name
         self.app = build_app(server_args)
         self.engine = self.app.state.engine
-        # The app's lifespan starts the engine (and its stats logging); it ends in __del__.
-        self._lifespan = self.app.router.lifespan_context(self.app)
-        await self._lifespan.__aenter__()
+        # The app's lifespan starts the engine (and its stats logging) and stops it. It is held open by one
+        # task, entered and left there, as an ASGI server would; __del__ lets it end.
+        self._stop = asyncio.Event()
+        started = asyncio.Event()
+
+        async def hold_lifespan() -> None:
+            async with self.app.router.lifespan_context(self.app):
+                started.set()
+                await self._stop.wait()
+
+        self._lifespan = asyncio.create_task(hold_lifespan())
+        waiter = asyncio.create_task(started.wait())
+        await asyncio.wait({self._lifespan, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if self._lifespan.done():
+            self._lifespan.result()   # the engine failed to start: raise why
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         logger.info("model %s: replica %s ready (engine pid %s)", name, self.replica_id, self.engine.engine_pid)
 
     async def __del__(self) -> None:
         # Ray Serve calls this once in-flight requests have finished (or its graceful timeout passed).
-        lifespan, self._lifespan = getattr(self, "_lifespan", None), None
-        if lifespan is not None:
-            await lifespan.__aexit__(None, None, None)
+        if getattr(self, "_lifespan", None) is not None:
+            self._stop.set()
+            await self._lifespan
 
     async def handle_http(self, request: ForwardedRequest) -> AsyncIterator[dict]:
         """Yields the ASGI messages kvserve's app sends for `request`. Ray cancels this generator when the
