@@ -117,7 +117,11 @@ def run_ray_server(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMo
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        deploy(config, args, engine_mode)
+        try:
+            deploy(config, args, engine_mode)
+        except Exception as e:  # noqa: BLE001 - a replica that cannot start: Ray has logged its traceback
+            logger.error("Ray Serve deployment failed: %s", str(e).strip().splitlines()[-1] if str(e) else repr(e))
+            return 1
         logger.info("Ray Serve: serving %s at http://%s:%d", ", ".join(config.model_names()), args.host, args.port)
         stop.wait()
         logger.info("shutting down: draining replicas")

@@ -73,6 +73,8 @@ class ModelReplica:
         complete = False
         try:
             while (msg := await messages.get()) is not None:
+                if msg["type"] == "http.response.body":
+                    msg = _coalesce(msg, messages)
                 if msg["type"] == "http.response.start":
                     msg = {**msg, "headers": [*msg.get("headers", []),
                                               (REPLICA_HEADER.encode(), self.replica_id.encode())]}
@@ -106,3 +108,17 @@ class ModelReplica:
 
     async def model_card(self) -> dict:
         return ModelCard(id=self.name, root=self.name, max_model_len=self.engine.max_model_len).model_dump()
+
+
+def _coalesce(msg: dict, messages: asyncio.Queue) -> dict:
+    """`msg` joined with the body chunks the app has already queued behind it: under load one Ray message
+    carries several tokens' SSE events instead of one each, and an idle stream still sends at once."""
+    body, more = msg.get("body", b""), msg.get("more_body", False)
+    while more and not messages.empty():
+        nxt = messages.get_nowait()
+        if nxt is None or nxt["type"] != "http.response.body":
+            messages.put_nowait(nxt)  # the end of the app (None) is always last: putting it back keeps order
+            break
+        body += nxt.get("body", b"")
+        more = nxt.get("more_body", False)
+    return {"type": "http.response.body", "body": body, "more_body": more}
