@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -220,11 +221,11 @@ async def _burst_then_idle(server: str) -> tuple[dict[int, dict], dict]:
 def test_burst_scales_up_and_idle_scales_down_answering_every_request_once(server, offline):
     assert running_replicas() == 1
     results, seen = asyncio.run(_burst_then_idle(server.base_url))
+    by_replica = Counter(r["replica"] for r in results.values())
     print(f"scaled up after {seen['scaled_up_at']:.1f}s, down after {seen['scaled_down_at']}s; "
-          f"{len(results)} requests; by replica: "
-          f"{ {r: sum(x['replica'] == r for x in results.values()) for r in {x['replica'] for x in results.values()}} }")
+          f"{len(results)} requests; by replica: {dict(by_replica)}")
     assert seen["max_running"] == 2, seen
-    assert len({r["replica"] for r in results.values()}) == 2
+    assert len(by_replica) == 2
     assert seen["scaled_down_at"] is not None, f"still {all_replica_states()} replicas after the load stopped"
 
     # Every request answered once: one 200, one answer id, one finish, one [DONE], the engine's own text.

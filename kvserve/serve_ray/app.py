@@ -43,7 +43,8 @@ def deployment_name(index: int, model_name: str) -> str:
     return f"model{index}-" + re.sub(r"[^A-Za-z0-9_.-]", "_", model_name)
 
 
-def model_deployment_options(entry: ModelEntry, engine: EngineConfig, max_queued: int, grace_s: float) -> dict[str, Any]:
+def model_deployment_options(entry: ModelEntry, engine: EngineConfig, max_queued: int,
+                             grace_s: float) -> dict[str, Any]:
     scaling = entry.autoscaling
     depth = (scaling or AutoscalingConfig()).target_queue_depth
     options: dict[str, Any] = {
