@@ -93,10 +93,23 @@ def all_replica_states() -> dict[str, int]:
     return dict(serve.status().applications[APP_NAME].deployments[deployment_name(0, NAME)].replica_states)
 
 
-def engine_stats() -> dict:
-    from ray import serve
+def engine_stats(wait_idle_s: float = 0.0) -> dict:
+    """The replica's engine stats (there is one replica when this is called), after waiting up to
+    wait_idle_s for it to run nothing. Asked from a one-off Ray task: a deployment handle made in this
+    process would keep reporting to Serve's controller after the server under test has shut Serve down."""
+    import ray
 
-    return serve.get_deployment_handle(deployment_name(0, NAME), APP_NAME).engine_stats.remote().result()
+    @ray.remote(num_cpus=0, max_calls=1)
+    def ask(deployment: str, app: str, wait_idle_s: float) -> dict:
+        from ray import serve
+
+        handle = serve.get_deployment_handle(deployment, app)
+        deadline = time.monotonic() + wait_idle_s
+        while (stats := handle.engine_stats.remote().result())["num_running"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return stats
+
+    return ray.get(ask.remote(deployment_name(0, NAME), APP_NAME, wait_idle_s))
 
 
 def expected_text(offline, prompts: list[list[int]]) -> list[str]:
@@ -142,9 +155,7 @@ def test_openai_surface_and_streaming_through_the_ingress(server, offline):
             for _ in range(3):
                 while not next(lines):
                     pass
-    deadline = time.monotonic() + 30
-    while (after := engine_stats())["num_running"] and time.monotonic() < deadline:
-        time.sleep(0.1)
+    after = engine_stats(wait_idle_s=30)
     assert after["num_running"] == 0 and after["num_waiting"] == 0
     assert after["num_generation_tokens"] - before["num_generation_tokens"] < 480
 
