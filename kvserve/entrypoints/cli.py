@@ -158,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Do not serve the web page (chat playground and live dashboard) at /.")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="(default: %(default)s)")
+    serve.add_argument("--models-config", default=None, metavar="FILE.yaml",
+                       help="Serve the models a YAML file lists (names, engine options, replicas, autoscaling; "
+                            "see README).")
+    serve.add_argument("--backend", choices=["local", "ray"], default="local",
+                       help="local: engines in processes of this server; ray: each model as a Ray Serve "
+                            "deployment, autoscaled on queue depth (pip install kvserve[ray]; joins the Ray "
+                            "cluster at RAY_ADDRESS, else starts a local one) (default: %(default)s)")
 
     gen = sub.add_parser("generate", help="Generate text offline, without a server.",
                          description="Generate text offline. Prompts come from --prompt (repeatable) or, when "
@@ -204,13 +211,19 @@ def _serve(args: argparse.Namespace) -> int:
     from kvserve.models.presets import resolve_model
 
     config = engine_config(args, max_waiting=args.max_waiting)
-    resolve_model(config.model)  # a missing preset fails here, with its pip command, before the server starts
     server_args = ServerArgs(
         engine=config, host=args.host, port=args.port, api_keys=args.api_key or [],
         cache_salt_by_api_key=args.cache_salt_by_api_key,
         served_model_names=args.served_model_name or [], engine_mode=args.engine_mode,
         max_request_body_bytes=args.max_request_body_bytes, shutdown_grace_s=args.shutdown_grace,
         log_stats_interval_s=args.log_stats_interval, log_level=args.log_level, web=args.web)
+    if args.backend == "ray":
+        from kvserve.serve_ray.launch import serve_with_ray  # Ray is imported only on this path
+
+        return serve_with_ray(args.models_config, server_args)
+    if args.models_config is not None:
+        raise ValueError("--models-config needs --backend ray in this build")
+    resolve_model(config.model)  # a missing preset fails here, with its pip command, before the server starts
     return run_server(server_args)
 
 
