@@ -10,6 +10,7 @@ BatchingPolicy = Literal["continuous", "static", "dynamic"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats: see kvserve/layers/quantization
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3")  # auto: the compute dtype
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see kvserve/attention/selector.py
 
 
 @dataclass
@@ -43,6 +44,10 @@ class EngineConfig:
     dynamic_batch_window_s: float = 0.05  # "dynamic": wait this long for a batch to fill
     max_waiting: int | None = None        # admission control in the server (None: unbounded)
 
+    # "auto": Triton on CUDA when triton is installed, else torch (native CPU kernels where they apply);
+    # "torch" | "triton" force one (kvserve/attention/selector.py).
+    attention_backend: str = "auto"
+
     num_threads: int | None = None        # torch intra-op threads on CPU; None leaves torch's choice
 
     # Speculative decoding: a SpeculativeConfig or its dict / JSON text, e.g.
@@ -68,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be {'|'.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be {'|'.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 

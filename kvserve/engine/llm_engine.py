@@ -71,7 +71,8 @@ class LLMEngine:
                                  num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(loaded.model, kv_spec, num_blocks, self.device, self.eos_token_ids)
+        self.runner = ModelRunner(loaded.model, kv_spec, num_blocks, self.device, self.eos_token_ids, self.dtype,
+                                  config.attention_backend)
         self.speculator = (Speculator(config.speculative_config, self.max_model_len)
                            if config.speculative_config is not None else None)
         self.requests: dict[str, Request] = {}

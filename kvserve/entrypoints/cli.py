@@ -7,7 +7,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from kvserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from kvserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from kvserve.spec_decode.config import SpeculativeConfig
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -62,6 +62,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage. auto: the compute dtype; fp8_e4m3: 8 bits per value, half the bytes "
                         "of bfloat16, so twice the tokens fit (attention still computes in float32). "
                         "(default: %(default)s)")
+    p.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
+                   help="auto: Triton on CUDA (when triton is installed), else torch, which runs the native CPU "
+                        "kernels where they apply. (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help="Tokens per KV-cache block (default: %(default)s)")
     p.add_argument("--kv-cache-memory", type=parse_memory, default=None,
@@ -103,6 +106,7 @@ def engine_config(args: argparse.Namespace, max_waiting: int | None = None) -> E
         model=args.model_opt or args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         quantization=args.quantization, quant_group_size=args.quant_group_size,
         seed=args.seed, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
+        attention_backend=args.attention_backend,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.prefix_caching,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,

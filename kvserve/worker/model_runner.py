@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.attention.backend import StepBatch
+from kvserve.attention.selector import make_attention_backend
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.kernels import cpu as cpu_kernels
-from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.outputs import PositionLogprobs
-from kvserve.models.kv_cache import KVCacheSpec, allocate_kv_caches
+from kvserve.models.kv_cache import KVCacheSpec
 from kvserve.sampling.logprobs import compute_prompt_logprobs
 from kvserve.sampling.sampler import Sampler, SamplingInputs
 from kvserve.spec_decode.verify import num_accepted, rewind_generator
@@ -31,12 +32,13 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_spec: KVCacheSpec, num_blocks: int, device: torch.device,
-                 eos_token_ids: list[int]) -> None:
+                 eos_token_ids: list[int], dtype: torch.dtype = torch.float32, attention_backend: str = "auto") -> None:
         self.model = model
         self.block_size = kv_spec.block_size
         self.device = device
         self.eos_token_ids = eos_token_ids
-        self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
+        self.attn_backend = make_attention_backend(attention_backend, model, kv_spec, num_blocks, device, dtype)
+        self.kv_caches = self.attn_backend.allocate_kv_caches()
         self.sampler = Sampler()
         if device.type == "cpu":
             cpu_kernels.available()  # build (or load) the native kernel now, not in a first request's step
@@ -85,7 +87,8 @@ class ModelRunner:
             tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
 
         dev = self.device
-        meta = AttentionMetadata(
+        # The backend's per-step work (index tensors, plans) happens here, once, not in the first layer.
+        meta = self.attn_backend.build_metadata(StepBatch(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
@@ -93,7 +96,7 @@ class ModelRunner:
             query_start_loc_list=query_start_loc,
             seq_lens_list=seq_lens,
             block_size=bs,
-        )
+        ))
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),
