@@ -16,7 +16,9 @@ DEVICE = triton_device()
 from kvserve.attention.backend import StepBatch  # noqa: E402
 from kvserve.attention.triton.backend import TritonBackend  # noqa: E402
 from kvserve.attention.triton.cache_write import write_kv  # noqa: E402
-from kvserve.attention.triton.paged_attention import paged_attention, schedule_tiles, tile_rows  # noqa: E402
+from kvserve.attention.triton import paged_attention as pa  # noqa: E402
+from kvserve.attention.triton.paged_attention import (num_kv_splits, paged_attention, schedule_tiles,  # noqa: E402
+                                                      tile_rows)
 from kvserve.layers.attention import PagedAttention  # noqa: E402
 from kvserve.models.kv_cache import KVCacheSpec  # noqa: E402
 
@@ -66,9 +68,11 @@ class Pool:
 
 
 def run_steps(H: int, Hkv: int, D: int, bs: int, window: int | None, dtype: torch.dtype, kv_dtype: torch.dtype,
-              steps: list[list[int]], fused_qkv: bool = False, seed: int = 0) -> None:
+              steps: list[list[int]], fused_qkv: bool = False, seed: int = 0, num_splits: int | None = None,
+              block_n: int | None = None) -> None:
     """Run steps of new-token counts per sequence (0: not in this step's batch is not modelled; every
-    sequence is in every step) through TritonBackend.forward and check every output row."""
+    sequence is in every step) through TritonBackend.forward and check every output row.
+    num_splits: force split-KV with that many parts on every step (the backend itself splits only decodes)."""
     g = torch.Generator().manual_seed(seed)
     num_seqs = len(steps[0])
     spec = KVCacheSpec(1, bs, Hkv, D, kv_dtype)
@@ -76,6 +80,8 @@ def run_steps(H: int, Hkv: int, D: int, bs: int, window: int | None, dtype: torc
     if kv_dtype == FP8:
         layer.k_scale, layer.v_scale = 0.5, 2.0
     backend = TritonBackend([layer], spec, 64, DEVICE, dtype)
+    if block_n is not None:
+        backend.block_n = block_n
     # Random cache contents: a read of a slot never written would show.
     kv = [(torch.randn(backend.kv_cache_shape(64), generator=g).to(DEVICE, kv_dtype),
            torch.randn(backend.kv_cache_shape(64), generator=g).to(DEVICE, kv_dtype))]
@@ -92,7 +98,10 @@ def run_steps(H: int, Hkv: int, D: int, bs: int, window: int | None, dtype: torc
             q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
         else:
             q, k, v = (torch.randn(T, n, D, generator=g).to(DEVICE, dtype) for n in (H, Hkv, Hkv))
-        out = backend.forward(layer, q, k, v, kv[0], backend.build_metadata(batch)).view(T, H, D)
+        meta = backend.build_metadata(batch)
+        if num_splits is not None:
+            meta.num_splits = {bq: num_splits for bq in meta.num_splits}
+        out = backend.forward(layer, q, k, v, kv[0], meta).view(T, H, D)
         assert out.dtype == dtype
         for i, n in enumerate(q_lens):
             s, e = batch.query_start_loc_list[i], batch.query_start_loc_list[i + 1]
@@ -137,6 +146,52 @@ def test_triton_attention_fp8_cache_with_scales() -> None:
 
 def test_triton_attention_block_size_not_a_power_of_two() -> None:
     run_steps(2, 1, 16, 5, 6, torch.float32, torch.float32, [[12, 3], [2, 1]])
+
+
+@pytest.mark.parametrize("splits,window", [(4, None), (3, 5)])
+def test_triton_split_kv_matches_reference(splits: int, window: int | None) -> None:
+    # Keys in parts of 16: with 4 parts a 21-token context leaves the last parts empty (lse -inf), and the
+    # prefill step checks that the parts keep causality within a chunk too.
+    run_steps(4, 2, 16, 4, window, torch.float32, torch.float32, [[21, 2, 9], [1, 1, 1]],
+              num_splits=splits, block_n=16)
+
+
+def test_triton_split_kv_bfloat16_fp8() -> None:
+    run_steps(8, 1, 32, 8, None, torch.bfloat16, FP8, [[30, 17], [1, 1]], num_splits=2, block_n=16)
+
+
+def test_triton_backend_splits_long_decodes_only(monkeypatch) -> None:
+    """The backend's own choice: a long-context decode batch on a GPU with SMs to fill is split, a step with
+    prefill rows is not, and the split decode still matches the reference."""
+    seen: list[int] = []
+    launch = pa.paged_attention
+
+    def spy(*args, **kwargs):
+        seen.append(args[-1])
+        return launch(*args, **kwargs)
+    monkeypatch.setattr("kvserve.attention.triton.backend.paged_attention", spy)
+    monkeypatch.setattr("kvserve.attention.triton.backend.num_kv_splits",
+                        lambda programs, longest, sms, block_n: num_kv_splits(programs, longest, sms, block_n,
+                                                                              min_keys_per_split=16))
+    monkeypatch.setattr(TritonBackend, "__init__", _with_sms(TritonBackend.__init__, 8))
+    run_steps(4, 2, 16, 4, None, torch.float32, torch.float32, [[40, 3], [1, 1]], block_n=16)
+    assert seen == [1, 2]  # prefill step unsplit; decode: 2 seqs x 2 KV heads = 4 programs, 2 parts fill 8 SMs
+
+
+def _with_sms(init, num_sms: int):
+    def patched(self, *args, **kwargs):
+        init(self, *args, num_sms=num_sms, **kwargs)
+    return patched
+
+
+def test_triton_num_kv_splits_fills_the_gpu_within_bounds() -> None:
+    assert num_kv_splits(4, 32768, 132) == 16           # one sequence's decode, long context: the cap
+    assert num_kv_splits(4, 2048, 132) == 8              # parts of at least 256 keys
+    assert num_kv_splits(4, 2047, 132) == 4
+    assert num_kv_splits(512, 32768, 132) == 1           # the batch already fills the GPU
+    assert num_kv_splits(64, 32768, 132) == 8            # 64 x 8 = 512 >= 2 x 132 (from 4 x 64 = 256 below)
+    assert num_kv_splits(4, 300, 132) == 1               # too short to split
+    assert num_kv_splits(4, 32768, 0) == 1               # a CPU: no SMs to fill
 
 
 def test_triton_kv_write_puts_each_head_at_its_slot_and_skips_padding() -> None:
