@@ -27,6 +27,9 @@ class EngineConfig:
     seed: int = 0
 
     # KV cache. kv_cache_memory: bytes (int >= 1) or a fraction of free memory (0 < float <= 1).
+    # Without it, on CUDA: gpu_memory_utilization of the GPU's total memory is the engine's, and the KV pool
+    # gets what the weights and a profiled worst-case step leave (kvserve/worker/memory_profile.py).
+    gpu_memory_utilization: float = 0.9
     block_size: int = 16
     # "fp8_e4m3" stores K and V in 8 bits (half of bf16's bytes, so twice the tokens fit); attention still
     # computes in float32.
@@ -61,6 +64,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.batching not in ("continuous", "static", "dynamic"):
             raise ValueError(f"batching must be continuous|static|dynamic, got {self.batching!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -70,6 +70,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=parse_memory, default=None,
                    help="KV-cache size: bytes (e.g. 2GiB, 512MiB) or a fraction of free memory (e.g. 0.3). "
                         "Default: the engine's choice.")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="On CUDA, the fraction of the GPU's total memory this engine may use: the KV cache gets "
+                        "what the weights and a profiled worst-case step (--max-num-batched-tokens, "
+                        "--max-num-seqs) leave of it. Ignored with --kv-cache-memory. (default: %(default)s)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="Exact number of KV blocks (overrides --kv-cache-memory; for tests and experiments).")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -106,7 +110,7 @@ def engine_config(args: argparse.Namespace, max_waiting: int | None = None) -> E
         model=args.model_opt or args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         quantization=args.quantization, quant_group_size=args.quant_group_size,
         seed=args.seed, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
-        attention_backend=args.attention_backend,
+        gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.prefix_caching,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,

@@ -18,7 +18,9 @@ from kvserve.outputs import PositionLogprobs
 from kvserve.models.kv_cache import KVCacheSpec
 from kvserve.sampling.logprobs import compute_prompt_logprobs
 from kvserve.sampling.sampler import Sampler, SamplingInputs
+from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.verify import num_accepted, rewind_generator
+from kvserve.worker.memory_profile import worst_case_batch
 
 
 @dataclass
@@ -42,6 +44,29 @@ class ModelRunner:
         self.sampler = Sampler()
         if device.type == "cpu":
             cpu_kernels.available()  # build (or load) the native kernel now, not in a first request's step
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_seqs: int) -> torch.Tensor:
+        """One worst-case step with made-up tokens (worst_case_batch: it needs that many KV blocks), every
+        sequence sampled with default parameters: what the KV sizing measures the activation peak on.
+        Returns the sampled token ids."""
+        dummy = worst_case_batch(num_tokens, num_seqs, self.block_size)
+        dev, bs = self.device, self.block_size
+        starts = [0]
+        for n in dummy.query_lens:
+            starts.append(starts[-1] + n)
+        width = max(len(t) for t in dummy.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in dummy.block_tables]
+        i64 = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+        meta = self.attn_backend.build_metadata(StepBatch(
+            i64(dummy.slots), i64(starts), i64(dummy.query_lens), i64(tables), starts, list(dummy.query_lens), bs))
+        positions = [p for n in dummy.query_lens for p in range(n)]
+        hidden = self.model(torch.zeros(len(positions), dtype=torch.int64, device=dev), i64(positions), meta,
+                            self.kv_caches)
+        logits = self.model.compute_logits(hidden[[e - 1 for e in starts[1:]]])
+        n = len(dummy.query_lens)
+        inputs = SamplingInputs([SamplingParams()] * n, [None] * n, [[0]] * n, [[]] * n, self.eos_token_ids)
+        return torch.tensor(self.sampler(logits, inputs).token_ids)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
