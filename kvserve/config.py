@@ -50,6 +50,9 @@ class EngineConfig:
     # "auto": Triton on CUDA when triton is installed, else torch (native CPU kernels where they apply);
     # "torch" | "triton" force one (kvserve/attention/selector.py).
     attention_backend: str = "auto"
+    # CUDA with the Triton backend: pure-decode steps replay CUDA graphs captured at startup
+    # (kvserve/worker/cuda_graphs.py); True runs every step eagerly.
+    enforce_eager: bool = False
 
     num_threads: int | None = None        # torch intra-op threads on CPU; None leaves torch's choice
 

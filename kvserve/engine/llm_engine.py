@@ -78,6 +78,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(loaded.model, kv_spec, num_blocks, self.device, self.eos_token_ids, self.dtype,
                                   config.attention_backend)
+        if self.device.type == "cuda" and not config.enforce_eager and self.runner.attn_backend.name == "triton":
+            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.speculator = (Speculator(config.speculative_config, self.max_model_len)
                            if config.speculative_config is not None else None)
         self.requests: dict[str, Request] = {}

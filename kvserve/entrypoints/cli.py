@@ -65,6 +65,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="auto: Triton on CUDA (when triton is installed), else torch, which runs the native CPU "
                         "kernels where they apply. (default: %(default)s)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="Run every step eagerly: no CUDA graphs for decode steps (captured by default on CUDA "
+                        "with the Triton attention backend).")
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help="Tokens per KV-cache block (default: %(default)s)")
     p.add_argument("--kv-cache-memory", type=parse_memory, default=None,
@@ -110,7 +113,8 @@ def engine_config(args: argparse.Namespace, max_waiting: int | None = None) -> E
         model=args.model_opt or args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         quantization=args.quantization, quant_group_size=args.quant_group_size,
         seed=args.seed, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.prefix_caching,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,
