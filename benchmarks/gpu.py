@@ -183,12 +183,14 @@ def markdown(r: dict) -> str:
         lines.append(f"| {b} | {fmt(g)} | {fmt(row.get('eager_ms'))} | {fmt(row.get('torch_eager_ms'))} | "
                      f"{row['hbm_bound_ms']:.3f} | {ratio} |")
     t = r["throughput"]
-    lines += ["", f"## Offline throughput ({t['workload']})", "", "| engine | output tok/s | seconds |", "|---|---:|---:|"]
+    lines += ["", f"## Offline throughput ({t['workload']})", "",
+              "| engine | output tok/s | seconds |", "|---|---:|---:|"]
     for name in ("kvserve", "kvserve_torch_attention", "transformers"):
         if name in t:
             lines.append(f"| {name} | {t[name]['output_tok_s']:.0f} | {t[name]['seconds']:.1f} |")
     if "kvserve" in t and "transformers" in t:
-        lines += ["", f"kvserve / transformers: {t['kvserve']['output_tok_s'] / t['transformers']['output_tok_s']:.1f}x"]
+        ratio = t["kvserve"]["output_tok_s"] / t["transformers"]["output_tok_s"]
+        lines += ["", f"kvserve / transformers: {ratio:.1f}x"]
     return "\n".join(lines) + "\n"
 
 

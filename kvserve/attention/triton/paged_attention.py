@@ -32,7 +32,8 @@ def _paged_attention_kernel(
     stride_bt,
     scale, k_scale, v_scale, window,   # window 0: none
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
     DOT_F32: tl.constexpr, NUM_SPLITS: tl.constexpr,
     part_out_ptr, part_lse_ptr,       # NUM_SPLITS > 1: [T, H, NUM_SPLITS, D] and [T, H, NUM_SPLITS] float32
 ):
