@@ -39,6 +39,10 @@ def machine_info() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "python": sys.version.split()[0],
+            # PASSIVE puts OpenMP's threads to sleep after every parallel region: at batch 1 that wake-up is
+            # paid ~200 times per step, so figures taken with and without it do not compare.
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "libgomp default",
+            "load_average": round(os.getloadavg()[0], 2),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 

@@ -17,10 +17,12 @@ import random
 import torch
 
 from common import median_seconds, report
+from kvserve.attention import torch_plan
+from kvserve.attention.backend import StepBatch
+from kvserve.attention.torch_backend import TorchPagedBackend
 from kvserve.kernels import cpu as cpu_kernels
-from kvserve.layers import attention_metadata
 from kvserve.layers.attention import PagedAttention
-from kvserve.layers.attention_metadata import AttentionMetadata
+from kvserve.models.kv_cache import KVCacheSpec
 
 H, HKV, D, BS = 9, 3, 64, 16  # SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64
 
@@ -33,7 +35,7 @@ def make_batch(lens: list[int], num_blocks: int, dtype: torch.dtype):
     width = max(map(len, tables))
     slots = [t[(n - 1) // BS] * BS + (n - 1) % BS for t, n in zip(tables, lens)]
     starts = list(range(len(lens) + 1))
-    meta = AttentionMetadata(
+    meta = StepBatch(
         slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts), seq_lens=torch.tensor(lens),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         query_start_loc_list=starts, seq_lens_list=list(lens), block_size=BS)
@@ -44,7 +46,7 @@ def make_batch(lens: list[int], num_blocks: int, dtype: torch.dtype):
     return meta, cache, qkv
 
 
-def block_major(q, k_new, v_new, cache_bm, meta: AttentionMetadata) -> torch.Tensor:
+def block_major(q, k_new, v_new, cache_bm, meta: StepBatch) -> torch.Tensor:
     """The previous design, kept here only as the baseline: gather [B, L, Hkv, D], matmul on a transposed view."""
     k_cache, v_cache = cache_bm
     k_cache.view(-1, HKV, D).index_copy_(0, meta.slot_mapping, k_new)
@@ -70,7 +72,7 @@ def main() -> None:
     rng = random.Random(1)
     workloads = {"contexts 32-768 (uniform)": [rng.randint(32, 768) for _ in range(args.batch)],
                  "contexts all 320": [320] * args.batch}
-    attn = PagedAttention(H, HKV, D)
+    attn = PagedAttention(H, HKV, D, layer_idx=0)
     rows, lines = {}, ["| workload | block-major ms | head-major, one group ms | head-major, grouped ms | "
                        "native kernel ms | grouped vs block-major | kernel vs grouped |",
                        "|---|---:|---:|---:|---:|---:|---:|"]
@@ -78,27 +80,29 @@ def main() -> None:
         for name, lens in workloads.items():
             meta, cache, (q, k, v) = make_batch(lens, 8192, dtype)
             cache_bm = tuple(c.permute(1, 2, 0, 3).contiguous() for c in cache)
+            spec = KVCacheSpec(1, BS, HKV, D, dtype)
+            torch_path = TorchPagedBackend([attn], spec, 8192, torch.device("cpu"), dtype, native_kernels=False)
+            native = TorchPagedBackend([attn], spec, 8192, torch.device("cpu"), dtype)
             # Plans are built once per step and shared by all layers, so each variant keeps its own metadata.
-            fresh = lambda kernel: AttentionMetadata(**{f: getattr(meta, f) for f in (  # noqa: E731
-                "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "query_start_loc_list",
-                "seq_lens_list", "block_size")}, native_kernel=kernel)
-            meta_grouped, meta_one, meta_kernel = fresh(False), fresh(False), fresh(True)
-            saved = attention_metadata._GROUP_COST_BLOCKS
-            attention_metadata._GROUP_COST_BLOCKS = 10 ** 9  # one group whatever the lengths
+            meta_grouped, meta_kernel = torch_path.build_metadata(meta), native.build_metadata(meta)
+            saved = torch_plan._GROUP_COST_BLOCKS
+            torch_plan._GROUP_COST_BLOCKS = 10 ** 9  # one group whatever the lengths
             try:
-                one_group = attn(q, k, v, cache, meta_one)
+                meta_one = torch_path.build_metadata(meta)
             finally:
-                attention_metadata._GROUP_COST_BLOCKS = saved
+                torch_plan._GROUP_COST_BLOCKS = saved
+            run = lambda m: m.backend.forward(attn, q, k, v, cache, m)  # noqa: E731
+            one_group = run(meta_one)
             want = block_major(q, k, v, cache_bm, meta).float()
             torch.testing.assert_close(one_group.float(), want, atol=2e-2, rtol=2e-2)
-            torch.testing.assert_close(attn(q, k, v, cache, meta_grouped).float(), want, atol=2e-2, rtol=2e-2)
-            torch.testing.assert_close(attn(q, k, v, cache, meta_kernel).float(), want, atol=2e-2, rtol=2e-2)
-            assert meta_kernel.plan(HKV, cache[0].shape[1], None, True).kernel_rows is not None, "kernel not used"
-            groups = len(meta_grouped.plan(HKV, cache[0].shape[1], None).decode)
+            torch.testing.assert_close(run(meta_grouped).float(), want, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(run(meta_kernel).float(), want, atol=2e-2, rtol=2e-2)
+            assert meta_kernel.plans[(None, True)].kernel_rows is not None, "kernel not used"
+            groups = len(meta_grouped.plans[(None, False)].decode)
             t_bm = median_seconds(lambda: block_major(q, k, v, cache_bm, meta), args.repeat)
-            t_one = median_seconds(lambda: attn(q, k, v, cache, meta_one), args.repeat)
-            t_grouped = median_seconds(lambda: attn(q, k, v, cache, meta_grouped), args.repeat)
-            t_kernel = median_seconds(lambda: attn(q, k, v, cache, meta_kernel), args.repeat)
+            t_one = median_seconds(lambda: run(meta_one), args.repeat)
+            t_grouped = median_seconds(lambda: run(meta_grouped), args.repeat)
+            t_kernel = median_seconds(lambda: run(meta_kernel), args.repeat)
             rows[name] = {"block_major_ms": t_bm * 1e3, "head_major_one_group_ms": t_one * 1e3,
                           "head_major_grouped_ms": t_grouped * 1e3, "native_kernel_ms": t_kernel * 1e3,
                           "groups": groups}

@@ -1,7 +1,7 @@
 """Prefill attention, one layer of the default model's geometry: the native kernel (every query token a
 row reading K/V in place) against the torch path (gather + one SDPA call per sequence), in one run.
 Both include the KV write. This is the measurement behind _KERNEL_MAX_PREFILL_CONTEXT in
-kvserve/layers/attention_metadata.py (longer prefills stay with SDPA).
+kvserve/attention/torch_plan.py (longer prefills stay with SDPA).
 
     python benchmarks/prefill_attention.py
 """
@@ -13,9 +13,12 @@ import random
 import torch
 
 from common import median_seconds, report
+from kvserve.attention.backend import StepBatch
+from kvserve.attention.torch_backend import TorchPagedBackend
+from kvserve.attention.torch_plan import _kernel_rows
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.attention import PagedAttention
-from kvserve.layers.attention_metadata import AttentionMetadata
+from kvserve.models.kv_cache import KVCacheSpec
 
 H, HKV, D, BS = 9, 3, 64, 16  # SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64
 # (sequences, new tokens each, cached prefix): a 2048-token step budget filled different ways.
@@ -34,12 +37,10 @@ def make_step(nseq: int, new: int, prefix: int, num_blocks: int, dtype: torch.dt
     g = torch.Generator().manual_seed(0)
     qkv = [torch.randn(starts[-1], h, D, generator=g).to(dtype) for h in (H, HKV, HKV)]
 
-    def meta(kernel: bool) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts), seq_lens=torch.tensor(lens),
-            block_tables=torch.tensor(tables), query_start_loc_list=starts, seq_lens_list=lens, block_size=BS,
-            native_kernel=kernel)
-    return meta, qkv
+    batch = StepBatch(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts), seq_lens=torch.tensor(lens),
+        block_tables=torch.tensor(tables), query_start_loc_list=starts, seq_lens_list=lens, block_size=BS)
+    return batch, qkv
 
 
 def main() -> None:
@@ -49,22 +50,25 @@ def main() -> None:
     args = ap.parse_args()
     assert cpu_kernels.available(), "the native kernel did not build on this machine"
     dtype = getattr(torch, args.dtype)
-    attn = PagedAttention(H, HKV, D)
+    attn = PagedAttention(H, HKV, D, layer_idx=0)
+    spec, cpu = KVCacheSpec(1, BS, HKV, D, dtype), torch.device("cpu")
+    native = TorchPagedBackend([attn], spec, 4096, cpu, dtype)
+    torch_path = TorchPagedBackend([attn], spec, 4096, cpu, dtype, native_kernels=False)
     g = torch.Generator().manual_seed(1)
     cache = tuple(torch.randn(HKV, 4096, BS, D, generator=g).to(dtype) for _ in range(2))
     rows, lines = {}, ["| sequences x new tokens (cached prefix) | native kernel ms | torch SDPA ms | kernel is x faster |",
                        "|---|---:|---:|---:|"]
     with torch.inference_mode():
         for nseq, new, prefix in SHAPES:
-            meta, (q, k, v) = make_step(nseq, new, prefix, 4096, dtype)
-            m_kernel, m_torch = meta(True), meta(False)
+            batch, (q, k, v) = make_step(nseq, new, prefix, 4096, dtype)
+            m_kernel, m_torch = native.build_metadata(batch), torch_path.build_metadata(batch)
             # Force every row through the kernel, whatever the cut-over, to measure both sides of it.
-            plan = m_kernel.plan(HKV, 4096, None, True)
-            plan.kernel_rows, plan.prefills = m_kernel._kernel_rows([]), []
-            torch.testing.assert_close(attn(q, k, v, cache, m_kernel).float(), attn(q, k, v, cache, m_torch).float(),
-                                       atol=3e-2, rtol=3e-2)
-            t_k = median_seconds(lambda: attn(q, k, v, cache, m_kernel), args.repeat)
-            t_t = median_seconds(lambda: attn(q, k, v, cache, m_torch), args.repeat)
+            plan = m_kernel.plans[(None, True)]
+            plan.kernel_rows, plan.prefills = _kernel_rows(batch, []), []
+            run = lambda m: m.backend.forward(attn, q, k, v, cache, m)  # noqa: E731
+            torch.testing.assert_close(run(m_kernel).float(), run(m_torch).float(), atol=3e-2, rtol=3e-2)
+            t_k = median_seconds(lambda: run(m_kernel), args.repeat)
+            t_t = median_seconds(lambda: run(m_torch), args.repeat)
             name = f"{nseq} x {new} ({prefix})"
             rows[name] = {"native_kernel_ms": t_k * 1e3, "torch_sdpa_ms": t_t * 1e3}
             lines.append(f"| {name} | {t_k * 1e3:.2f} | {t_t * 1e3:.2f} | {t_t / t_k:.2f}x |")

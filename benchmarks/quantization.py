@@ -197,7 +197,8 @@ def main() -> None:
         for k, v in vars(args).items() if k not in ("serving", "serving_only"))
     md = (f"# Weight formats of the default model (SmolLM2-135M-Instruct)\n\nCommand: `{cmd}` (git {git_rev()})\n\n"
           f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, {args.threads} threads, kvserve "
-          f"kernels: {isa}. Read bandwidth measured in this run: {bandwidth:.1f} GB/s. Step: one engine.step() of "
+          f"kernels: {isa}, OpenMP wait policy: {info['omp_wait_policy']}, load average at the start: "
+          f"{info['load_average']}. Read bandwidth measured in this run: {bandwidth:.1f} GB/s. Step: one engine.step() of "
           f"decode at that batch, {CONTEXT} tokens of context each (median of {args.steps}); bound: weight bytes + "
           f"KV bytes read per step / read bandwidth. Perplexity: {args.ppl_tokens} tokens of The Tempest in "
           f"windows of {args.ppl_window}.\n\n{table}\n")

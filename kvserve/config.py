@@ -10,6 +10,7 @@ BatchingPolicy = Literal["continuous", "static", "dynamic"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats: see kvserve/layers/quantization
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3")  # auto: the compute dtype
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see kvserve/attention/selector.py
 
 
 @dataclass
@@ -26,6 +27,9 @@ class EngineConfig:
     seed: int = 0
 
     # KV cache. kv_cache_memory: bytes (int >= 1) or a fraction of free memory (0 < float <= 1).
+    # Without it, on CUDA: gpu_memory_utilization of the GPU's total memory is the engine's, and the KV pool
+    # gets what the weights and a profiled worst-case step leave (kvserve/worker/memory_profile.py).
+    gpu_memory_utilization: float = 0.9
     block_size: int = 16
     # "fp8_e4m3" stores K and V in 8 bits (half of bf16's bytes, so twice the tokens fit); attention still
     # computes in float32.
@@ -43,6 +47,13 @@ class EngineConfig:
     dynamic_batch_window_s: float = 0.05  # "dynamic": wait this long for a batch to fill
     max_waiting: int | None = None        # admission control in the server (None: unbounded)
 
+    # "auto": Triton on CUDA when triton is installed, else torch (native CPU kernels where they apply);
+    # "torch" | "triton" force one (kvserve/attention/selector.py).
+    attention_backend: str = "auto"
+    # CUDA with the Triton backend: pure-decode steps replay CUDA graphs captured at startup
+    # (kvserve/worker/cuda_graphs.py); True runs every step eagerly.
+    enforce_eager: bool = False
+
     num_threads: int | None = None        # torch intra-op threads on CPU; None leaves torch's choice
 
     # Speculative decoding: a SpeculativeConfig or its dict / JSON text, e.g.
@@ -56,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.batching not in ("continuous", "static", "dynamic"):
             raise ValueError(f"batching must be continuous|static|dynamic, got {self.batching!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -68,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be {'|'.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be {'|'.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 

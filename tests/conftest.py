@@ -10,6 +10,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 # Set before torch loads its OpenMP runtime; server subprocesses inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import torch  # noqa: E402  (after OMP_WAIT_POLICY)
+
+# Without a GPU the Triton kernels' tests run in Triton's interpreter. It is chosen when a function is
+# decorated with triton.jit, triton's own library included, so before anything imports triton (importing
+# transformers' models does, during collection).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, tuple[Path, object]]:

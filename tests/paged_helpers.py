@@ -6,20 +6,28 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata, KVCache, StepBatch
+from kvserve.attention.selector import make_attention_backend
 from kvserve.config import ModelConfig
-from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.models.kv_cache import kv_cache_spec
 
 
 @dataclass
 class PagedSeqs:
-    """Tracks, for several sequences, how many tokens are cached and which blocks hold them."""
-    block_size: int
-    num_blocks: int
-    native_kernel: bool = True  # passed on to AttentionMetadata
+    """Tracks, for several sequences, how many tokens are cached and which blocks hold them; the backend
+    turns each step into its metadata."""
+    backend: AttentionBackend
     next_free: int = 1  # block 0 stays unused so a wrong "unused entry = 0" read shows up as garbage
     blocks: dict[int, list[int]] = field(default_factory=dict)
     lens: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def block_size(self) -> int:
+        return self.backend.kv_spec.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.backend.num_blocks
 
     def _grow(self, seq: int, new_len: int) -> None:
         blocks = self.blocks.setdefault(seq, [])
@@ -28,10 +36,11 @@ class PagedSeqs:
             blocks.append(self.next_free)
             self.next_free += 1
 
-    def batch(self, chunks: dict[int, list[int]], device: torch.device = torch.device("cpu")) -> tuple[
+    def batch(self, chunks: dict[int, list[int]]) -> tuple[
         torch.Tensor, torch.Tensor, AttentionMetadata
     ]:
         """Append `chunks[seq]` (new token ids) to each sequence; returns input_ids, positions, metadata."""
+        device = self.backend.device
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -50,7 +59,7 @@ class PagedSeqs:
             self.lens[seq] = new
         width = max(len(self.blocks[s]) for s in chunks)
         tables = [self.blocks[s] + [0] * (width - len(self.blocks[s])) for s in chunks]
-        meta = AttentionMetadata(
+        meta = self.backend.build_metadata(StepBatch(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.long, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
@@ -58,8 +67,7 @@ class PagedSeqs:
             query_start_loc_list=starts,
             seq_lens_list=seq_lens,
             block_size=self.block_size,
-            native_kernel=self.native_kernel,
-        )
+        ))
         return (
             torch.tensor(ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
@@ -67,16 +75,26 @@ class PagedSeqs:
         )
 
 
-def make_kv_caches(
-    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # Random, not zero: a read of a slot that was never written then shifts the logits visibly. (Not NaN:
-    # padded decode rows read unwritten slots under a zero attention weight, and 0 * NaN is NaN.)
+def make_backend(model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int, *,
+                 kind: str = "torch", native_kernels: bool = True, dtype: torch.dtype = torch.float32,
+                 kv_dtype: torch.dtype | None = None, device: torch.device = torch.device("cpu")
+                 ) -> AttentionBackend:
+    """The attention backend a runner would build for this model (kind "torch" or "triton")."""
+    spec = kv_cache_spec(cfg, block_size, kv_dtype or dtype)
+    options = {"native_kernels": native_kernels} if kind == "torch" else {}
+    return make_attention_backend(kind, model, spec, num_blocks, device, dtype, **options)
+
+
+def make_kv_caches(backend: AttentionBackend) -> list[KVCache]:
+    """Caches in the backend's layout, filled with random values, not zeros: a read of a slot that was never
+    written then shifts the logits visibly. (Not NaN: padded decode rows read unwritten slots under a zero
+    attention weight, and 0 * NaN is NaN.)"""
     g = torch.Generator().manual_seed(1234)
-    shape = kv_cache_spec(cfg, block_size, dtype).block_shape(num_blocks)
+    dtype, dev = backend.kv_spec.dtype, backend.device
+    shape = backend.kv_cache_shape(backend.num_blocks)
     return [
-        (torch.randn(shape, generator=g).to(dtype) * 3, torch.randn(shape, generator=g).to(dtype) * 3)
-        for _ in range(cfg.num_hidden_layers)
+        ((torch.randn(shape, generator=g) * 3).to(dev, dtype), (torch.randn(shape, generator=g) * 3).to(dev, dtype))
+        for _ in range(backend.kv_spec.num_layers)
     ]
 
 

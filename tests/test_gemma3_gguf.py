@@ -16,7 +16,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from kvserve.models.gemma3 import default_layer_types
 from kvserve.models.loader import load_model
-from paged_helpers import PagedSeqs, make_kv_caches
+from paged_helpers import PagedSeqs, make_backend, make_kv_caches
 from test_model_parity import hf_logits
 
 # ---- tiny model written as a llama.cpp converter would ----
@@ -126,8 +126,9 @@ def test_tiny_gemma3_gguf_matches_transformers(tmp_path: Path) -> None:
 
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(4, TINY_VOCAB, (21,), generator=g).tolist()
-    seqs = PagedSeqs(4, num_blocks=16)
-    kv = make_kv_caches(cfg, 16, 4)
+    backend = make_backend(loaded.model, cfg, 16, 4)
+    seqs = PagedSeqs(backend)
+    kv = make_kv_caches(backend)
     text = list(prompt)
     chunk = prompt
     for _ in range(3):  # the prompt (longer than the window), then two decode steps

@@ -24,7 +24,8 @@ from kvserve.models.hf import read_hf_config
 from kvserve.models.loader import load_model
 from kvserve.sampling_params import SamplingParams
 from engine_helpers import drain
-from paged_helpers import PagedSeqs, make_kv_caches, require_native_kernel
+from paged_helpers import PagedSeqs, make_backend, make_kv_caches, require_native_kernel
+from triton_helpers import triton_device
 from test_model_parity import VOCAB, hf_logits, write_tokenizer
 from tiny_models import hf_greedy
 
@@ -62,15 +63,19 @@ def build_gemma3(name: str, path: Path, seed: int = 0) -> Gemma3ForCausalLM:
     return model
 
 
-@pytest.mark.parametrize("attention", ["native-kernel", "torch"])
-@pytest.mark.parametrize("name", list(CONFIGS))
+# The Triton backend (slow in the interpreter) on the smaller config: sliding and global layers both.
+@pytest.mark.parametrize("name,attention", [(name, attention) for attention in ("native-kernel", "torch")
+                                            for name in CONFIGS] + [("tied_softcap", "triton")])
 def test_paged_gemma3_matches_transformers(name: str, attention: str, tmp_path: Path, monkeypatch) -> None:
+    device = torch.device("cpu")
     if attention == "native-kernel":
         require_native_kernel()
+    elif attention == "triton":
+        device = triton_device()
     else:
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     ref = build_gemma3(name, tmp_path)
-    loaded = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+    loaded = load_model(str(tmp_path), torch.float32, device)
     model, cfg = loaded.model, loaded.config
     assert cfg.architecture == "gemma3" and cfg.sliding_window == WINDOW
     assert cfg.layer_types == ref.config.layer_types
@@ -78,13 +83,15 @@ def test_paged_gemma3_matches_transformers(name: str, attention: str, tmp_path: 
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 11, 21)]
-    seqs = PagedSeqs(BLOCK_SIZE, num_blocks=64, native_kernel=attention == "native-kernel")
-    kv = make_kv_caches(cfg, 64, BLOCK_SIZE)
+    backend = make_backend(model, cfg, 64, BLOCK_SIZE, kind="triton" if attention == "triton" else "torch",
+                           native_kernels=attention == "native-kernel", device=device)
+    seqs = PagedSeqs(backend)
+    kv = make_kv_caches(backend)
 
     def step(chunks: dict[int, list[int]]) -> list[torch.Tensor]:
         ids, positions, meta = seqs.batch(chunks)
         with torch.no_grad():
-            logits = model.compute_logits(model(ids, positions, meta, kv))
+            logits = model.compute_logits(model(ids, positions, meta, kv)).cpu()
         starts = meta.query_start_loc_list
         return [logits[starts[i]:starts[i + 1]] for i in range(len(chunks))]
 
@@ -112,13 +119,20 @@ def test_paged_gemma3_matches_transformers(name: str, attention: str, tmp_path: 
         out = step({i: [greedy[i]] for i in range(3)})
 
 
-def test_engine_generates_what_transformers_generates(tmp_path: Path) -> None:
+@pytest.mark.parametrize("attention_backend", ["auto", "triton"])
+def test_engine_generates_what_transformers_generates(attention_backend: str, tmp_path: Path) -> None:
+    """Through the engine's runner, which builds the backend's metadata each step."""
+    if attention_backend == "triton":
+        triton_device()
     ref = build_gemma3("tied_softcap", tmp_path, seed=3)
     rng = random.Random(1)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 17, 9, 26)]
     max_new = 12
+    if attention_backend == "triton":  # slow in the interpreter: still chunked prefills, decodes, a window
+        prompts, max_new = prompts[1:3], 5
     engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", block_size=BLOCK_SIZE,
-                                    max_num_batched_tokens=16, max_num_seqs=8))
+                                    max_num_batched_tokens=16, max_num_seqs=8,
+                                    attention_backend=attention_backend))
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True, logprobs=2)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)

@@ -32,7 +32,7 @@ from kvserve.layers.quantization.methods import kernel_available
 from kvserve.models.loader import LoadedModel, load_model
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
-from paged_helpers import PagedSeqs, make_kv_caches
+from paged_helpers import PagedSeqs, make_backend, make_kv_caches
 from test_gguf_default import greedy_paged
 
 pytestmark = [
@@ -112,8 +112,9 @@ def reference_runs(ours: LoadedModel, reference: Gemma3ForCausalLM) -> list[tupl
 
 
 def teacher_forced(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
-    seqs = PagedSeqs(16, 64)
-    kv = make_kv_caches(loaded.config, 64, 16)
+    backend = make_backend(loaded.model, loaded.config, 64, 16)
+    seqs = PagedSeqs(backend)
+    kv = make_kv_caches(backend)
     tokens, positions, meta = seqs.batch({0: ids})
     with torch.no_grad():
         return loaded.model.compute_logits(loaded.model(tokens, positions, meta, kv))

@@ -16,7 +16,7 @@ import torch
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from kvserve.models.loader import load_model
-from paged_helpers import PagedSeqs, make_kv_caches
+from paged_helpers import PagedSeqs, make_backend, make_kv_caches
 from test_model_parity import VOCAB, build_hf_model, hf_logits
 
 _LAYER_TENSORS = {
@@ -119,8 +119,9 @@ def test_gguf_of_each_architecture_matches_transformers(name: str, arch: str, tm
 
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, VOCAB, (13,), generator=g).tolist()
-    seqs = PagedSeqs(4, num_blocks=16)
-    kv = make_kv_caches(cfg, 16, 4)
+    backend = make_backend(loaded.model, cfg, 16, 4)
+    seqs = PagedSeqs(backend)
+    kv = make_kv_caches(backend)
     ids, positions, meta = seqs.batch({0: prompt})
     with torch.no_grad():
         logits = loaded.model.compute_logits(loaded.model(ids, positions, meta, kv))

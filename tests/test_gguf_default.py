@@ -14,7 +14,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from kvserve.models.default import default_model_path
 from kvserve.models.loader import LoadedModel, load_model
-from paged_helpers import PagedSeqs, make_kv_caches
+from paged_helpers import PagedSeqs, make_backend, make_kv_caches
 
 NUM_TOKENS = 32
 CHATS = [
@@ -57,8 +57,9 @@ def greedy_paged(loaded: LoadedModel, prompts: list[list[int]], num_tokens: int)
     model, cfg = loaded.model, loaded.config
     block_size = 16
     num_blocks = 1 + sum(-(-(len(p) + num_tokens) // block_size) for p in prompts)
-    seqs = PagedSeqs(block_size, num_blocks)
-    kv = make_kv_caches(cfg, num_blocks, block_size)
+    backend = make_backend(model, cfg, num_blocks, block_size)
+    seqs = PagedSeqs(backend)
+    kv = make_kv_caches(backend)
     outs: list[list[int]] = [[] for _ in prompts]
     chunks = dict(enumerate(prompts))
     with torch.no_grad():

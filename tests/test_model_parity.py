@@ -24,10 +24,11 @@ from transformers import (
 )
 
 from kvserve.kernels import cpu as cpu_kernels
-from kvserve.layers import attention_metadata
+from kvserve.attention import torch_plan
 from kvserve.models.kv_cache import kv_cache_spec
 from kvserve.models.loader import load_model
-from paged_helpers import PagedSeqs, make_kv_caches, require_native_kernel
+from paged_helpers import PagedSeqs, make_backend, make_kv_caches, require_native_kernel
+from triton_helpers import triton_device
 
 VOCAB = 320
 BLOCK_SIZE = 4
@@ -101,22 +102,27 @@ def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.mark.parametrize("decode", ["native-kernel", "native-kernel-long-prefills-sdpa", "one-decode-group",
-                                    "decode-group-per-row"])
-@pytest.mark.parametrize("name", list(ARCHS))
+# The Triton backend (slow in the interpreter) on two architectures: a sliding window with GQA, and biases.
+@pytest.mark.parametrize("name,decode", [
+    (name, decode) for decode in ("native-kernel", "native-kernel-long-prefills-sdpa", "one-decode-group",
+                                  "decode-group-per-row") for name in ARCHS
+] + [("mistral_window_untied", "triton"), ("qwen2_bias_tied", "triton")])
 def test_paged_model_matches_transformers(name: str, decode: str, tmp_path: Path, monkeypatch) -> None:
+    device = torch.device("cpu")
     if decode.startswith("native-kernel"):
         require_native_kernel()
+    elif decode == "triton":  # the Triton backend: on CUDA where present, else in Triton's interpreter
+        device = triton_device()
     else:  # the torch path throughout: attention and the fused elementwise ops
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     if decode == "native-kernel-long-prefills-sdpa":  # the 11- and 18-token prefills go to SDPA, the rest to the kernel
-        monkeypatch.setattr(attention_metadata, "_KERNEL_MAX_PREFILL_CONTEXT", 10)
-        monkeypatch.setattr(attention_metadata, "_KERNEL_ALWAYS_MAX_QUERY", 1)
+        monkeypatch.setattr(torch_plan, "_KERNEL_MAX_PREFILL_CONTEXT", 10)
+        monkeypatch.setattr(torch_plan, "_KERNEL_ALWAYS_MAX_QUERY", 1)
     if decode == "decode-group-per-row":  # free groups: every row is gathered on its own, padded to its own length
-        monkeypatch.setattr(attention_metadata, "_GROUP_STRIDE", 1)
-        monkeypatch.setattr(attention_metadata, "_GROUP_COST_BLOCKS", 0)
+        monkeypatch.setattr(torch_plan, "_GROUP_STRIDE", 1)
+        monkeypatch.setattr(torch_plan, "_GROUP_COST_BLOCKS", 0)
     ref = build_hf_model(name, tmp_path)
-    loaded = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+    loaded = load_model(str(tmp_path), torch.float32, device)
     model, cfg = loaded.model, loaded.config
     assert cfg.architecture == {"llama3": "llama"}.get(name.split("_")[0], name.split("_")[0])
     assert cfg.tie_word_embeddings == ("_tied" in name)
@@ -124,13 +130,15 @@ def test_paged_model_matches_transformers(name: str, decode: str, tmp_path: Path
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 11, 18)]
-    seqs = PagedSeqs(BLOCK_SIZE, num_blocks=64, native_kernel=decode.startswith("native-kernel"))
-    kv = make_kv_caches(cfg, 64, BLOCK_SIZE)
+    backend = make_backend(model, cfg, 64, BLOCK_SIZE, kind="triton" if decode == "triton" else "torch",
+                           native_kernels=decode.startswith("native-kernel"), device=device)
+    seqs = PagedSeqs(backend)
+    kv = make_kv_caches(backend)
 
     def step(chunks: dict[int, list[int]]) -> list[torch.Tensor]:
         ids, positions, meta = seqs.batch(chunks)
         with torch.no_grad():
-            logits = model.compute_logits(model(ids, positions, meta, kv))
+            logits = model.compute_logits(model(ids, positions, meta, kv)).cpu()
         starts = meta.query_start_loc_list
         return [logits[starts[i] : starts[i + 1]] for i in range(len(chunks))]
 
@@ -166,8 +174,8 @@ def test_paged_model_matches_transformers(name: str, decode: str, tmp_path: Path
 
 
 def test_decode_rows_split_where_padding_costs_more_than_a_group() -> None:
-    split = attention_metadata.split_by_length
-    cost = attention_metadata._GROUP_COST_BLOCKS
+    split = torch_plan.split_by_length
+    cost = torch_plan._GROUP_COST_BLOCKS
     assert split([3] * 40) == [40]                               # equal lengths: nothing to save
     assert split([1] * 8 + [4 * cost] * 8) == [8, 16]            # short rows padded to long ones: worth a group
     assert split([10] * 8 + [10 + cost // 16] * 8) == [16]       # saving less than a group costs
@@ -180,7 +188,10 @@ def test_kv_cache_spec_counts_k_and_v_of_every_layer() -> None:
     cfg = ModelConfig("llama", 100, 64, 128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=16, max_position_embeddings=64)
     spec = kv_cache_spec(cfg, block_size=8, dtype=torch.bfloat16)
-    assert spec.block_shape(10) == (2, 10, 8, 16)
+    from kvserve.attention.torch_backend import TorchPagedBackend
+
+    # The torch backend's layout is head-major: [Hkv, num_blocks, block_size, D].
+    assert TorchPagedBackend([], spec, 10, torch.device("cpu"), torch.bfloat16).kv_cache_shape(10) == (2, 10, 8, 16)
     assert spec.bytes_per_block == 2 * 3 * 8 * 2 * 16 * 2
 
 

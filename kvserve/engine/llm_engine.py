@@ -36,12 +36,12 @@ from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.speculator import Speculator
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
 from kvserve.utils.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from kvserve.worker.memory_profile import profile_kv_budget, worst_case_batch
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 1 << 30        # a fixed KV space, as vLLM sizes it on CPU; ~46k tokens of the default model
-DEFAULT_GPU_KV_FRACTION = 0.8         # of free device memory after loading the weights
 
 
 class LLMEngine:
@@ -69,7 +69,13 @@ class LLMEngine:
             draft_model = load_draft(spec.model, loaded, self.dtype, self.device, config.quantization)
             draft_kv_spec = kv_cache_spec(draft_model.config, config.block_size, self.kv_cache_dtype)
             block_bytes += draft_kv_spec.bytes_per_block
-        num_blocks = config.num_kv_blocks or self._num_blocks_for_budget(block_bytes)
+        if config.num_kv_blocks:
+            num_blocks = config.num_kv_blocks
+        elif config.kv_cache_memory is None and self.device.type == "cuda":
+            # Profiling sizes the target's pool; the draft's share comes out of the same bytes.
+            num_blocks = self._num_blocks_by_profiling(loaded.model, kv_spec) * kv_spec.bytes_per_block // block_bytes
+        else:
+            num_blocks = self._num_blocks_for_budget(block_bytes)
         if num_blocks < 1:
             raise ValueError("kv_cache_memory is too small to hold a single KV block")
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
@@ -80,9 +86,12 @@ class LLMEngine:
                                  num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(loaded.model, kv_spec, num_blocks, self.device, self.eos_token_ids)
-        draft = (DraftProposer(draft_model, draft_kv_spec, num_blocks, self.device, self.eos_token_ids)
-                 if draft_model is not None else None)
+        self.runner = ModelRunner(loaded.model, kv_spec, num_blocks, self.device, self.eos_token_ids, self.dtype,
+                                  config.attention_backend)
+        if self.device.type == "cuda" and not config.enforce_eager and self.runner.attn_backend.name == "triton":
+            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+        draft = (DraftProposer(draft_model, draft_kv_spec, num_blocks, self.device, self.eos_token_ids, self.dtype,
+                               config.attention_backend) if draft_model is not None else None)
         self.speculator = Speculator(spec, self.max_model_len, draft) if spec is not None else None
         self.requests: dict[str, Request] = {}
         self._accumulators: dict[str, RequestOutputAccumulator] = {}   # only for callers of step()
@@ -96,13 +105,29 @@ class LLMEngine:
                     num_blocks, config.block_size, num_blocks * block_bytes / 2**20, self.kv_cache_dtype,
                     self.max_model_len, self.dtype, self.device)
 
+    def _num_blocks_by_profiling(self, model: torch.nn.Module, kv_spec) -> int:
+        """CUDA: the blocks that fit in gpu_memory_utilization of the GPU once a worst-case step has run
+        (kvserve/worker/memory_profile.py), on a throwaway runner with just the blocks that step needs."""
+        cfg = self.config
+        probe_blocks = worst_case_batch(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.block_size).num_blocks
+
+        def worst_case_step() -> None:
+            probe = ModelRunner(model, kv_spec, probe_blocks, self.device, self.eos_token_ids, self.dtype,
+                                cfg.attention_backend)
+            probe.profile_run(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+
+        kv_bytes, p = profile_kv_budget(worst_case_step, self.device, cfg.gpu_memory_utilization,
+                                        probe_blocks * kv_spec.bytes_per_block)
+        gib = 2 ** 30
+        logger.info("GPU memory: %.2f GiB total x %.2f utilization; weights %.2f GiB, activation peak %.2f GiB, "
+                    "outside torch %.2f GiB -> KV cache %.2f GiB", p.total_bytes / gib, cfg.gpu_memory_utilization,
+                    p.weights_bytes / gib, p.activation_peak_bytes / gib, p.non_torch_bytes / gib, kv_bytes / gib)
+        return kv_bytes // kv_spec.bytes_per_block
+
     def _num_blocks_for_budget(self, block_bytes: int) -> int:
         budget = self.config.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                budget = DEFAULT_GPU_KV_FRACTION
-            else:
-                budget = min(DEFAULT_CPU_KV_BYTES, int(0.5 * _available_host_memory()))
+        if budget is None:  # a CPU (CUDA without kv_cache_memory is sized by profiling)
+            budget = min(DEFAULT_CPU_KV_BYTES, int(0.5 * _available_host_memory()))
         if isinstance(budget, float) and budget <= 1.0:
             if not 0 < budget:
                 raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {budget}")

@@ -7,7 +7,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from kvserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from kvserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from kvserve.spec_decode.config import SpeculativeConfig
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -62,11 +62,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage. auto: the compute dtype; fp8_e4m3: 8 bits per value, half the bytes "
                         "of bfloat16, so twice the tokens fit (attention still computes in float32). "
                         "(default: %(default)s)")
+    p.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
+                   help="auto: Triton on CUDA (when triton is installed), else torch, which runs the native CPU "
+                        "kernels where they apply. (default: %(default)s)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="Run every step eagerly: no CUDA graphs for decode steps (captured by default on CUDA "
+                        "with the Triton attention backend).")
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help="Tokens per KV-cache block (default: %(default)s)")
     p.add_argument("--kv-cache-memory", type=parse_memory, default=None,
                    help="KV-cache size: bytes (e.g. 2GiB, 512MiB) or a fraction of free memory (e.g. 0.3). "
                         "Default: the engine's choice.")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="On CUDA, the fraction of the GPU's total memory this engine may use: the KV cache gets "
+                        "what the weights and a profiled worst-case step (--max-num-batched-tokens, "
+                        "--max-num-seqs) leave of it. Ignored with --kv-cache-memory. (default: %(default)s)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="Exact number of KV blocks (overrides --kv-cache-memory; for tests and experiments).")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -103,6 +113,8 @@ def engine_config(args: argparse.Namespace, max_waiting: int | None = None) -> E
         model=args.model_opt or args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         quantization=args.quantization, quant_group_size=args.quant_group_size,
         seed=args.seed, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.prefix_caching,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,
@@ -158,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Do not serve the web page (chat playground and live dashboard) at /.")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="(default: %(default)s)")
+    serve.add_argument("--models-config", default=None, metavar="FILE.yaml",
+                       help="Serve the models a YAML file lists (names, engine options, replicas, autoscaling; "
+                            "see README).")
+    serve.add_argument("--backend", choices=["local", "ray"], default="local",
+                       help="local: engines in processes of this server; ray: each model as a Ray Serve "
+                            "deployment, autoscaled on queue depth (pip install kvserve[ray]; joins the Ray "
+                            "cluster at RAY_ADDRESS, else starts a local one) (default: %(default)s)")
 
     gen = sub.add_parser("generate", help="Generate text offline, without a server.",
                          description="Generate text offline. Prompts come from --prompt (repeatable) or, when "
@@ -204,13 +223,19 @@ def _serve(args: argparse.Namespace) -> int:
     from kvserve.models.presets import resolve_model
 
     config = engine_config(args, max_waiting=args.max_waiting)
-    resolve_model(config.model)  # a missing preset fails here, with its pip command, before the server starts
     server_args = ServerArgs(
         engine=config, host=args.host, port=args.port, api_keys=args.api_key or [],
         cache_salt_by_api_key=args.cache_salt_by_api_key,
         served_model_names=args.served_model_name or [], engine_mode=args.engine_mode,
         max_request_body_bytes=args.max_request_body_bytes, shutdown_grace_s=args.shutdown_grace,
         log_stats_interval_s=args.log_stats_interval, log_level=args.log_level, web=args.web)
+    if args.backend == "ray":
+        from kvserve.serve_ray.launch import serve_with_ray  # Ray is imported only on this path
+
+        return serve_with_ray(args.models_config, server_args)
+    if args.models_config is not None:
+        raise ValueError("--models-config needs --backend ray in this build")
+    resolve_model(config.model)  # a missing preset fails here, with its pip command, before the server starts
     return run_server(server_args)
 
 

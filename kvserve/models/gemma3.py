@@ -16,10 +16,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from kvserve.attention.backend import AttentionMetadata, KVCache
+from kvserve.attention.forward_context import forward_context
 from kvserve.config import ModelConfig
 from kvserve.layers.activation import GeluTanhAndMul
 from kvserve.layers.attention import PagedAttention
-from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.layers.linear import ColumnLinear, LinearBase, QKVLinear, RowLinear, VocabEmbedding
 from kvserve.models.llama import MLP
 from kvserve.layers.norm import GemmaRMSNorm
@@ -28,7 +29,6 @@ from kvserve.layers.quantization.methods import Loaded
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.weight_loading import linear_layers, load_named_weights
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
@@ -39,7 +39,7 @@ def default_layer_types(num_layers: int, pattern: int = 6) -> list[str]:
 
 class Gemma3Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, sliding: bool, rotary: RotaryEmbedding, quant: QuantConfig,
-                 prefix: str) -> None:
+                 prefix: str, layer_idx: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -53,40 +53,40 @@ class Gemma3Attention(nn.Module):
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary  # this layer kind's RoPE, owned by the model
         scalar = cfg.query_pre_attn_scalar or cfg.head_dim
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx,
                                    cfg.sliding_window if sliding else None, scale=scalar ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self.o_proj(self.attn(q, k, v))
 
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, sliding: bool, rotary: RotaryEmbedding, quant: QuantConfig,
-                 prefix: str) -> None:
+                 prefix: str, layer_idx: int) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.self_attn = Gemma3Attention(cfg, sliding, rotary, quant, f"{prefix}.self_attn")
+        self.self_attn = Gemma3Attention(cfg, sliding, rotary, quant, f"{prefix}.self_attn", layer_idx)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.mlp = MLP(cfg, quant, f"{prefix}.mlp", act=GeluTanhAndMul())
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's (post-normed) output, not yet added to the residual stream; None
         residual: the first layer, x is the scaled embedding."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.post_attention_layernorm(self.self_attn(positions, x, kv_cache, meta))
+        x = self.post_attention_layernorm(self.self_attn(positions, x))
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
@@ -110,7 +110,7 @@ class Gemma3ForCausalLM(nn.Module):
                                             cfg.rope_local_theta or cfg.rope_theta)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(cfg, kind == SLIDING, self.rotary_local if kind == SLIDING else self.rotary_global,
-                               quant, f"model.layers.{i}")
+                               quant, f"model.layers.{i}", i)
             for i, kind in enumerate(layer_types))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head: LinearBase = self.embed_tokens if cfg.tie_word_embeddings else ColumnLinear(
@@ -122,8 +122,10 @@ class Gemma3ForCausalLM(nn.Module):
         x = self.embed_tokens.embed(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+        assert len(kv_caches) == len(self.layers)
+        with forward_context(meta, kv_caches):  # where each layer's self.attn finds its cache and the step's plan
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from kvserve.attention.backend import AttentionMetadata, KVCache
+from kvserve.attention.forward_context import forward_context
 from kvserve.config import ModelConfig
 from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.attention import PagedAttention
-from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.layers.linear import ColumnLinear, LinearBase, MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding
 from kvserve.layers.quantization import QuantConfig
 from kvserve.layers.quantization.methods import Loaded
@@ -19,11 +20,10 @@ from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.weight_loading import linear_layers, load_named_weights
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
-
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, quant: QuantConfig, prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, quant: QuantConfig, prefix: str,
+                 layer_idx: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -40,9 +40,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.rotary = rotary  # shared by all layers; owned by the model
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.sliding_window)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx, cfg.sliding_window)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         # Views of the fused projection, no copies: the kernels read heads at any token stride.
@@ -52,7 +52,7 @@ class Attention(nn.Module):
             q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
         else:  # q's and k's heads sit side by side: one rotation pass over both
             self.rotary.rotate_(positions, qkv[:, :self.q_size + self.kv_size].view(T, H + Hkv, D))
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self.o_proj(self.attn(q, k, v))
 
 
 class MLP(nn.Module):
@@ -71,22 +71,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, quant: QuantConfig, prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, quant: QuantConfig, prefix: str,
+                 layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, quant, f"{prefix}.self_attn")
+        self.self_attn = Attention(cfg, rotary, quant, f"{prefix}.self_attn", layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, quant, f"{prefix}.mlp")
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream (the add is fused into
         this layer's first norm); None residual: the first layer, x is the embedding."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
+        x = self.self_attn(positions, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -100,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabEmbedding(cfg.hidden_size, cfg.vocab_size, quant.method([embed], output_layer=True),
                                            embed)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, quant, f"model.layers.{i}")
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, quant, f"model.layers.{i}", i)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # A tied LM head is the embedding itself, in whatever format the embedding is stored.
@@ -115,9 +116,11 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final-norm hidden states [T, hidden]."""
+        assert len(kv_caches) == len(self.layers)
         x, residual = self.embed_tokens.embed(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+        with forward_context(meta, kv_caches):  # where each layer's self.attn finds its cache and the step's plan
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ from typing import Protocol
 
 import torch
 
+from kvserve.attention.backend import AttentionMetadata, KVCache
 from kvserve.config import ModelConfig
-from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.layers.linear import LinearBase
 from kvserve.layers.quantization import QuantConfig
 from kvserve.layers.quantization.methods import Loaded
@@ -20,7 +20,7 @@ class CausalLM(Protocol):
     config: ModelConfig
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor: ...
+                 kv_caches: list[KVCache]) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 

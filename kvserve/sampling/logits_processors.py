@@ -4,6 +4,9 @@ Every stage edits `logits` [N, V] in place and is a no-op for a row whose parame
 (bias absent, penalty 1 / 0, top_p 1, top_k 0, min_p 0), bit for bit: a seeded request must draw the
 same tokens whether or not its batch-mates made the stage run. Masking is done by setting logits to
 -inf, so the final probabilities are always one softmax of the surviving logits.
+
+Which stages and rows run is decided from the host-side parameters the caller passes, never by reading
+a tensor back: on a GPU, every such read (.any(), int(t.max()), nonzero()) would stall the step.
 """
 from __future__ import annotations
 
@@ -52,6 +55,8 @@ def apply_penalties(
     repetition: Tensor,   # [N]; 1.0 = off
     presence: Tensor,     # [N]; 0.0 = off
     frequency: Tensor,    # [N]; 0.0 = off
+    use_repetition: bool = True,  # the caller's host-side view: does any row have a repetition penalty,
+    use_counts: bool = True,      # a presence or a frequency penalty (False skips that stage)
 ) -> None:
     """Repetition penalty over prompt+output tokens (HF/vLLM: positive logits divided, negative
     multiplied); presence/frequency over output-token counts (OpenAI: logit -= p*(c>0) + f*c)."""
@@ -62,7 +67,7 @@ def apply_penalties(
     counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
     counts = counts[:, :vocab]
 
-    if bool((repetition != 1.0).any()):
+    if use_repetition:
         prompt_ids = _pad(prompt_token_ids, vocab, logits.device).clamp_(max=vocab)
         seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=logits.device)
         seen.scatter_(1, prompt_ids, True)
@@ -71,7 +76,7 @@ def apply_penalties(
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits.copy_(torch.where(seen, penalised, logits))
 
-    if bool((presence != 0.0).any()) or bool((frequency != 0.0).any()):
+    if use_counts:
         logits -= presence.unsqueeze(1) * (counts > 0).to(logits.dtype) + frequency.unsqueeze(1) * counts
 
 
@@ -82,39 +87,51 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> None:
     logits.masked_fill_(probs < threshold, _NEG_INF)
 
 
-def apply_top_k(logits: Tensor, top_k: Tensor) -> None:
-    """Keep each row's top_k logits (0 = all). Ties with the k-th value are all kept, as in vLLM."""
+def apply_top_k(logits: Tensor, top_k: Tensor, max_k: int) -> None:
+    """Keep each row's top_k logits (0 = all). Ties with the k-th value are all kept, as in vLLM.
+    max_k: the largest top_k of the batch, known on the host (at most the vocabulary)."""
     vocab = logits.shape[1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.ones_like(top_k))  # 1: unused, keeps topk small
-    max_k = int(k.max())
+    max_k = max(1, min(max_k, vocab))
     kth = logits.topk(max_k, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
     kth = torch.where((top_k > 0).unsqueeze(1), kth, torch.full_like(kth, _NEG_INF))
     logits.masked_fill_(logits < kth, _NEG_INF)
 
 
-def apply_top_p(logits: Tensor, top_p: Tensor) -> None:
+def apply_top_p(logits: Tensor, top_p: Tensor, rows: list[int] | None = None) -> None:
     """Keep the smallest most-likely set whose probability reaches top_p (at least one token).
 
     The set is cut at a probability threshold, so tokens tied with the last one kept are kept too
     (as apply_top_k does), whatever order a sort puts ties in. Rows with top_p == 1 keep everything
     outright: rounding in the cumsum could otherwise drop a tail token and make a seeded row's draw
-    depend on whether a batch-mate enabled top_p."""
+    depend on whether a batch-mate enabled top_p.
+
+    rows: those with top_p < 1, as the caller knows them (None: found here, a host sync)."""
     probs = torch.softmax(logits, dim=-1)
     threshold = torch.zeros(logits.shape[0], 1, dtype=probs.dtype, device=probs.device)
-    rows = (top_p < 1.0).nonzero().squeeze(1)
-    # Usually the set closes within the few hundred most likely tokens, and a partial topk is much
-    # cheaper than sorting the vocabulary; rows it doesn't cover (flat distributions) sort fully.
-    for k in (min(_TOP_P_CANDIDATES, logits.shape[1]), logits.shape[1]):
-        if rows.numel() == 0:
-            break
-        p = top_p[rows].unsqueeze(1)
-        vals = probs[rows].topk(k, dim=-1).values                 # descending
-        mass = vals.cumsum(dim=-1)
-        n_keep = ((mass - vals) < p).sum(dim=-1, keepdim=True)    # mass before each token < top_p
-        closed = (mass[:, -1:] >= p).squeeze(1) | (k == logits.shape[1])
-        threshold[rows[closed]] = vals.gather(1, n_keep - 1)[closed]
-        rows = rows[~closed]
+    vocab = logits.shape[1]
+    rows_t = ((top_p < 1.0).nonzero().squeeze(1) if rows is None
+              else torch.tensor(rows, dtype=torch.long, device=logits.device))
+    # On a CPU the set usually closes within the few hundred most likely tokens, and a partial topk is
+    # much cheaper than sorting the vocabulary; rows it doesn't cover (flat distributions) sort fully.
+    # Finding those rows reads a mask back, so on a GPU every row sorts fully, in one pass with no sync.
+    if logits.device.type != "cuda" and _TOP_P_CANDIDATES < vocab and rows_t.numel():
+        thr, closed = _top_p_threshold(probs[rows_t], top_p[rows_t], _TOP_P_CANDIDATES)
+        threshold[rows_t[closed]] = thr[closed]
+        rows_t = rows_t[~closed]
+    if rows_t.numel():
+        threshold[rows_t] = _top_p_threshold(probs[rows_t], top_p[rows_t], vocab)[0]
     logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+def _top_p_threshold(probs: Tensor, top_p: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """From each row's k most likely tokens: the probability of the last one top_p keeps ([R, 1]), and
+    whether those k tokens reach top_p at all ([R]; with k = vocab, always)."""
+    p = top_p.unsqueeze(1)
+    vals = probs.topk(k, dim=-1).values                      # descending
+    mass = vals.cumsum(dim=-1)
+    n_keep = ((mass - vals) < p).sum(dim=-1, keepdim=True)   # mass before each token < top_p
+    return vals.gather(1, n_keep - 1), (mass[:, -1:] >= p).squeeze(1) | (k == probs.shape[1])
 
 
 _TOP_P_CANDIDATES = 256

@@ -102,6 +102,8 @@ class Sampler:
                 self._per_row([params[i].repetition_penalty for i in rows], logits),
                 self._per_row([params[i].presence_penalty for i in rows], logits),
                 self._per_row([params[i].frequency_penalty for i in rows], logits),
+                use_repetition=any(params[i].repetition_penalty != 1.0 for i in rows),
+                use_counts=any(params[i].presence_penalty != 0.0 or params[i].frequency_penalty != 0.0 for i in rows),
             )
             logits[idx] = sub
         return logits
@@ -123,9 +125,11 @@ class Sampler:
         if any(p.min_p > 0.0 for p in sub_params):
             lp.apply_min_p(sub, self._per_row([p.min_p for p in sub_params], sub))
         if any(p.top_k > 0 for p in sub_params):
-            lp.apply_top_k(sub, torch.tensor([p.top_k for p in sub_params], device=sub.device))
+            top_k = [p.top_k for p in sub_params]
+            lp.apply_top_k(sub, torch.tensor(top_k, device=sub.device), max_k=max(k if k > 0 else 1 for k in top_k))
         if any(p.top_p < 1.0 for p in sub_params):
-            lp.apply_top_p(sub, self._per_row([p.top_p for p in sub_params], sub))
+            lp.apply_top_p(sub, self._per_row([p.top_p for p in sub_params], sub),
+                           rows=[i for i, p in enumerate(sub_params) if p.top_p < 1.0])
 
         probs = torch.softmax(sub, dim=-1)
         sampled = (probs / self._exponential_noise(probs, [inputs.generators[i] for i in rand_rows])).argmax(dim=-1)

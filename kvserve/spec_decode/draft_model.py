@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from kvserve.config import ModelConfig
-from kvserve.layers.attention_metadata import AttentionMetadata
+from kvserve.attention.backend import AttentionMetadata, KVCache
+from kvserve.attention.forward_context import forward_context
 from kvserve.layers.linear import ColumnLinear, VocabEmbedding, pack_float_weights
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantization import QuantConfig
@@ -41,17 +42,19 @@ class DraftLM(nn.Module):
         self.config = cfg
         self._embed = (embed,)  # the target's module: a tuple keeps it out of this module's parameters
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, quant, f"model.layers.{i}")
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, quant, f"model.layers.{i}", i)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ColumnLinear(cfg.hidden_size, len(vocab_ids), quant.method(["lm_head.weight"]), "lm_head.weight")
         self.register_buffer("vocab_ids", vocab_ids.to(torch.int64), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                kv_caches: list[KVCache]) -> torch.Tensor:
+        assert len(kv_caches) == len(self.layers)
         x, residual = self._embed[0].embed(input_ids).to(self.norm.weight.dtype), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+        with forward_context(meta, kv_caches):
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -29,22 +29,25 @@ import dataclasses
 
 import torch
 
+from kvserve.attention.backend import StepBatch
+from kvserve.attention.selector import make_attention_backend
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
-from kvserve.layers.attention_metadata import AttentionMetadata
-from kvserve.models.kv_cache import KVCacheSpec, allocate_kv_caches
+from kvserve.models.kv_cache import KVCacheSpec
 from kvserve.sampling.sampler import Sampler, SamplingInputs
 from kvserve.spec_decode.state import SpecState, spec_state
 
 
 class DraftProposer:
     def __init__(self, model: torch.nn.Module, kv_spec: KVCacheSpec, num_blocks: int, device: torch.device,
-                 eos_token_ids: list[int]) -> None:
+                 eos_token_ids: list[int], dtype: torch.dtype = torch.float32, attention_backend: str = "auto") -> None:
         self.model = model
         self.block_size = kv_spec.block_size
         self.device = device
         self.eos_token_ids = eos_token_ids
-        self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
+        # Its own backend instance: the draft's geometry (layers, heads) is not the target's.
+        self.attn_backend = make_attention_backend(attention_backend, model, kv_spec, num_blocks, device, dtype)
+        self.kv_caches = self.attn_backend.allocate_kv_caches()
         self.sampler = Sampler()
 
     @torch.inference_mode()
@@ -110,7 +113,7 @@ class DraftProposer:
         for i, (seq, _, _) in enumerate(rows):
             tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
         dev = self.device
-        meta = AttentionMetadata(
+        meta = self.attn_backend.build_metadata(StepBatch(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
@@ -118,7 +121,7 @@ class DraftProposer:
             query_start_loc_list=query_start_loc,
             seq_lens_list=seq_lens,
             block_size=bs,
-        )
+        ))
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                             torch.tensor(positions, dtype=torch.int64, device=dev), meta, self.kv_caches)
         last = torch.tensor(query_start_loc[1:], device=dev) - 1

@@ -9,15 +9,19 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.attention.backend import StepBatch
+from kvserve.attention.selector import make_attention_backend
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.kernels import cpu as cpu_kernels
-from kvserve.layers.attention_metadata import AttentionMetadata
 from kvserve.outputs import PositionLogprobs
-from kvserve.models.kv_cache import KVCacheSpec, allocate_kv_caches
+from kvserve.models.kv_cache import KVCacheSpec
 from kvserve.sampling.logprobs import compute_prompt_logprobs
 from kvserve.sampling.sampler import Sampler, SamplingInputs
+from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.verify import num_accepted, rewind_generator
+from kvserve.worker.cuda_graphs import DecodeInputs, is_pure_decode
+from kvserve.worker.memory_profile import worst_case_batch
 
 
 @dataclass
@@ -31,15 +35,47 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_spec: KVCacheSpec, num_blocks: int, device: torch.device,
-                 eos_token_ids: list[int]) -> None:
+                 eos_token_ids: list[int], dtype: torch.dtype = torch.float32, attention_backend: str = "auto") -> None:
         self.model = model
         self.block_size = kv_spec.block_size
         self.device = device
         self.eos_token_ids = eos_token_ids
-        self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
+        self.attn_backend = make_attention_backend(attention_backend, model, kv_spec, num_blocks, device, dtype)
+        self.kv_caches = self.attn_backend.allocate_kv_caches()
         self.sampler = Sampler()
+        self.graphs = None  # DecodeGraphs once capture_decode_graphs ran (CUDA, Triton backend)
         if device.type == "cpu":
             cpu_kernels.available()  # build (or load) the native kernel now, not in a first request's step
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """CUDA graphs for pure-decode steps (kvserve/worker/cuda_graphs.py); after the KV pool is final."""
+        from kvserve.worker.cuda_graphs import DecodeGraphs
+        self.graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, max_num_seqs, max_model_len,
+                                   self.block_size)
+        self.graphs.capture()
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_seqs: int) -> torch.Tensor:
+        """One worst-case step with made-up tokens (worst_case_batch: it needs that many KV blocks), every
+        sequence sampled with default parameters: what the KV sizing measures the activation peak on.
+        Returns the sampled token ids."""
+        dummy = worst_case_batch(num_tokens, num_seqs, self.block_size)
+        dev, bs = self.device, self.block_size
+        starts = [0]
+        for n in dummy.query_lens:
+            starts.append(starts[-1] + n)
+        width = max(len(t) for t in dummy.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in dummy.block_tables]
+        i64 = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+        meta = self.attn_backend.build_metadata(StepBatch(
+            i64(dummy.slots), i64(starts), i64(dummy.query_lens), i64(tables), starts, list(dummy.query_lens), bs))
+        positions = [p for n in dummy.query_lens for p in range(n)]
+        hidden = self.model(torch.zeros(len(positions), dtype=torch.int64, device=dev), i64(positions), meta,
+                            self.kv_caches)
+        logits = self.model.compute_logits(hidden[[e - 1 for e in starts[1:]]])
+        n = len(dummy.query_lens)
+        inputs = SamplingInputs([SamplingParams()] * n, [None] * n, [[0]] * n, [[]] * n, self.eos_token_ids)
+        return torch.tensor(self.sampler(logits, inputs).token_ids)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -79,37 +115,17 @@ class ModelRunner:
                 count = min(end, seq.num_prompt_tokens - 1) - start
                 prompt_lp.append((seq, row0, start, count))
 
-        max_blocks = max(len(s.block_table) for s, _ in sched.scheduled)
-        tables = torch.zeros((len(sched.scheduled), max_blocks), dtype=torch.int64)
-        for i, (seq, _) in enumerate(sched.scheduled):
-            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
-
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
-            query_start_loc_list=query_start_loc,
-            seq_lens_list=seq_lens,
-            block_size=bs,
-        )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta,
-            self.kv_caches,
-        )
-
         result = ModelRunnerOutput(sampled={}, prompt_logprobs={})
-        for seq, row0, start, count in prompt_lp:
-            logits = self.model.compute_logits(hidden[row0:row0 + count])
-            targets = seq.token_ids[start + 1:start + 1 + count]
-            result.prompt_logprobs[seq.seq_id] = compute_prompt_logprobs(
-                logits, targets, seq.params.prompt_logprobs)
+        graphs = self.graphs
+        if (graphs is not None and graphs.can_run(len(seq_lens))
+                and is_pure_decode([n for _, n in sched.scheduled], len(sample_rows), bool(prompt_lp))):
+            logits = graphs.run(DecodeInputs(input_ids, positions, slot_mapping, seq_lens,
+                                             [seq.block_table for seq, _ in sched.scheduled]))
+        else:
+            logits = self._forward_eager(sched, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
+                                         sample_rows, prompt_lp, result)
 
         if sample_seqs:
-            logits = self.model.compute_logits(hidden[sample_rows])
             # A seeded sequence's generator state before this step's draws, to rewind past rejected rows.
             seeded = {s.seq_id: s.generator.get_state() for s in sample_seqs
                       if s.generator is not None and s.seq_id in sched.spec_token_ids and not s.params.greedy}
@@ -134,3 +150,38 @@ class ModelRunner:
                     rewind_generator(seq.generator, state, keep, logits.shape[1], logits.device, torch.float32)
                 row += len(drafts) + 1
         return result
+
+    def _forward_eager(self, sched: SchedulerOutput, input_ids: list[int], positions: list[int],
+                       slot_mapping: list[int], query_start_loc: list[int], seq_lens: list[int],
+                       sample_rows: list[int], prompt_lp: list[tuple[Sequence, int, int, int]],
+                       result: ModelRunnerOutput) -> torch.Tensor | None:
+        """The model's forward for any step; prompt logprobs into result; the sampled rows' logits."""
+        bs = self.block_size
+        max_blocks = max(len(s.block_table) for s, _ in sched.scheduled)
+        tables = torch.zeros((len(sched.scheduled), max_blocks), dtype=torch.int64)
+        for i, (seq, _) in enumerate(sched.scheduled):
+            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
+
+        dev = self.device
+        # The backend's per-step work (index tensors, plans) happens here, once, not in the first layer.
+        meta = self.attn_backend.build_metadata(StepBatch(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
+            query_start_loc_list=query_start_loc,
+            seq_lens_list=seq_lens,
+            block_size=bs,
+        ))
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+            self.kv_caches,
+        )
+        for seq, row0, start, count in prompt_lp:
+            logits = self.model.compute_logits(hidden[row0:row0 + count])
+            targets = seq.token_ids[start + 1:start + 1 + count]
+            result.prompt_logprobs[seq.seq_id] = compute_prompt_logprobs(
+                logits, targets, seq.params.prompt_logprobs)
+        return self.model.compute_logits(hidden[sample_rows]) if sample_rows else None

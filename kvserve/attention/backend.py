@@ -1,0 +1,101 @@
+"""The attention-backend interface: a KV cache layout, a metadata builder the runner calls once per step,
+and the attention itself, called by every attention layer with its new tokens' q, k, v.
+
+The runner describes each step as a StepBatch (plain tensors and their host copies); the backend turns it
+into its own AttentionMetadata once, before the forward pass, doing all per-step index work there so the
+layers only launch kernels. Model code never sees which backend runs: it calls PagedAttention(q, k, v)
+(kvserve/layers/attention.py), which finds the step's metadata and its layer's cache in the forward context.
+
+The batch is a flat list of T new tokens from B sequences, sequence i owning rows
+query_start_loc[i]:query_start_loc[i+1] (its "query", q_len_i tokens). Sequence i has seq_lens[i] tokens
+of context in total, cached plus new, and its new tokens sit at positions seq_lens[i] - q_len_i ...
+seq_lens[i] - 1. block_tables[i, j] is the block holding its tokens [j * block_size, (j + 1) * block_size);
+unused entries are 0. A token's flat slot is block_id * block_size + offset; slot -1 means "write nothing"
+(padding rows of a captured CUDA graph).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvserve.layers.attention import PagedAttention
+    from kvserve.models.kv_cache import KVCacheSpec
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache) of one layer, in its backend's layout
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+@dataclass
+class StepBatch:
+    """What the runner knows about a step's attention, built from the scheduler's plan."""
+    slot_mapping: torch.Tensor        # [T] int64: where each new token's K/V is written
+    query_start_loc: torch.Tensor     # [B + 1] int64
+    seq_lens: torch.Tensor            # [B] int64
+    block_tables: torch.Tensor        # [B, max_blocks_per_seq] int64
+    query_start_loc_list: list[int]   # host copies: backends plan on them without syncing
+    seq_lens_list: list[int]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_list[-1]
+
+    def query_len(self, i: int) -> int:
+        return self.query_start_loc_list[i + 1] - self.query_start_loc_list[i]
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_len(i) for i in range(self.num_seqs))
+
+
+@dataclass
+class AttentionMetadata:
+    """A backend's per-step state. Subclasses add what their forward needs; `backend` runs it."""
+    batch: StepBatch
+    backend: AttentionBackend
+
+    @property
+    def query_start_loc_list(self) -> list[int]:
+        return self.batch.query_start_loc_list
+
+
+class AttentionBackend(ABC):
+    """Built once per model and KV pool, for the attention layers it will serve."""
+    name: str
+
+    def __init__(self, layers: list[PagedAttention], kv_spec: KVCacheSpec, num_blocks: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.layers = layers
+        self.kv_spec = kv_spec
+        self.num_blocks = num_blocks
+        self.device = device
+        self.dtype = dtype  # the compute dtype of q, k, v and of attention's output
+
+    @abstractmethod
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's k_cache (and of its v_cache)."""
+
+    def allocate_kv_caches(self) -> list[KVCache]:
+        shape = self.kv_cache_shape(self.num_blocks)
+        dtype, dev = self.kv_spec.dtype, self.device
+        return [(torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev))
+                for _ in range(self.kv_spec.num_layers)]
+
+    @abstractmethod
+    def build_metadata(self, batch: StepBatch) -> AttentionMetadata:
+        """Once per step, before the forward pass: everything the layers' forward calls share."""
+
+    @abstractmethod
+    def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Write k, v ([T, Hkv, D]) at the batch's slots, then attend q ([T, H, D], any token stride)
+        over each sequence's cached context: [T, H * D] in q's dtype."""

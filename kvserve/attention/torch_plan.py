@@ -1,0 +1,155 @@
+"""The torch backend's per-step plan: index tensors for the native kernel's rows, decode groups and
+prefill masks, built once per step for each kind of layer (sliding window, kernel or not) by
+TorchPagedBackend.build_metadata and shared by every layer of that kind.
+
+The cache is head-major, [num_kv_heads, num_blocks, block_size, head_dim]: gathering one sequence's blocks
+for one head yields rows that batched matmuls read in place (see torch_backend.py). A token's flat slot is
+block_id * block_size + offset, the same in every head. The batch's conventions: kvserve/attention/backend.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.attention.backend import StepBatch
+
+
+# Decode rows are gathered padded to the longest context of their group. One group per step pads short
+# sequences up to the longest one; splitting the rows (sorted by length) into groups trades that padding
+# against a fixed cost per group (a handful of ops per layer), expressed here in gathered blocks per row.
+_GROUP_COST_BLOCKS = 64
+_GROUP_STRIDE = 4  # candidate group boundaries every this many rows, which keeps the split's search tiny
+_KERNEL_MAX_PREFILL_CONTEXT = 1024  # longer prefills go to SDPA even where the native kernel runs
+_KERNEL_ALWAYS_MAX_QUERY = 16       # rows this short (decodes, speculative verification) stay on the kernel
+
+
+def split_by_length(num_blocks: list[int]) -> list[int]:
+    """Boundaries that split rows sorted by ascending block count into groups minimising
+    sum(group rows * group max blocks) + _GROUP_COST_BLOCKS * groups. Returns the end index of each group."""
+    n = len(num_blocks)
+    cuts = list(range(_GROUP_STRIDE, n, _GROUP_STRIDE)) + [n]
+    best = {0: (0, [])}  # end -> (cost, boundaries)
+    for j in cuts:
+        best[j] = min((cost + (j - i) * num_blocks[j - 1] + _GROUP_COST_BLOCKS, ends + [j])
+                      for i, (cost, ends) in best.items() if i < j)
+    return best[n][1]
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows gathered together, padded to the longest of them."""
+    token_idx: torch.Tensor           # [B]: their rows in the flat batch
+    gather_idx: torch.Tensor          # [Hkv * B * nb]: (head, sequence, block) rows of the cache viewed [Hkv*NB, bs, D]
+    bias: torch.Tensor                # [Hkv * B, 1, L] float32: 0 where a key is visible, -inf elsewhere
+    max_len: int                      # L = nb * block_size
+
+
+@dataclass
+class KernelRows:
+    """Query tokens for the native kernel, which reads K/V in place: each row sees keys [len - window, len)
+    of one sequence. A decode token is one row; a prefill chunk is a row per token (len = position + 1)."""
+    token: torch.Tensor               # [R]: row in the flat batch
+    seq: torch.Tensor                 # [R]: row of block_tables
+    len: torch.Tensor                 # [R]
+
+
+@dataclass
+class PrefillPlan:
+    """One sequence with several new tokens: its cache rows and its causal mask (None: plain is_causal)."""
+    row: int
+    gather_idx: torch.Tensor          # [Hkv * nb]
+    mask: torch.Tensor | None         # [q_len, S] bool
+
+
+@dataclass
+class AttentionPlan:
+    write_idx: torch.Tensor           # [Hkv * T]: where each head of each new token goes, cache viewed [Hkv*NB*bs, D]
+    kernel_rows: KernelRows | None   # query tokens for the native kernel (all but long prefills' ones)
+    decode: list[DecodeGroup]        # torch path: sequences with one new token, grouped by context length
+    prefills: list[PrefillPlan]      # torch path: sequences with several new tokens
+
+
+def build_plan(batch: StepBatch, num_kv_heads: int, num_blocks: int, window: int | None, kernel: bool
+               ) -> AttentionPlan:
+    """kernel: query tokens go to the native kernel instead of gathered groups and SDPA, except those of
+    prefills with more than _KERNEL_MAX_PREFILL_CONTEXT tokens of context."""
+    dev = batch.slot_mapping.device
+    bs = batch.block_size
+    heads = torch.arange(num_kv_heads, device=dev)
+    write_idx = (heads[:, None] * (num_blocks * bs) + batch.slot_mapping[None, :]).flatten()
+
+    def cache_rows(tables: torch.Tensor) -> torch.Tensor:
+        """[S, nb] block ids -> their (head, sequence, block) rows in the cache viewed [Hkv*NB, bs, D]."""
+        return (heads[:, None, None] * num_blocks + tables[None]).flatten()
+
+    starts, lens = batch.query_start_loc_list, batch.seq_lens_list
+    kernel_rows, torch_seqs = None, range(batch.num_seqs)
+    if kernel:
+        # Long prefills stay with SDPA: the kernel reads a sequence's K/V once per query row, which
+        # stops paying at about 1k tokens of context (benchmarks/results/prefill_attention.md). A
+        # handful of rows (speculative verification) reads it a handful of times, still far cheaper
+        # than SDPA's gather of the whole context.
+        torch_seqs = [i for i in range(batch.num_seqs)
+                      if batch.query_len(i) > _KERNEL_ALWAYS_MAX_QUERY and lens[i] > _KERNEL_MAX_PREFILL_CONTEXT]
+        kernel_rows = _kernel_rows(batch, torch_seqs)
+
+    decode_rows = sorted((i for i in torch_seqs if batch.query_len(i) == 1), key=lambda i: lens[i])
+    decode = []
+    if decode_rows:
+        row_blocks = [-(-lens[i] // bs) for i in decode_rows]
+        begin = 0
+        for end in split_by_length(row_blocks):
+            rows = decode_rows[begin:end]
+            nb = row_blocks[end - 1]
+            rows_t = torch.tensor(rows, device=dev)
+            seq_lens = batch.seq_lens[rows_t]
+            gather_idx = cache_rows(batch.block_tables[rows_t, :nb])
+            key_pos = torch.arange(nb * bs, device=dev)[None, :]
+            hidden = key_pos >= seq_lens[:, None]
+            if window is not None:
+                hidden |= key_pos < seq_lens[:, None] - window
+            bias = torch.zeros(hidden.shape, device=dev).masked_fill_(hidden, float("-inf"))
+            token_idx = torch.tensor([starts[i] for i in rows], device=dev)
+            decode.append(DecodeGroup(token_idx, gather_idx, bias.repeat(num_kv_heads, 1)[:, None, :], nb * bs))
+            begin = end
+
+    prefills = []
+    for i in torch_seqs:
+        q_len = batch.query_len(i)
+        if q_len == 1:
+            continue
+        seq_len = lens[i]
+        nb = -(-seq_len // bs)
+        gather_idx = cache_rows(batch.block_tables[i : i + 1, :nb])
+        prefix = seq_len - q_len
+        windowed = window is not None and seq_len > window
+        mask = None
+        if prefix > 0 or windowed:
+            # Query j sits at position prefix + j and sees keys 0 .. prefix + j (is_causal would align
+            # the diagonal to the top-left, ignoring the cached prefix).
+            q_pos = torch.arange(prefix, seq_len, device=dev)[:, None]
+            key_pos = torch.arange(seq_len, device=dev)[None, :]
+            mask = key_pos <= q_pos
+            if windowed:
+                mask &= key_pos > q_pos - window
+        prefills.append(PrefillPlan(i, gather_idx, mask))
+    return AttentionPlan(write_idx, kernel_rows, decode, prefills)
+
+
+def _kernel_rows(batch: StepBatch, excluded: list[int]) -> KernelRows | None:
+    """Every query token of the batch except those of the excluded sequences, as kernel rows."""
+    dev, T = batch.slot_mapping.device, batch.query_start_loc_list[-1]
+    token = torch.arange(T, device=dev)
+    seq = torch.repeat_interleave(torch.arange(batch.num_seqs, device=dev), batch.query_start_loc.diff(),
+                                  output_size=T)
+    if excluded:
+        keep = torch.ones(batch.num_seqs, dtype=torch.bool, device=dev)
+        keep[excluded] = False
+        kept = keep[seq]
+        token, seq = token[kept], seq[kept]
+        if len(token) == 0:
+            return None
+    # The token at flat row t of sequence i sits at position seq_len_i - (end_i - t) and sees one more key.
+    row_len = batch.seq_lens[seq] - (batch.query_start_loc[1:][seq] - token) + 1
+    return KernelRows(token, seq, row_len)

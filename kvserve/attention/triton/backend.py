@@ -1,0 +1,69 @@
+"""The Triton backend: a block-major KV cache ([num_blocks, block_size, Hkv, D]) and one attention kernel
+for every row kind (paged_attention.py), fed by a tile schedule built once per step. Pure-decode steps
+with long contexts and too few tiles to fill the GPU split each tile's keys across programs (split-KV).
+
+The metadata's device tensors are the StepBatch's own (no per-step copies), so a CUDA graph captured over
+a StepBatch of persistent buffers reads each replay's values (kvserve/worker/cuda_graphs.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.attention.backend import FP8, AttentionBackend, AttentionMetadata, KVCache, StepBatch
+from kvserve.attention.triton.cache_write import write_kv
+from kvserve.attention.triton.paged_attention import num_kv_splits, paged_attention, schedule_tiles, tile_rows
+from kvserve.layers.attention import PagedAttention
+
+
+@dataclass
+class TritonMetadata(AttentionMetadata):
+    # Per tile height (BLOCK_Q, which depends on the layer's GQA group): which sequence and first token.
+    tiles: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    num_splits: dict[int, int]        # per tile height: split-KV parts (1: none)
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    block_n = 64  # keys per inner step of the attention kernel (tests shrink it to split short contexts)
+
+    def __init__(self, *args, num_sms: int | None = None, **kwargs) -> None:
+        """num_sms: the GPU's multiprocessors, which split-KV aims to fill (default: the device's; 0 on a
+        CPU, where splitting only costs; tests set it to exercise the split path in the interpreter)."""
+        super().__init__(*args, **kwargs)
+        self._block_q = {layer.layer_idx: tile_rows(layer.num_heads, layer.num_kv_heads)[1] for layer in self.layers}
+        if num_sms is None:
+            num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                       if self.device.type == "cuda" else 0)
+        self.num_sms = num_sms
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        spec = self.kv_spec
+        return (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+
+    def build_metadata(self, batch: StepBatch, max_seq_len: int | None = None) -> TritonMetadata:
+        """max_seq_len: the longest context the split count must serve (a CUDA graph captured once for every
+        later replay passes max_model_len); default: this step's longest."""
+        dev = batch.slot_mapping.device
+        tiles = {bq: schedule_tiles(batch.query_start_loc_list, bq, dev) for bq in set(self._block_q.values())}
+        splits = {bq: 1 for bq in tiles}
+        if batch.num_tokens == batch.num_seqs:  # pure decode: one tile per sequence, the case split-KV is for
+            longest = max_seq_len if max_seq_len is not None else max(batch.seq_lens_list)
+            splits = {bq: num_kv_splits(len(seq) * self.kv_spec.num_kv_heads, longest, self.num_sms,
+                                        self.block_n)
+                      for bq, (seq, _) in tiles.items()}
+        return TritonMetadata(batch, self, tiles, splits)
+
+    def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        assert isinstance(meta, TritonMetadata)
+        k_cache, v_cache = kv_cache
+        k_scale, v_scale = (layer.k_scale, layer.v_scale) if k_cache.dtype == FP8 else (1.0, 1.0)
+        write_kv(k, v, k_cache, v_cache, meta.batch.slot_mapping, k_scale, v_scale)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        block_q = self._block_q[layer.layer_idx]
+        tile_seq, tile_start = meta.tiles[block_q]
+        paged_attention(q, out, k_cache, v_cache, meta.batch.block_tables, meta.batch.seq_lens,
+                        meta.batch.query_start_loc, tile_seq, tile_start, layer.scale, layer.sliding_window,
+                        k_scale, v_scale, self.block_n, meta.num_splits[block_q])
+        return out.flatten(1)

@@ -1,0 +1,132 @@
+"""Build and run the Ray Serve application for a models config: one ModelReplica deployment per model,
+one OpenAIIngress in front.
+
+How the YAML maps onto Ray Serve (ray.serve.config.AutoscalingConfig):
+  autoscaling.min_replicas / max_replicas       -> min_replicas / max_replicas
+  data_parallel_size                            -> initial_replicas (clamped to [min, max]); without
+                                                   `autoscaling`, a fixed num_replicas
+  autoscaling.target_queue_depth                -> QueueDepthPolicy(target_queue_depth), a custom policy
+                                                   (autoscaling.py), instead of target_ongoing_requests
+  autoscaling.upscale_delay_s / downscale_delay_s -> the same fields
+  admission.max_waiting                         -> max_queued_requests (beyond it: 429 + Retry-After)
+  engine.max_num_seqs + ceil(target_queue_depth) -> max_ongoing_requests per replica: a replica holds a
+                                                   full batch and a short queue; the rest wait in the
+                                                   ingress's router, where a new replica can take them
+Replicas report their queue every METRICS_INTERVAL_S and Ray averages over LOOK_BACK_S: scaling reacts
+within a couple of seconds plus the configured delay."""
+from __future__ import annotations
+
+import logging
+import math
+import re
+import signal
+import threading
+import warnings
+from dataclasses import replace
+from typing import Any
+
+from kvserve.config import EngineConfig
+from kvserve.entrypoints.async_llm import EngineMode
+from kvserve.entrypoints.openai.api_server import ServerArgs
+from kvserve.gateway.config import AutoscalingConfig, ModelEntry, ModelsConfig
+from kvserve.serve_ray.autoscaling import QueueDepthPolicy
+
+logger = logging.getLogger("kvserve.serve_ray")
+
+APP_NAME = "kvserve"
+METRICS_INTERVAL_S = 0.5      # how often replicas and the ingress report their queues to the controller
+LOOK_BACK_S = 2.0             # the window Ray averages those reports over
+INGRESS_MAX_ONGOING = 10_000  # the ingress only forwards bytes; it must never be what queues requests
+
+
+def deployment_name(index: int, model_name: str) -> str:
+    return f"model{index}-" + re.sub(r"[^A-Za-z0-9_.-]", "_", model_name)
+
+
+def model_deployment_options(entry: ModelEntry, engine: EngineConfig, max_queued: int,
+                             grace_s: float) -> dict[str, Any]:
+    scaling = entry.autoscaling
+    depth = (scaling or AutoscalingConfig()).target_queue_depth
+    options: dict[str, Any] = {
+        "max_ongoing_requests": engine.max_num_seqs + math.ceil(depth),
+        "max_queued_requests": max_queued,
+        "graceful_shutdown_timeout_s": grace_s,
+        # Logical CPUs for Ray's placement; the engine process uses engine.num_threads of them.
+        "ray_actor_options": {"num_cpus": engine.num_threads or 1,
+                              "num_gpus": 1 if engine.device.startswith("cuda") else 0},
+    }
+    if scaling is None:
+        options["num_replicas"] = entry.data_parallel_size
+        return options
+    options["autoscaling_config"] = {
+        "min_replicas": scaling.min_replicas,
+        "max_replicas": scaling.max_replicas,
+        "initial_replicas": min(max(entry.data_parallel_size, scaling.min_replicas), scaling.max_replicas),
+        "upscale_delay_s": scaling.upscale_delay_s,
+        "downscale_delay_s": scaling.downscale_delay_s,
+        "metrics_interval_s": METRICS_INTERVAL_S,
+        "look_back_period_s": LOOK_BACK_S,
+        "policy": {"policy_function": QueueDepthPolicy, "policy_kwargs": {"target_queue_depth": depth}},
+    }
+    return options
+
+
+def build_application(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMode = "process"):
+    """The Ray Serve application (ingress bound to one deployment per model). `args.engine` is the base
+    engine config each model's `engine` options override."""
+    from ray import serve
+
+    from kvserve.serve_ray.ingress import OpenAIIngress
+    from kvserve.serve_ray.replica import ModelReplica
+
+    handles, deployments = {}, {}
+    for i, entry in enumerate(config.models):
+        engine = entry.engine_config(args.engine)
+        name = deployment_name(i, entry.name)
+        # The replica's own app checks nothing the ingress has checked already (API keys).
+        replica_args = replace(args, engine=engine, served_model_names=[entry.name], engine_mode=engine_mode,
+                               api_keys=[], web=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)   # metrics_interval_s: still Ray's knob
+            options = model_deployment_options(entry, engine, config.admission.max_waiting, args.shutdown_grace_s)
+            deployment = serve.deployment(ModelReplica, name=name, **options)
+        handles[entry.name] = deployment.bind(entry.name, replica_args)
+        deployments[entry.name] = name
+    ingress = serve.deployment(OpenAIIngress, name="ingress", num_replicas=1,
+                               max_ongoing_requests=INGRESS_MAX_ONGOING, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(handles, deployments, APP_NAME, args)
+
+
+def deploy(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMode = "process"):
+    """Start Serve's HTTP proxy on args.host:args.port and deploy; returns when every replica is ready.
+    Needs a connected Ray (ray.init) first."""
+    from ray import serve
+
+    serve.start(http_options={"host": args.host, "port": args.port})
+    return serve.run(build_application(config, args, engine_mode), name=APP_NAME, route_prefix="/")
+
+
+def run_ray_server(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMode = "process") -> int:
+    """`kvserve serve --backend ray`: joins the cluster at RAY_ADDRESS, or starts a local one; serves until
+    SIGTERM/SIGINT, then lets Ray Serve drain the replicas (graceful_shutdown_timeout_s) and exits 0."""
+    import ray
+    from ray import serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ray.init(include_dashboard=False, logging_level=args.log_level.upper())
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        try:
+            deploy(config, args, engine_mode)
+        except Exception as e:  # noqa: BLE001 - a replica that cannot start: Ray has logged its traceback
+            logger.error("Ray Serve deployment failed: %s", str(e).strip().splitlines()[-1] if str(e) else repr(e))
+            return 1
+        logger.info("Ray Serve: serving %s at http://%s:%d", ", ".join(config.model_names()), args.host, args.port)
+        stop.wait()
+        logger.info("shutting down: draining replicas")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -1,0 +1,36 @@
+"""`kvserve serve --backend ray`: check the models config and the installed pieces before Ray starts, so a
+mistake fails in a second with a clear message instead of inside a replica minutes later."""
+from __future__ import annotations
+
+import importlib.util
+
+from kvserve.entrypoints.openai.api_server import DEFAULT_MODEL_NAME, ServerArgs
+from kvserve.gateway.config import ModelsConfig, ModelsConfigError
+
+DEFAULT_PRESET = "smollm2-135m"
+
+
+def models_config_for(path: str | None, args: ServerArgs) -> ModelsConfig:
+    """The YAML file's models; without one, the command line's single model as one deployment."""
+    if path is not None:
+        config = ModelsConfig.from_yaml(path)
+    else:
+        name = (args.served_model_names or [args.engine.model or DEFAULT_MODEL_NAME])[0]
+        config = ModelsConfig.from_dict({"models": [{"name": name, "model": args.engine.model or DEFAULT_PRESET}]})
+    if config.routing.auto:
+        # Easy/hard routing lives in the local gateway; Ray Serve's router only balances replicas of a name.
+        raise ModelsConfigError("routing.auto is not supported with --backend ray (use --backend local)")
+    return config
+
+
+def serve_with_ray(path: str | None, args: ServerArgs) -> int:
+    from kvserve.models.presets import resolve_model
+
+    config = models_config_for(path, args)
+    for entry in config.models:
+        resolve_model(entry.model)   # a missing preset fails here, with its pip command
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
+        raise ValueError("--backend ray needs Ray Serve: pip install 'kvserve[ray]'")
+    from kvserve.serve_ray.app import run_ray_server
+
+    return run_ray_server(config, args, args.engine_mode)
