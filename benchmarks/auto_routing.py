@@ -113,11 +113,12 @@ def fit(x: np.ndarray, rows: list[dict]) -> tuple[np.ndarray, float, dict]:
 
 def time_choices(router: DifficultyRouter, questions: list[str]) -> dict:
     long_prompt = " ".join(questions) * 3   # far longer than any question: MAX_CHARS bounds the work
-    per = []
+    per, cpu = [], []
     for q in questions:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         router.choose(q)
         per.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(20):
         router.choose(long_prompt)
@@ -125,7 +126,8 @@ def time_choices(router: DifficultyRouter, questions: list[str]) -> dict:
     long_cpu_us = (time.process_time() - c0) / 20 * 1e6   # wall time on these shared cores includes waiting
     per_us = np.array(per) * 1e6
     return {"median_us": round(float(np.median(per_us)), 1), "p99_us": round(float(np.percentile(per_us, 99)), 1),
-            "max_us": round(float(per_us.max()), 1), "long_prompt_chars": len(long_prompt),
+            "max_us": round(float(per_us.max()), 1), "cpu_max_us": round(max(cpu) * 1e6, 1),
+            "long_prompt_chars": len(long_prompt),
             "long_prompt_us": round(long_us, 1), "long_prompt_cpu_us": round(long_cpu_us, 1)}
 
 
@@ -176,6 +178,12 @@ def main() -> None:
             "random_acc": round(float((1 - got) * small.mean() + got * large.mean()), 4),
             "cascade_acc": round(curve(-conf, small, large, got), 4),   # least confident small answers go large
             "oracle_acc": round(curve(large - small, small, large, got), 4)})
+    # The quality-first setting: large only where the predicted gain is positive, whatever share that gives.
+    r0 = DifficultyRouter(params, threshold=0.0)
+    pick0 = np.array([r0.choose(r["question"]) == "large" for r in test])
+    s0 = float(pick0.mean())
+    positive_gain = {"router_share": round(s0, 4), "router_acc": round(float(np.where(pick0, large, small).mean()), 4),
+                     "random_acc": round(float((1 - s0) * small.mean() + s0 * large.mean()), 4)}
     timing = time_choices(DifficultyRouter(params), [r["question"] for r in test])
     families = sorted({r["family"] for r in rows})
     fam = {f: {"n": sum(r["family"] == f for r in test),
@@ -189,13 +197,14 @@ def main() -> None:
         "data": f"{args.num_tasks} generated questions (benchmarks/auto_routing_tasks.py, seed 0), "
                 f"{len(train)} train / {len(test)} held out",
         "command": "nice -n 10 python benchmarks/auto_routing.py",
+        "models_run_this_time": not args.no_models,   # else everything came from the cached answers
         "ridge_lambda": lam, "cv_area_over_random": cv,
         "held_out": {"n": len(test), "always_small_acc": round(float(small.mean()), 4),
                      "always_large_acc": round(float(large.mean()), 4),
                      "router_gain_over_random_ci95": bootstrap_gain(gain_pred, small, large),
                      "router_mean_gain_over_random": round(area_over_random(gain_pred, small, large), 4),
                      "cascade_mean_gain_over_random": round(area_over_random(-conf, small, large), 4)},
-        "table": table, "families_held_out": fam, "choose_timing": timing,
+        "table": table, "threshold_zero": positive_gain, "families_held_out": fam, "choose_timing": timing,
         "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip(),
     }
     with open(HELD_OUT, "w", encoding="utf-8") as f:   # what tests/test_auto_router.py checks the router on
@@ -220,7 +229,8 @@ def render_md(r: dict) -> str:
         "examples as plain `Q:`/`A:` text).",
         f"- Data: {r['data']}; score = the answer's first line matches the reference.",
         f"- Machine: {r['machine']['platform']}, ISA {r['machine']['isa']}, load average "
-        f"{', '.join(f'{v:.2f}' for v in r['machine']['load'])} at the end of the run.",
+        f"{', '.join(f'{v:.2f}' for v in r['machine']['load'])} at the end of the run"
+        + ("" if r["models_run_this_time"] else " (models not run this time: answers from the cache)") + ".",
         f"- Command: `{r['command']}` (answers cached in benchmarks/results/auto_routing_outputs.jsonl).",
         f"- Router: ridge regression on prompt features predicting score(large) - score(small), lambda "
         f"{r['ridge_lambda']} by 5-fold CV on the training split.", "",
@@ -234,9 +244,13 @@ def render_md(r: dict) -> str:
     for t in r["table"]:
         lines.append(f"| {t['target_share']:.1f} | {t['router_share']:.3f} | {t['router_acc']:.3f} | "
                      f"{t['random_acc']:.3f} | {t['cascade_acc']:.3f} | {t['oracle_acc']:.3f} |")
+    z = r["threshold_zero"]
+    lines += ["", f"With `threshold=0` (large only where a gain is predicted): share {z['router_share']:.3f}, accuracy "
+              f"{z['router_acc']:.3f} (random at that share {z['random_acc']:.3f})."]
     tm = r["choose_timing"]
     lines += ["", f"Cost of one choice (pure Python, this machine): median {tm['median_us']} us, p99 "
-              f"{tm['p99_us']} us, max {tm['max_us']} us over the held-out questions; a {tm['long_prompt_chars']}"
+              f"{tm['p99_us']} us, max {tm['max_us']} us wall ({tm['cpu_max_us']} us of CPU: the rest is waiting for a core "
+              f"at this load) over the held-out questions; a {tm['long_prompt_chars']}"
               f"-character prompt {tm['long_prompt_us']} us wall, {tm['long_prompt_cpu_us']} us of CPU (only the last {MAX_CHARS} characters are read).", "",
               "Per family (held out): accuracy small / large", "",
               "| family | n | small | large |", "|---|---|---|---|"]
