@@ -14,7 +14,9 @@ it to the large model buys nothing, so it stays on the small one.
 The cost knob is the share of requests sent to the large model, `large_share` in [0, 1]: the shipped
 parameters carry the quantiles of the predicted gain over the training prompts, and a share becomes the
 threshold that sends that share of those prompts to the large model (a higher share never sends a prompt
-back to the small one). A raw `threshold` on the predicted gain may be given instead.
+back to the small one). A raw `threshold` on the predicted gain may be given instead; `threshold=0.0` sends to the large model only
+where a gain is predicted. `prompt_text` is what the user asked: a completion's prompt, or a chat request's
+last user message (the fit saw bare questions, not a chat template's markup).
 
 Cost: pure Python (no torch, no numpy), reading at most the last `MAX_CHARS` characters of a prompt, so one
 choice stays far below a decode step (about 20 us for a one-line question, a few hundred at most;
