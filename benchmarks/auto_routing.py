@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -34,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from auto_routing_models import EXAMPLES, load_cache, run_model  # noqa: E402
+from auto_routing_models import EXAMPLES, load_cache, run_likelihood, run_model  # noqa: E402
 from auto_routing_tasks import make_tasks, score  # noqa: E402
 
 from kvserve.gateway.difficulty import (MAX_CHARS, SHAPE_FEATURES, DifficultyParams, DifficultyRouter,  # noqa: E402
@@ -43,6 +44,7 @@ from kvserve.gateway.difficulty import (MAX_CHARS, SHAPE_FEATURES, DifficultyPar
 RESULTS = os.path.join(HERE, "results")
 CACHE = os.path.join(RESULTS, "auto_routing_outputs.jsonl")
 HELD_OUT = os.path.join(RESULTS, "auto_routing_held_out.jsonl")
+LIKELIHOOD = os.path.join(RESULTS, "auto_routing_likelihood.jsonl")
 PARAMS = os.path.join(os.path.dirname(HERE), "kvserve", "gateway", "difficulty_params.json")
 SHARES = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 NUM_BUCKETS = 512
@@ -56,6 +58,7 @@ def is_train(question: str) -> bool:
 def load_rows(tasks) -> list[dict]:
     """One row per question both models answered: question, family, small/large scores and confidence."""
     cache = load_cache(CACHE)
+    ll = load_cache(LIKELIHOOD)
     rows = []
     for t in tasks:
         s, l = cache.get(("small", t.question)), cache.get(("large", t.question))
@@ -63,7 +66,10 @@ def load_rows(tasks) -> list[dict]:
             # scored here, not from the cache, so a change to the scorer needs no model run
             rows.append({"question": t.question, "family": t.family, "small": score(s["text"], t.answer),
                          "large": score(l["text"], t.answer),
-                         "small_conf": s["mean_logprob"], "train": is_train(t.question)})
+                         "small_conf": s["mean_logprob"], "train": is_train(t.question),
+                         # the second measure: the chance each model gives the reference (None if not run)
+                         "p_small": math.exp(ll[("small", t.question)]["ref_logprob"]) if ("small", t.question) in ll else None,
+                         "p_large": math.exp(ll[("large", t.question)]["ref_logprob"]) if ("large", t.question) in ll else None})
     return rows
 
 
@@ -165,6 +171,8 @@ def main() -> None:
     if not args.no_models:
         for which in ("small", "large"):  # one model in memory at a time
             run_model(which, tasks, CACHE)
+            # only the held-out questions: P(ref) judges the router and is not fitted on (it runs slowly)
+            run_likelihood(which, [t for t in tasks if not is_train(t.question)], LIKELIHOOD)
     rows = load_rows(tasks)
     train = [r for r in rows if r["train"]]
     test = [r for r in rows if not r["train"]]
@@ -181,6 +189,11 @@ def main() -> None:
     large = np.array([r["large"] for r in test])
     gain_pred = np.array([DifficultyRouter(params).predicted_gain(r["question"]) for r in test])
     conf = np.array([r["small_conf"] for r in test])
+    # P(ref) on the held-out questions both models were scored on (all of them after a full run)
+    has_p = np.array([r["p_small"] is not None and r["p_large"] is not None for r in test])
+    with_p = bool(has_p.any())
+    p_small = np.array([r["p_small"] for r in test], float)[has_p] if with_p else None
+    p_large = np.array([r["p_large"] for r in test], float)[has_p] if with_p else None
     table = []
     for share in SHARES:
         router = DifficultyRouter(params, large_share=share)
@@ -192,6 +205,11 @@ def main() -> None:
             "random_acc": round(float((1 - got) * small.mean() + got * large.mean()), 4),
             "cascade_acc": round(curve(-conf, small, large, got), 4),   # least confident small answers go large
             "oracle_acc": round(curve(large - small, small, large, got), 4)})
+        if with_p:  # the same choices, judged by the chance each model gives the reference
+            pk = pick[has_p]
+            got_p = float(pk.mean())
+            table[-1]["router_p_ref"] = round(float(np.where(pk, p_large, p_small).mean()), 4)
+            table[-1]["random_p_ref"] = round(float((1 - got_p) * p_small.mean() + got_p * p_large.mean()), 4)
     # The quality-first setting: large only where the predicted gain is positive, whatever share that gives.
     r0 = DifficultyRouter(params, threshold=0.0)
     pick0 = np.array([r0.choose(r["question"]) == "large" for r in test])
@@ -219,6 +237,11 @@ def main() -> None:
                      "router_mean_gain_over_random": round(area_over_random(gain_pred, small, large), 4),
                      "cascade_mean_gain_over_random": round(area_over_random(-conf, small, large), 4)},
         "unseen_family_mean_gain_over_random": round(unseen_family_gain(rows, lam), 4),
+        "p_ref": None if not with_p else {
+            "n": int(has_p.sum()), "always_small": round(float(p_small.mean()), 4), "always_large": round(float(p_large.mean()), 4),
+            "router_mean_gain_over_random": round(float(np.mean([t["router_p_ref"] - t["random_p_ref"]
+                                                                  for t in table[1:-1]])), 4),
+            "router_gain_over_random_ci95": bootstrap_gain(gain_pred[has_p], p_small, p_large)},
         "table": table, "threshold_zero": positive_gain, "families_held_out": fam, "choose_timing": timing,
         "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip(),
     }
@@ -256,11 +279,21 @@ def render_md(r: dict) -> str:
         f"small-model-confidence cascade: {h['cascade_mean_gain_over_random']:+.4f}. Leaving each question family "
         f"out of the fit in turn (all {h['n'] + r['num_train']} questions), the gain over random on the family left "
         f"out: {r['unseen_family_mean_gain_over_random']:+.4f}.", "",
-        "| target share to large | router's share | router acc | random acc (same share) | cascade acc (same share) | oracle acc |",
-        "|---|---|---|---|---|---|"]
+        "| target share to large | router's share | router acc | random acc (same share) | cascade acc (same share) "
+        "| oracle acc | router P(ref) | random P(ref) |",
+        "|---|---|---|---|---|---|---|---|"]
     for t in r["table"]:
         lines.append(f"| {t['target_share']:.1f} | {t['router_share']:.3f} | {t['router_acc']:.3f} | "
-                     f"{t['random_acc']:.3f} | {t['cascade_acc']:.3f} | {t['oracle_acc']:.3f} |")
+                     f"{t['random_acc']:.3f} | {t['cascade_acc']:.3f} | {t['oracle_acc']:.3f} | "
+                     f"{t.get('router_p_ref', float('nan')):.3f} | {t.get('random_p_ref', float('nan')):.3f} |")
+    if r["p_ref"]:
+        p = r["p_ref"]
+        lines += ["", "P(ref), the second measure: the probability the model gives the reference answer in its "
+                  "prompt format (prompt logprobs of prompt + reference; exp of the sum over the reference's tokens), "
+                  f"averaged over {p['n']} held-out questions. Always-small {p['always_small']:.3f}, always-large {p['always_large']:.3f}; the router "
+                  "(fitted on accuracy, not on this) over random at equal share, mean over shares 0.1-0.9: "
+                  f"{p['router_mean_gain_over_random']:+.4f} (95% bootstrap interval "
+                  f"{p['router_gain_over_random_ci95'][0]:+.4f} .. {p['router_gain_over_random_ci95'][1]:+.4f})."]
     z = r["threshold_zero"]
     lines += ["", f"With `threshold=0` (large only where a gain is predicted): share {z['router_share']:.3f}, accuracy "
               f"{z['router_acc']:.3f} (random at that share {z['random_acc']:.3f})."]
@@ -285,15 +318,23 @@ def plot(r: dict) -> None:
         return
     t = r["table"]
     xs = [p["router_share"] for p in t]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    with_p = bool(r["p_ref"])
+    fig, axes = plt.subplots(1, 2 if with_p else 1, figsize=(11 if with_p else 6, 4), squeeze=False)
+    ax = axes[0][0]
     ax.plot(xs, [p["router_acc"] for p in t], "o-", label="difficulty router")
     ax.plot(xs, [p["random_acc"] for p in t], "--", label="random")
     ax.plot(xs, [p["cascade_acc"] for p in t], "s:", label="cascade on small's confidence")
     ax.plot(xs, [p["oracle_acc"] for p in t], "k:", alpha=0.5, label="oracle")
-    ax.set_xlabel("share of requests sent to the large model")
     ax.set_ylabel("held-out accuracy")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    if with_p:
+        ax2 = axes[0][1]
+        ax2.plot(xs, [p["router_p_ref"] for p in t], "o-", label="difficulty router")
+        ax2.plot(xs, [p["random_p_ref"] for p in t], "--", label="random")
+        ax2.set_ylabel("held-out mean P(reference answer)")
+    for a in axes[0]:
+        a.set_xlabel("share of requests sent to the large model")
+        a.legend()
+        a.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, "auto_routing.png"), dpi=100)
 

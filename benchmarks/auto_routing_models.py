@@ -84,3 +84,48 @@ def run_model(which: str, tasks: Sequence[Task], cache_path: str, batch: int = 3
                     "first_logprob": lps[0] if lps else -math.inf,
                 }) + "\n")
         print(f"{which}: {min(i + batch, len(todo))}/{len(todo)}", flush=True)
+
+
+def prompt_text(which: str, question: str, tokenizer) -> str:
+    """The exact text each model is given: the small model's chat template applied, the large one's Q/A text."""
+    if which == "small":
+        return tokenizer.apply_chat_template(small_messages(question), add_generation_prompt=True)
+    return large_prompt(question)
+
+
+def run_likelihood(which: str, tasks: Sequence[Task], cache_path: str, batch: int = 32) -> None:
+    """log P(reference | prompt) under model `which`, from prompt logprobs of prompt + reference: a second,
+    continuous measure of quality (exp of it is the chance of sampling exactly the reference at temperature 1).
+    The prompt's tokens are its own encoding; the reference's are what the joint encoding adds after them."""
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.sampling_params import SamplingParams
+
+    done = load_cache(cache_path)
+    todo = [t for t in tasks if (which, t.question) not in done]
+    if not todo:
+        return
+    llm = LLM(PRESETS[which])
+    tok = llm.get_tokenizer()
+    sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    for i in range(0, len(todo), batch):
+        chunk = todo[i:i + batch]
+        ids, starts = [], []
+        for t in chunk:
+            text = prompt_text(which, t.question, tok)
+            special = which == "large"    # Gemma's BOS; SmolLM2's template carries its own markers
+            p = tok.encode(text, add_special_tokens=special)
+            full = tok.encode(text + " " + t.answer if which == "large" else text + t.answer,
+                              add_special_tokens=special)
+            n = 0   # where the joint encoding stops agreeing with the prompt's own
+            while n < min(len(p), len(full)) and p[n] == full[n]:
+                n += 1
+            ids.append(full)
+            starts.append(n)
+        outs = llm.generate(ids, sp, use_tqdm=False)
+        with open(cache_path, "a", encoding="utf-8") as f:
+            for t, o, n in zip(chunk, outs, starts):
+                lps = o.prompt_logprobs or []
+                ref = [lps[j][o.prompt_token_ids[j]].logprob for j in range(n, len(o.prompt_token_ids))]
+                f.write(json.dumps({"model": which, "question": t.question, "ref_logprob": sum(ref),
+                                    "ref_tokens": len(ref)}) + "\n")
+        print(f"{which} likelihood: {min(i + batch, len(todo))}/{len(todo)}", flush=True)
