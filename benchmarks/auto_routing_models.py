@@ -93,10 +93,12 @@ def prompt_text(which: str, question: str, tokenizer) -> str:
     return large_prompt(question)
 
 
-def run_likelihood(which: str, tasks: Sequence[Task], cache_path: str, batch: int = 32) -> None:
+def run_likelihood(which: str, tasks: Sequence[Task], cache_path: str, batch: int = 8) -> None:
     """log P(reference | prompt) under model `which`, from prompt logprobs of prompt + reference: a second,
     continuous measure of quality (exp of it is the chance of sampling exactly the reference at temperature 1).
-    The prompt's tokens are its own encoding; the reference's are what the joint encoding adds after them."""
+    The prompt's tokens are its own encoding; the reference's are what the joint encoding adds after them.
+    Small batches: the engine keeps logits for every prompt position, and Gemma's vocabulary is 262k wide
+    (32 prompts of ~200 tokens would be 6.7 GB of them)."""
     from kvserve.entrypoints.llm import LLM
     from kvserve.sampling_params import SamplingParams
 

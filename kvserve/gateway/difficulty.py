@@ -9,13 +9,17 @@ run) into a fixed number of buckets. A ridge regression on those features predic
 split of its offline question set, where both models answered every question (greedy) and each answer was
 checked against the reference. A request goes to the large model when its predicted gain reaches the
 threshold. Ranking by gain rather than by "hardness" matters: a question both models fail is hard, yet sending
-it to the large model buys nothing, so it stays on the small one.
+it to the large model buys nothing, so it stays on the small one. The alternative, a cascade on the small
+model's own confidence in its answer, was measured on the same held-out questions and gained about half as
+much over random routing, while it has to run the small model on every request first
+(`benchmarks/results/auto_routing.md`).
 
 The cost knob is the share of requests sent to the large model, `large_share` in [0, 1]: the shipped
 parameters carry the quantiles of the predicted gain over the training prompts, and a share becomes the
 threshold that sends that share of those prompts to the large model (a higher share never sends a prompt
-back to the small one). A raw `threshold` on the predicted gain may be given instead; `threshold=0.0` sends to the large model only
-where a gain is predicted. `prompt_text` is what the user asked: a completion's prompt, or a chat request's
+back to the small one). On traffic unlike the training questions the share sent differs from the target.
+A raw `threshold` on the predicted gain may be given instead; `threshold=0.0` sends to the large model
+only where a gain is predicted. `prompt_text` is what the user asked: a completion's prompt, or a chat request's
 last user message (the fit saw bare questions, not a chat template's markup).
 
 Cost: pure Python (no torch, no numpy), reading at most the last `MAX_CHARS` characters of a prompt, so one
