@@ -97,6 +97,28 @@ def test_background_work_leaves_the_reserved_places_to_interactive_requests():
     run(main())
 
 
+def test_a_full_line_refuses_the_least_urgent_request():
+    async def main() -> None:
+        q = make(slots=1, max_waiting=2, reserved=0)
+        await q.acquire([])
+        background = [asyncio.create_task(q.acquire([], priority=1)) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert q.num_waiting == 2 and not q.admits(priority=1) and q.admits(priority=0)
+        with pytest.raises(QueueFull):                                       # as urgent as the line: refused
+            await q.acquire([], priority=1)
+        interactive = asyncio.create_task(q.acquire([], priority=0))       # more urgent: the last waiter gives way
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert background[1].done() and isinstance(background[1].exception(), QueueFull)
+        assert q.num_waiting == 2 and not background[0].done()
+        q.release(0)
+        assert await asyncio.wait_for(interactive, 1) == 0                 # and is served first
+        assert not background[0].done()
+        background[0].cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+    run(main())
+
+
 def test_leaving_the_line_frees_its_turn():
     async def main() -> None:
         q = make(slots=1, max_waiting=1)

@@ -89,16 +89,29 @@ def test_models_lists_every_name_and_auto(http):
     assert http.get("/api/info").json()["models"] == ["small", "large", "auto"]
 
 
-def test_each_name_answers_with_its_own_model(client, http, tiny_model_dirs):
+def test_each_name_answers_with_its_own_model(client, server, tiny_model_dirs):
+    """Each name's greedy answer is its own model's: the offline engine on that model's directory gives the same
+    text, and its tokens are transformers' greedy tokens for that model."""
     from tiny_models import hf_greedy
 
+    from kvserve import LLM, SamplingParams
+
     prompt = [256, *b"The gateway routes"]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, skip_special_tokens=False)
+    texts = {}
     for name, arch in (("small", "llama"), ("large", "qwen2")):
-        want_ids, _ = hf_greedy(tiny_model_dirs[arch][1], prompt, 8)
-        want = http.post("/detokenize", json={"model": name, "tokens": want_ids}).json()["prompt"]
+        offline = LLM(str(tiny_model_dirs[arch][0]), max_model_len=512, dtype="float32", num_threads=1)
+        out = offline.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert list(out.token_ids) == hf_greedy(tiny_model_dirs[arch][1], prompt, 8)[0]
         got = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0,
                                         extra_body={"ignore_eos": True, "skip_special_tokens": False})
-        assert got.model == name and got.choices[0].text == want, name
+        assert got.model == name and got.choices[0].text == out.text, name
+        texts[name] = out.text
+        del offline
+    assert texts["small"] != texts["large"]
+
+
+def test_unknown_model_is_404(client, http):
     r = http.post("/v1/completions", json={"model": "medium", "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
     assert r.json()["error"]["param"] == "model"
@@ -166,11 +179,12 @@ async def _ttft(c: httpx.AsyncClient, body: dict) -> float:
     t0 = time.perf_counter()
     async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
+        lines = r.aiter_lines()
+        async for line in lines:
             if line.startswith("data: {"):     # the first token's chunk (its text may still be empty)
                 ttft = time.perf_counter() - t0
                 break
-        async for _ in r.aiter_lines():
+        async for _ in lines:
             pass
     return ttft
 

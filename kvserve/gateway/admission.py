@@ -4,7 +4,8 @@ Each replica has `slots` places (its engine's max_num_seqs, counted in sequences
 takes 3). A request that finds a place is routed at once; otherwise it waits here, in (priority, arrival)
 order (lower priority value first, as in vLLM), and is routed when a place frees, to the replica the routing
 policy picks among those with room then (late binding: the decision uses the load of that moment). More
-than `max_waiting` waiting requests: the next one is refused (QueueFull -> HTTP 429 with Retry-After).
+than `max_waiting` waiting requests: the next one is refused (QueueFull -> HTTP 429 with Retry-After), unless
+it is more urgent than the least urgent waiter, which is then refused in its place.
 
 Long jobs cannot starve interactive ones: requests with a priority above 0 (background work) may fill a
 replica only up to `slots - reserved`; the last `reserved` places stay for requests of priority <= 0, which
@@ -113,16 +114,38 @@ class AdmissionQueue:
             if self._try_place(ticket):
                 return placed.result()
         if self.max_waiting is not None and self.num_waiting + 1 > self.max_waiting:
-            raise QueueFull(f"too many requests waiting (max_waiting={self.max_waiting}); retry later",
-                            self.retry_after_s())
+            self._make_room_for(ticket)       # raises QueueFull unless a less urgent waiter can give way
         heapq.heappush(self._heap, ticket)
         self.pump()
         try:
             return await placed
+        except QueueFull:
+            raise
         except asyncio.CancelledError:
-            if placed.done() and not placed.cancelled():   # placed just as the waiter was cancelled
+            if placed.done() and not placed.cancelled() and placed.exception() is None:   # placed as it left
                 self.release(placed.result(), weight, finished=False)
             raise
+
+    def admits(self, priority: int = 0, count: int = 1) -> bool:
+        """Whether `count` more requests of this priority would be admitted now (placed, or let into the line)."""
+        if self.max_waiting is None or self.num_waiting + count <= self.max_waiting:
+            return True
+        waiting = [t for t in self._heap if not t.placed.done()]
+        if not waiting or priority < min(waiting).priority:
+            if any(ld.available for ld in self.loads(priority)):
+                return True                   # it would not wait at all
+        return sum(t.priority > priority for t in waiting) >= count
+
+    def _make_room_for(self, ticket: _Ticket) -> None:
+        """The line is full: the least urgent waiter (latest among equals) leaves it with QueueFull if it is less
+        urgent than `ticket`; otherwise `ticket` is the one refused."""
+        waiting = [t for t in self._heap if not t.placed.done()]
+        worst = max(waiting, key=lambda t: (t.priority, t.seq), default=None)
+        error = QueueFull(f"too many requests waiting (max_waiting={self.max_waiting}); retry later",
+                          self.retry_after_s())
+        if worst is None or worst.priority <= ticket.priority:
+            raise error
+        worst.placed.set_exception(error)     # its waiter raises QueueFull (429); pump() drops the ticket
 
     def release(self, replica: int, weight: int = 1, finished: bool = True) -> None:
         self.in_flight[replica] -= weight

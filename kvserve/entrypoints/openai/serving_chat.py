@@ -84,7 +84,7 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(m, req, max_tokens, num_top, None)
-        self.check_admission(m, 1)
+        self.check_admission(m, 1, req.priority)
 
         request_id = req.request_id or random_id("chatcmpl")
         gen = self.generate(m, raw_request, ids, params, req.priority, request_id, req.cache_salt)
