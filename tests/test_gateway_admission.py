@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvserve.gateway.admission import AdmissionQueue, EngineView, NoReplica, QueueFull
+from kvserve.gateway.admission import AdmissionQueue, EngineView, NoReplica, Placement, QueueFull
 from kvserve.gateway.routing import LeastLoadedPolicy, RoundRobinPolicy
 
 
@@ -33,22 +33,22 @@ def test_places_then_line_then_429_with_retry_after():
     async def main() -> None:
         clock = Clock()
         q = make(slots=2, max_waiting=2, clock=clock)
-        assert [await q.acquire([]) for _ in range(2)] == [0, 0]          # both places taken at once
+        assert [(await q.acquire([])).replica for _ in range(2)] == [0, 0]          # both places taken at once
         waiting = [asyncio.create_task(q.acquire([])) for _ in range(2)]
         await asyncio.sleep(0)
         assert q.num_waiting == 2 and not any(t.done() for t in waiting)
         with pytest.raises(QueueFull) as e:
             await q.acquire([])
         assert e.value.retry_after_s == 5                                  # nothing finished yet: a guess
-        q.release(0)                                                       # a place frees: the first in line
+        q.release(Placement(0))                                                       # a place frees: the first in line
         await asyncio.sleep(0)
         assert waiting[0].done() and not waiting[1].done() and q.num_waiting == 1
-        q.release(0)
+        q.release(Placement(0))
         await asyncio.sleep(0)
         assert waiting[1].done() and q.num_waiting == 0
         for _ in range(8):                                                 # then one finish a second
             clock.t += 1.0
-            q.release(0)
+            q.release(Placement(0))
             await q.acquire([])
         line = [asyncio.create_task(q.acquire([])) for _ in range(2)]
         await asyncio.sleep(0)
@@ -75,7 +75,7 @@ def test_priority_order_and_first_come_first_served_within_a_priority():
                  [("bg1", 1), ("a", 0), ("bg2", 1), ("b", 0), ("urgent", -5)]]
         await asyncio.sleep(0)
         for _ in range(5):
-            q.release(0)
+            q.release(Placement(0))
             await asyncio.sleep(0)
         await asyncio.gather(*tasks)
         assert order == ["urgent", "a", "b", "bg1", "bg2"]
@@ -86,13 +86,13 @@ def test_background_work_leaves_the_reserved_places_to_interactive_requests():
     async def main() -> None:
         q = make(replicas=2, slots=4, max_waiting=None, reserved=1)
         # A burst of background (priority 1) work takes 3 of 4 places on each replica, and then waits.
-        placed = [await q.acquire([], priority=1) for _ in range(6)]
+        placed = [(await q.acquire([], priority=1)).replica for _ in range(6)]
         assert sorted(placed) == [0, 0, 0, 1, 1, 1]
         more = asyncio.create_task(q.acquire([], priority=1))
         await asyncio.sleep(0)
         assert not more.done()
         # An interactive request (priority 0) still starts at once, on a reserved place.
-        assert await asyncio.wait_for(q.acquire([], priority=0), 1) in (0, 1)
+        assert (await asyncio.wait_for(q.acquire([], priority=0), 1)).replica in (0, 1)
         more.cancel()
     run(main())
 
@@ -111,8 +111,8 @@ def test_a_full_line_refuses_the_least_urgent_request():
             await asyncio.sleep(0)
         assert background[1].done() and isinstance(background[1].exception(), QueueFull)
         assert q.num_waiting == 2 and not background[0].done()
-        q.release(0)
-        assert await asyncio.wait_for(interactive, 1) == 0                 # and is served first
+        q.release(Placement(0))
+        assert (await asyncio.wait_for(interactive, 1)).replica == 0                 # and is served first
         assert not background[0].done()
         background[0].cancel()
         await asyncio.gather(*background, return_exceptions=True)
@@ -130,8 +130,8 @@ def test_leaving_the_line_frees_its_turn():
         assert q.num_waiting == 0
         stays = asyncio.create_task(q.acquire([]))                          # the line has room again
         await asyncio.sleep(0)
-        q.release(0)
-        assert await asyncio.wait_for(stays, 1) == 0
+        q.release(Placement(0))
+        assert (await asyncio.wait_for(stays, 1)).replica == 0
         assert q.in_flight == [1]
     run(main())
 
@@ -143,8 +143,37 @@ def test_weights_count_sequences():
         waiting = asyncio.create_task(q.acquire([], weight=2))
         await asyncio.sleep(0)
         assert not waiting.done()
-        q.release(0, 3)
-        assert await asyncio.wait_for(waiting, 1) == 0 and q.in_flight == [2]
+        q.release(Placement(0, weight=3))
+        assert (await asyncio.wait_for(waiting, 1)).replica == 0 and q.in_flight == [2]
+    run(main())
+
+
+def test_pending_prefill_counts_uncached_prompt_tokens_until_the_first_token():
+    async def main() -> None:
+        from kvserve.engine.block_hash import block_hashes
+        from kvserve.gateway.routing import CacheAwarePolicy
+
+        q = AdmissionQueue(2, 8, CacheAwarePolicy(2), lambda i: EngineView(), max_waiting=None)
+        prompt = list(range(100))                       # 6 full blocks of 16, and 4 tokens more
+        first = await q.acquire(block_hashes(prompt, 16), num_tokens=100)
+        assert first.prefill_tokens == 100 and q.pending_prefill[first.replica] == 100
+        # While its prompt is still being computed there, the same prompt again would wait behind those 100
+        # tokens (nothing is cached yet): computing its 96 full-block tokens elsewhere is sooner.
+        elsewhere = await q.acquire(block_hashes(prompt, 16), num_tokens=100)
+        assert elsewhere.replica != first.replica
+        q.first_token(first)
+        q.first_token(elsewhere)
+        assert q.pending_prefill == [0, 0]
+        # Both replicas have now computed those blocks: a longer prompt sharing them costs only its new tokens.
+        longer = prompt[:96] + list(range(700, 740))
+        again = await q.acquire(block_hashes(longer, 16), num_tokens=len(longer))
+        assert again.prefill_tokens == len(longer) - 96
+        assert q.pending_prefill[again.replica] == len(longer) - 96
+        other = await q.acquire(block_hashes(list(range(500, 600)), 16), num_tokens=100)
+        assert other.replica != again.replica                       # a miss: where less prefill is due
+        for p in (first, elsewhere, again, other):
+            q.release(p)
+        assert q.pending_prefill == [0, 0] and q.in_flight == [0, 0]
     run(main())
 
 
@@ -152,7 +181,7 @@ def test_dead_replicas_are_skipped_and_all_dead_is_refused():
     async def main() -> None:
         alive = [False, True]
         q = AdmissionQueue(2, 4, RoundRobinPolicy(), lambda i: EngineView(alive=alive[i]), max_waiting=4)
-        assert {await q.acquire([]) for _ in range(3)} == {1}
+        assert {(await q.acquire([])).replica for _ in range(3)} == {1}
         alive[1] = False
         with pytest.raises(NoReplica):
             await q.acquire([])

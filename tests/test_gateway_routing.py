@@ -124,6 +124,17 @@ def test_miss_goes_to_the_least_loaded_replica_not_the_emptiest_cache():
     assert policy.choose(digests(prompt(99, 0)), loads) == 1
     # Equal load: then the emptier cache takes the new prefix (room for it without evicting).
     assert policy.choose(digests(prompt(99, 0)), [ReplicaLoad(in_flight=2), ReplicaLoad(in_flight=2)]) == 0
+    # Prefill still due counts before request counts: the replica with less of it takes the miss.
+    loads = [ReplicaLoad(in_flight=1, pending_prefill_tokens=600), ReplicaLoad(in_flight=3)]
+    assert policy.choose(digests(prompt(99, 0)), loads) == 1
+
+
+def test_affinity_is_weighed_against_the_prefill_due_on_the_warm_replica():
+    policy = CacheAwarePolicy(2)
+    d = digests(prompt(0, 0))                             # 8 full blocks: 128 tokens cached on replica 0
+    policy.on_routed(0, d)
+    assert policy.choose(d, [ReplicaLoad(pending_prefill_tokens=100), ReplicaLoad()]) == 0   # saves 128 > 100
+    assert policy.choose(d, [ReplicaLoad(pending_prefill_tokens=300), ReplicaLoad()]) == 1   # 300 due > 128 saved
 
 
 def test_affinity_yields_to_a_large_imbalance_and_a_full_kv_cache():

@@ -41,13 +41,22 @@ class NoReplica(Exception):
     """Every replica's engine is down (being replaced): nothing can be admitted now."""
 
 
+@dataclass
+class Placement:
+    """Where a request runs, and what it was counted as there until release()."""
+    replica: int
+    weight: int = 1                 # sequences (n)
+    prefill_tokens: int = 0         # prompt tokens expected to be computed there (not cached)
+
+
 @dataclass(order=True)
 class _Ticket:
     priority: int
     seq: int
     weight: int = field(compare=False)
     digests: Sequence[BlockHash] = field(compare=False)
-    placed: asyncio.Future = field(compare=False)   # resolves to the replica index
+    num_tokens: int = field(compare=False)
+    placed: asyncio.Future = field(compare=False)   # resolves to a Placement
 
 
 @dataclass
@@ -69,6 +78,7 @@ class AdmissionQueue:
         # Default: an eighth of the places, at least one, never all of them.
         self.reserved = min(slots - 1, max(1, slots // 8)) if reserved is None else min(reserved, slots - 1)
         self.in_flight = [0] * num_replicas          # sequences placed on each replica and not yet released
+        self.pending_prefill = [0] * num_replicas    # their uncached prompt tokens whose first token is still due
         self._engine_view = engine_view
         self._heap: list[_Ticket] = []
         self._seq = itertools.count()
@@ -89,7 +99,7 @@ class AdmissionQueue:
             e = self._engine_view(i)
             room = self.in_flight[i] + weight <= max(self.cap(priority), weight)
             out.append(ReplicaLoad(self.in_flight[i], e.num_running, e.num_waiting, e.kv_cache_usage,
-                                   available=e.alive and room))
+                                   self.pending_prefill[i], available=e.alive and room))
         return out
 
     def retry_after_s(self) -> int:
@@ -103,13 +113,15 @@ class AdmissionQueue:
         return max(1, min(_MAX_RETRY_AFTER_S, math.ceil(1.0 / rate)))
 
     # ---- acquire / release -------------------------------------------------------------------------
-    async def acquire(self, digests: Sequence[BlockHash], priority: int = 0, weight: int = 1) -> int:
-        """The replica this request may run on now; waits in line if every replica is full. Cancelling the
-        wait leaves the line. Raises QueueFull, or NoReplica when every engine is down."""
+    async def acquire(self, digests: Sequence[BlockHash], priority: int = 0, weight: int = 1,
+                      num_tokens: int = 0) -> Placement:
+        """Where this request may run now; waits in line if every replica is full. Cancelling the wait leaves
+        the line. Raises QueueFull, or NoReplica when every engine is down. Give the Placement back with
+        release(), and say first_token() when its first token arrives."""
         if not any(self._engine_view(i).alive for i in range(self.num_replicas)):
             raise NoReplica("no engine of this model is running (being replaced); retry shortly")
         placed: asyncio.Future = asyncio.get_running_loop().create_future()
-        ticket = _Ticket(priority, next(self._seq), weight, digests, placed)
+        ticket = _Ticket(priority, next(self._seq), weight, digests, num_tokens, placed)
         if not self._heap or ticket < self._heap[0]:
             if self._try_place(ticket):
                 return placed.result()
@@ -123,7 +135,7 @@ class AdmissionQueue:
             raise
         except asyncio.CancelledError:
             if placed.done() and not placed.cancelled() and placed.exception() is None:   # placed as it left
-                self.release(placed.result(), weight, finished=False)
+                self.release(placed.result(), finished=False)
             raise
 
     def admits(self, priority: int = 0, count: int = 1) -> bool:
@@ -147,9 +159,15 @@ class AdmissionQueue:
             raise error
         worst.placed.set_exception(error)     # its waiter raises QueueFull (429); pump() drops the ticket
 
-    def release(self, replica: int, weight: int = 1, finished: bool = True) -> None:
-        self.in_flight[replica] -= weight
-        assert self.in_flight[replica] >= 0
+    def first_token(self, placement: Placement) -> None:
+        """Its prompt is computed: no longer prefill work ahead of later requests there."""
+        self.pending_prefill[placement.replica] -= placement.prefill_tokens
+        placement.prefill_tokens = 0
+
+    def release(self, placement: Placement, finished: bool = True) -> None:
+        self.first_token(placement)
+        self.in_flight[placement.replica] -= placement.weight
+        assert self.in_flight[placement.replica] >= 0
         if finished:
             self._finishes.append(self._clock())
         self.pump()
@@ -172,7 +190,9 @@ class AdmissionQueue:
         replica = self.policy.choose(ticket.digests, loads)
         if not loads[replica].available:      # a policy must pick among available replicas
             replica = next(i for i, ld in enumerate(loads) if ld.available)
+        prefill = max(0, ticket.num_tokens - self.policy.cached_tokens(replica, ticket.digests))
         self.policy.on_routed(replica, ticket.digests)
         self.in_flight[replica] += ticket.weight
-        ticket.placed.set_result(replica)
+        self.pending_prefill[replica] += prefill
+        ticket.placed.set_result(Placement(replica, ticket.weight, prefill))
         return True

@@ -12,10 +12,12 @@ cache_aware, per request (in this order):
   2. Imbalance first: when the busiest replica holds more than `balance_abs` requests more than the idlest
      and more than `balance_rel` times as many, the request goes to the least loaded one. A hot prefix
      therefore spills onto a second replica (which then learns it) instead of collapsing onto one.
-  3. Otherwise the replica with the longest cached prefix, if it covers at least `min_match` of the
-     prompt's full blocks; among equal matches the less loaded one.
-  4. A miss goes to the least loaded replica (load: requests in flight there), not to the one with the
-     emptiest cache: ties on load are broken by the smaller cache, then in turn.
+  3. Otherwise the replica where its first token should come soonest: the least prefill work, counted in
+     prompt tokens, that is the prompt tokens already routed there and not yet answered (pending_prefill)
+     plus this prompt's tokens that replica has not cached. A warm replica wins by the tokens it saves, and
+     loses them to a colder one that is that much less busy. Ties: the longer match, then fewer requests.
+  4. So a miss (no replica has any of the prompt) goes to the replica with the least pending prefill and
+     then the fewest requests, not to the one with the emptiest cache, which only breaks remaining ties.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class ReplicaLoad:
     num_running: int = 0         # from the engine's last step stats (one step old)
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # 0..1
+    pending_prefill_tokens: int = 0  # prompt tokens routed there, not cached there, whose first token is still due
     # False while its engine process is down or being replaced, or it has no free slot for this request.
     available: bool = True
 
@@ -51,6 +54,9 @@ class RoutingPolicy(Protocol):
 
     def on_routed(self, replica: int, digests: Sequence[BlockHash]) -> None:
         """The request went to `replica` (what cache_aware learns from)."""
+
+    def cached_tokens(self, replica: int, digests: Sequence[BlockHash]) -> int:
+        """Prompt tokens `replica` probably has in its prefix cache (0 for policies that do not track it)."""
 
 
 def _candidates(loads: Sequence[ReplicaLoad]) -> list[int]:
@@ -76,6 +82,9 @@ class RoundRobinPolicy:
     def on_routed(self, replica: int, digests: Sequence[BlockHash]) -> None:
         pass
 
+    def cached_tokens(self, replica: int, digests: Sequence[BlockHash]) -> int:
+        return 0
+
 
 class LeastLoadedPolicy:
     """Fewest requests in flight; ties in turn (so an idle pool is used evenly, not replica 0 first)."""
@@ -93,6 +102,9 @@ class LeastLoadedPolicy:
 
     def on_routed(self, replica: int, digests: Sequence[BlockHash]) -> None:
         pass
+
+    def cached_tokens(self, replica: int, digests: Sequence[BlockHash]) -> int:
+        return 0
 
 
 class DigestLRU:
@@ -129,11 +141,11 @@ class DigestLRU:
 class CacheAwarePolicy:
     name = "cache_aware"
 
-    def __init__(self, num_replicas: int, *, max_digests_per_replica: int = 65536, balance_abs: int = 4,
-                 balance_rel: float = 1.5, min_match: float = 0.1, kv_full: float = 0.95) -> None:
+    def __init__(self, num_replicas: int, *, block_size: int = 16, max_digests_per_replica: int = 65536,
+                 balance_abs: int = 4, balance_rel: float = 1.5, kv_full: float = 0.95) -> None:
+        self.block_size = block_size
         self.maps = [DigestLRU(max_digests_per_replica) for _ in range(num_replicas)]
-        self.balance_abs, self.balance_rel = balance_abs, balance_rel
-        self.min_match, self.kv_full = min_match, kv_full
+        self.balance_abs, self.balance_rel, self.kv_full = balance_abs, balance_rel, kv_full
         self._turn = 0
 
     def choose(self, digests: Sequence[BlockHash], loads: Sequence[ReplicaLoad]) -> int:
@@ -143,23 +155,22 @@ class CacheAwarePolicy:
         queues = {i: loads[i].queue for i in candidates}
         lo, hi = min(queues.values()), max(queues.values())
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
-            return self._least_loaded(candidates, queues, digests)
-        if digests:
-            matched = {i: self.maps[i].matched_blocks(digests) for i in candidates}
-            best = max(matched.values())
-            if best > 0 and best >= self.min_match * len(digests):
-                return min((i for i in candidates if matched[i] == best), key=lambda i: queues[i])
-        return self._least_loaded(candidates, queues, digests)
-
-    def _least_loaded(self, candidates: list[int], queues: dict[int, int], digests: Sequence[BlockHash]) -> int:
-        lo = min(queues.values())
-        tied = [i for i in candidates if queues[i] == lo]
-        if len(tied) > 1 and digests:
-            # Among equally loaded replicas, one that already holds part of the prompt still saves prefill.
-            matched = {i: self.maps[i].matched_blocks(digests) for i in tied}
-            best = max(matched.values())
-            tied = [i for i in tied if matched[i] == best]
+            candidates = [i for i in candidates if queues[i] == lo]
+        matched = {i: self.maps[i].matched_blocks(digests) for i in candidates}
+        # Prefill work before this request's first token there, in tokens (the partial last block, the same
+        # everywhere, left out).
+        cost = {i: loads[i].pending_prefill_tokens + (len(digests) - matched[i]) * self.block_size
+                for i in candidates}
+        best = min(cost.values())
+        tied = [i for i in candidates if cost[i] == best]
         if len(tied) > 1:
+            longest = max(matched[i] for i in tied)
+            tied = [i for i in tied if matched[i] == longest]
+        if len(tied) > 1:
+            fewest = min(queues[i] for i in tied)
+            tied = [i for i in tied if queues[i] == fewest]
+        if len(tied) > 1:
+            # Only now the emptier cache: a new prefix there evicts nothing another replica would miss.
             smallest = min(len(self.maps[i]) for i in tied)
             tied = [i for i in tied if len(self.maps[i]) == smallest]
         self._turn += 1
@@ -168,16 +179,19 @@ class CacheAwarePolicy:
     def on_routed(self, replica: int, digests: Sequence[BlockHash]) -> None:
         self.maps[replica].add_all(digests)
 
+    def cached_tokens(self, replica: int, digests: Sequence[BlockHash]) -> int:
+        return self.maps[replica].matched_blocks(digests) * self.block_size
+
     def forget(self, replica: int) -> None:
         """The replica's engine was replaced: its prefix cache is empty."""
         self.maps[replica] = DigestLRU(self.maps[replica].capacity)
 
 
-def make_policy(name: str, num_replicas: int) -> RoundRobinPolicy | LeastLoadedPolicy | CacheAwarePolicy:
+def make_policy(name: str, num_replicas: int, block_size: int = 16) -> RoundRobinPolicy | LeastLoadedPolicy | CacheAwarePolicy:
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "least_loaded":
         return LeastLoadedPolicy()
     if name == "cache_aware":
-        return CacheAwarePolicy(num_replicas)
+        return CacheAwarePolicy(num_replicas, block_size=block_size)
     raise ValueError(f"unknown routing policy {name!r} (cache_aware | least_loaded | round_robin)")

@@ -34,7 +34,7 @@ class ServedModel:
         self.aliases = [name, *(a for a in aliases or [] if a != name)]   # names clients may send
         # Admission is the queue's job here; the engines take whatever they are sent.
         self.config = replace(config, max_waiting=None)
-        self.policy = make_policy(policy, num_replicas)
+        self.policy = make_policy(policy, num_replicas, self.config.block_size)
         self.replicas = [AsyncLLM(self.config, mode=engine_mode) for _ in range(num_replicas)]
         self.queue = AdmissionQueue(num_replicas, self.config.max_num_seqs, self.policy, self._engine_view,
                                     max_waiting=max_waiting)
@@ -103,14 +103,15 @@ class ServedModel:
         digests = []
         if isinstance(self.policy, CacheAwarePolicy) and len(self.replicas) > 1:
             digests = block_hashes(prompt_token_ids, self.config.block_size, cache_salt)
-        weight = params.n
-        replica = await self.queue.acquire(digests, priority, weight)
+        placement = await self.queue.acquire(digests, priority, params.n, len(prompt_token_ids))
         try:
-            gen = self.replicas[replica].generate(prompt_token_ids, params, request_id=request_id,
-                                                  priority=priority, cache_salt=cache_salt,
-                                                  arrival_time=arrival_time)
+            gen = self.replicas[placement.replica].generate(prompt_token_ids, params, request_id=request_id,
+                                                            priority=priority, cache_salt=cache_salt,
+                                                            arrival_time=arrival_time)
             async with contextlib.aclosing(gen):
                 async for delta in gen:
+                    if placement.prefill_tokens:
+                        self.queue.first_token(placement)
                     yield delta
         finally:
-            self.queue.release(replica, weight)
+            self.queue.release(placement)
