@@ -51,8 +51,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=4, help="Requests in flight (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=16, help="Tokens generated per request (default: %(default)s)")
     p.add_argument("--kv-blocks", type=int, default=None,
-                   help="KV blocks per replica (default: half the groups' prefixes plus room for the requests "
-                        "in flight)")
+                   help="KV blocks per replica (default: half the groups' prefixes and one more, plus the requests' "
+                        "own blocks)")
     p.add_argument("--zipf", type=float, default=0.6, help="Group popularity skew, 0 = uniform (default: %(default)s)")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--seed", type=int, default=0)
@@ -60,9 +60,12 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.groups, args.prefix_tokens, args.requests = 4, 256, 32
     if args.kv_blocks is None:
+        # Half the groups' prefixes and one more, plus each request's own blocks (question and answer; the
+        # prefix blocks are shared): what a replica holding half the groups needs, with some slack, and well
+        # under what one holding every group needs.
         prefix_blocks = -(-args.prefix_tokens // BLOCK)
-        per_request = -(-(args.prefix_tokens + 64 + args.max_tokens) // BLOCK)
-        args.kv_blocks = (args.groups // 2) * prefix_blocks + args.concurrency * per_request
+        own_blocks = -(-(64 + args.max_tokens) // BLOCK)
+        args.kv_blocks = (args.groups // 2 + 1) * prefix_blocks + args.concurrency * own_blocks
     return args
 
 
