@@ -157,21 +157,20 @@ def test_pending_prefill_counts_uncached_prompt_tokens_until_the_first_token():
         prompt = list(range(100))                       # 6 full blocks of 16, and 4 tokens more
         first = await q.acquire(block_hashes(prompt, 16), num_tokens=100)
         assert first.prefill_tokens == 100 and q.pending_prefill[first.replica] == 100
-        # While its prompt is still being computed there, the same prompt again would wait behind those 100
-        # tokens (nothing is cached yet): computing its 96 full-block tokens elsewhere is sooner.
-        elsewhere = await q.acquire(block_hashes(prompt, 16), num_tokens=100)
-        assert elsewhere.replica != first.replica
-        q.first_token(first)
-        q.first_token(elsewhere)
-        assert q.pending_prefill == [0, 0]
-        # Both replicas have now computed those blocks: a longer prompt sharing them costs only its new tokens.
-        longer = prompt[:96] + list(range(700, 740))
-        again = await q.acquire(block_hashes(longer, 16), num_tokens=len(longer))
-        assert again.prefill_tokens == len(longer) - 96
-        assert q.pending_prefill[again.replica] == len(longer) - 96
+        # The same prompt again goes where the first went (its blocks will be there), though it is the busier.
+        same = await q.acquire(block_hashes(prompt, 16), num_tokens=100)
+        assert same.replica == first.replica and same.prefill_tokens == 4
+        # A new prompt goes where less prefill is due.
         other = await q.acquire(block_hashes(list(range(500, 600)), 16), num_tokens=100)
-        assert other.replica != again.replica                       # a miss: where less prefill is due
-        for p in (first, elsewhere, again, other):
+        assert other.replica != first.replica
+        q.first_token(first)
+        assert q.pending_prefill[first.replica] == 4 and q.pending_prefill[other.replica] == 100
+        # Far enough behind (here 2 x 96 cached tokens), the warm replica gives the prompt up.
+        q.pending_prefill[first.replica] += 300
+        elsewhere = await q.acquire(block_hashes(prompt, 16), num_tokens=100)
+        assert elsewhere.replica == other.replica
+        q.pending_prefill[first.replica] -= 300
+        for p in (first, same, other, elsewhere):
             q.release(p)
         assert q.pending_prefill == [0, 0] and q.in_flight == [0, 0]
     run(main())

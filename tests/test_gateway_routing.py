@@ -133,8 +133,9 @@ def test_affinity_is_weighed_against_the_prefill_due_on_the_warm_replica():
     policy = CacheAwarePolicy(2)
     d = digests(prompt(0, 0))                             # 8 full blocks: 128 tokens cached on replica 0
     policy.on_routed(0, d)
-    assert policy.choose(d, [ReplicaLoad(pending_prefill_tokens=100), ReplicaLoad()]) == 0   # saves 128 > 100
-    assert policy.choose(d, [ReplicaLoad(pending_prefill_tokens=300), ReplicaLoad()]) == 1   # 300 due > 128 saved
+    # A cached token weighs twice a pending one: it stays while less than 2 x 128 tokens are due there.
+    assert policy.choose(d, [ReplicaLoad(pending_prefill_tokens=200), ReplicaLoad()]) == 0
+    assert policy.choose(d, [ReplicaLoad(pending_prefill_tokens=300), ReplicaLoad()]) == 1
 
 
 def test_affinity_yields_to_a_large_imbalance_and_a_full_kv_cache():

@@ -12,10 +12,12 @@ cache_aware, per request (in this order):
   2. Imbalance first: when the busiest replica holds more than `balance_abs` requests more than the idlest
      and more than `balance_rel` times as many, the request goes to the least loaded one. A hot prefix
      therefore spills onto a second replica (which then learns it) instead of collapsing onto one.
-  3. Otherwise the replica where its first token should come soonest: the least prefill work, counted in
-     prompt tokens, that is the prompt tokens already routed there and not yet answered (pending_prefill)
-     plus this prompt's tokens that replica has not cached. A warm replica wins by the tokens it saves, and
-     loses them to a colder one that is that much less busy. Ties: the longer match, then fewer requests.
+  3. Otherwise the replica with the least prefill work ahead of this request's first token, counted in
+     prompt tokens: those routed there and not yet answered (pending_prefill), less `cache_weight` (2) times
+     the prompt's tokens that replica has cached. A cached token weighs double: computing the prefix again
+     elsewhere costs its time now and, on a full cache, another prefix's room there later. So a warm
+     replica keeps its prefix's traffic until it is behind by twice what it saves. Ties: the longer match,
+     then fewer requests.
   4. So a miss (no replica has any of the prompt) goes to the replica with the least pending prefill and
      then the fewest requests, not to the one with the emptiest cache, which only breaks remaining ties.
 """
@@ -142,8 +144,9 @@ class CacheAwarePolicy:
     name = "cache_aware"
 
     def __init__(self, num_replicas: int, *, block_size: int = 16, max_digests_per_replica: int = 65536,
-                 balance_abs: int = 4, balance_rel: float = 1.5, kv_full: float = 0.95) -> None:
-        self.block_size = block_size
+                 balance_abs: int = 4, balance_rel: float = 1.5, kv_full: float = 0.95,
+                 cache_weight: float = 2.0) -> None:
+        self.block_size, self.cache_weight = block_size, cache_weight
         self.maps = [DigestLRU(max_digests_per_replica) for _ in range(num_replicas)]
         self.balance_abs, self.balance_rel, self.kv_full = balance_abs, balance_rel, kv_full
         self._turn = 0
@@ -157,9 +160,9 @@ class CacheAwarePolicy:
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
             candidates = [i for i in candidates if queues[i] == lo]
         matched = {i: self.maps[i].matched_blocks(digests) for i in candidates}
-        # Prefill work before this request's first token there, in tokens (the partial last block, the same
-        # everywhere, left out).
-        cost = {i: loads[i].pending_prefill_tokens + (len(digests) - matched[i]) * self.block_size
+        # Prefill work before this request's first token there, in tokens, less the weighted cached part (the
+        # prompt's own length, the same everywhere, left out).
+        cost = {i: loads[i].pending_prefill_tokens - self.cache_weight * matched[i] * self.block_size
                 for i in candidates}
         best = min(cost.values())
         tied = [i for i in candidates if cost[i] == best]
