@@ -77,3 +77,29 @@ def test_generate_from_the_shell():
                          capture_output=True, text=True, timeout=280, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip()  # the model's answer (its wording is the model tests' business)
+
+
+def test_serve_models_from_the_command_line_and_a_file(tmp_path):
+    from kvserve.entrypoints.cli import models_config
+
+    parse = lambda *a: build_parser().parse_args(["serve", *a])  # noqa: E731
+    assert models_config(parse()) is None and models_config(parse("smollm2-135m")) is None   # the one-model server
+    assert engine_config(parse("smollm2-135m")).model == "smollm2-135m"
+    two = models_config(parse("smollm2-135m", "gemma3-270m", "--max-waiting", "7"))
+    assert [m.name for m in two.models] == ["smollm2-135m", "gemma3-270m"] and two.admission.max_waiting == 7
+    dp = models_config(parse("--data-parallel-size", "2", "--routing-policy", "round_robin",
+                             "--served-model-name", "smol"))
+    assert dp.models[0].name == "smol" and dp.models[0].data_parallel_size == 2
+    assert dp.models[0].model == "smollm2-135m" and dp.routing.policy == "round_robin"
+    path = tmp_path / "models.yaml"
+    path.write_text("models:\n  - {name: a, model: smollm2-135m, data_parallel_size: 3}\nrouting: {policy: least_loaded}\n")
+    cfg = models_config(parse("--models-config", str(path)))
+    assert cfg.models[0].data_parallel_size == 3 and cfg.routing.policy == "least_loaded"
+    assert cfg.admission.max_waiting == 256
+    for bad in (("smollm2-135m", "--models-config", str(path)), ("a", "b", "--served-model-name", "x"),
+                ("--data-parallel-size", "0")):
+        with pytest.raises(ValueError):
+            models_config(parse(*bad))
+    # Errors reach the user as one line naming the field, not a traceback.
+    path.write_text("models:\n  - {name: a, model: x, data_parallel_size: 0}\n")
+    assert main(["serve", "--models-config", str(path)]) == 2

@@ -6,7 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.engine.core_process import StepResult
 from kvserve.engine.stats import EngineStats
-from kvserve.metrics.prometheus import ServerMetrics
+from kvserve.metrics.prometheus import MetricFamilies, ServerMetrics
 from kvserve.metrics.stat_logger import _busy, format_stats_line
 from kvserve.outputs import CompletionDelta, RequestDelta, RequestMetrics
 
@@ -25,7 +25,7 @@ def samples(m: ServerMetrics) -> dict[str, float]:
     for fam in text_string_to_metric_families(m.render().decode()):
         for s in fam.samples:
             if "le" not in s.labels:
-                extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+                extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "replica"))
                 out[s.name + (f"{{{extra}}}" if extra else "")] = s.value
     return out
 
@@ -46,6 +46,27 @@ def test_names_types_and_labels():
             assert fam is not None and fam.type == kind, name
     ttft = [s for s in fams["kvserve:time_to_first_token_seconds"].samples if s.name.endswith("_bucket")]
     assert ttft[0].labels == {"model_name": "my-model", "le": "0.001"}
+    # Engine series are per replica; request series per model (a model's replicas add up in them).
+    assert fams["kvserve:num_requests_running"].samples[0].labels == {"model_name": "my-model", "replica": "0"}
+    assert fams["kvserve:prefix_cache_hits"].samples[0].labels == {"model_name": "my-model", "replica": "0"}
+
+
+def test_replicas_of_several_models_share_one_registry():
+    families = MetricFamilies()
+    a0, a1 = (ServerMetrics("a", replica=str(i), families=families) for i in range(2))
+    b0 = ServerMetrics("b", families=families)
+    a0.on_step(StepResult([output("r", 0, 1, True)], [], EngineStats(num_running=2, prefix_cache_hits=3), 1, 0.01,
+                          True))
+    a1.on_step(StepResult([output("s", 0, 1, True)], [], EngineStats(num_running=5), 1, 0.01, True))
+    b0.on_step(StepResult([], [], EngineStats(num_running=1), 0, 0.01, True))
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for f in text_string_to_metric_families(families.render().decode()) for s in f.samples}
+    assert got[("kvserve:num_requests_running", (("model_name", "a"), ("replica", "0")))] == 2
+    assert got[("kvserve:num_requests_running", (("model_name", "a"), ("replica", "1")))] == 5
+    assert got[("kvserve:num_requests_running", (("model_name", "b"), ("replica", "0")))] == 1
+    assert got[("kvserve:prefix_cache_hits_total", (("model_name", "a"), ("replica", "0")))] == 3
+    assert got[("kvserve:time_to_first_token_seconds_count", (("model_name", "a"),))] == 2   # both replicas'
+    assert got[("kvserve:time_to_first_token_seconds_count", (("model_name", "b"),))] == 0
 
 
 def test_request_histograms_and_token_counters():

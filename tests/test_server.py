@@ -58,7 +58,8 @@ def metrics(http: httpx.Client) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(http.get("/metrics").text):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "le"))
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                              if k not in ("model_name", "replica", "le"))
             key = s.name + (f"{{{labels}}}" if labels else "")
             if "le" in s.labels:
                 continue

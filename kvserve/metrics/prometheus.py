@@ -30,34 +30,45 @@ class _Tracked:
     last_token_time: float | None = None
 
 
-class ServerMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        self.model_name = model_name
-        r, lbl = self.registry, ["model_name"]
+class MetricFamilies:
+    """Every metric family of one server, registered once in its registry. Engine series (gauges, engine
+    counters, step sizes) are labelled model_name and replica; request series (latencies, tokens, finishes)
+    model_name only, so a model's replicas add up in them. Speculative-decoding counters are registered on
+    first use (the engine says it speculates)."""
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, lbl, registry=r).labels(model_name)
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        per_model, per_replica = ["model_name"], ["model_name", "replica"]
 
-        def counter(name: str, doc: str) -> Counter:
+        def counter(name: str, doc: str, labels: list[str]) -> Counter:
             # prometheus_client appends "_total" to counter names.
-            return Counter(PREFIX + name.removesuffix("_total"), doc, lbl, registry=r).labels(model_name)
+            return Counter(PREFIX + name.removesuffix("_total"), doc, labels, registry=r)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, lbl, buckets=buckets, registry=r).labels(model_name)
+        def histogram(name: str, doc: str, buckets: list[float], labels: list[str] = per_model) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
 
-        self.num_requests_running = gauge("num_requests_running", "Requests in the engine's running set.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
-        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of requests the engine started.")
-        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
-        self.num_preemptions = counter("num_preemptions_total", "Preemptions (a request evicted to free KV).")
-        self.prefix_cache_queries = counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
+        self.num_requests_running = Gauge(PREFIX + "num_requests_running", "Requests in the engine's running set.",
+                                          per_replica, registry=r)
+        self.num_requests_waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.",
+                                          per_replica, registry=r)
+        self.kv_cache_usage_perc = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
+                                         per_replica, registry=r)
+        self.gateway_queue_requests = Gauge(
+            PREFIX + "gateway_queue_requests", "Requests admitted and waiting in the gateway's queue for a place on "
+            "a replica (kvserve's own metric).", per_model, registry=r)
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of requests the engine started.", per_model)
+        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.", per_model)
+        self.num_preemptions = counter("num_preemptions_total", "Preemptions (a request evicted to free KV).",
+                                       per_replica)
+        self.prefix_cache_queries = counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+                                            per_replica)
+        self.prefix_cache_hits = counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+                                         per_replica)
         self.engine_restarts = counter("engine_restarts_total",
-                                       "Engine processes started to replace one that died (kvserve's own metric).")
-        self._request_success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
-                                        ["model_name", "finished_reason"], registry=r)
+                                       "Engine processes started to replace one that died (kvserve's own metric).",
+                                       per_replica)
+        self.request_success = counter("request_success", "Finished requests, by finish reason.",
+                                       ["model_name", "finished_reason"])
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between successive outputs.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS)
@@ -68,7 +79,45 @@ class ServerMetrics:
         self.decode_time = histogram("request_decode_time_seconds", "First token to last token.",
                                      REQUEST_LATENCY_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens processed per engine step.",
-                                          ITERATION_TOKEN_BUCKETS)
+                                          ITERATION_TOKEN_BUCKETS, per_replica)
+        self._spec: _SpecDecodeFamilies | None = None
+
+    def spec_decode(self) -> _SpecDecodeFamilies:
+        if self._spec is None:
+            self._spec = _SpecDecodeFamilies(self.registry)
+        return self._spec
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ServerMetrics:
+    """Feeds the families from one engine's step results: one per (model, replica). Several share one
+    MetricFamilies (and so one registry) in a server that serves several models or replicas."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, *, replica: str = "0",
+                 families: MetricFamilies | None = None) -> None:
+        self.families = f = families or MetricFamilies(registry)
+        self.registry = f.registry
+        self.model_name, self.replica = model_name, replica
+        engine = (model_name, replica)
+        self.num_requests_running = f.num_requests_running.labels(*engine)
+        self.num_requests_waiting = f.num_requests_waiting.labels(*engine)
+        self.kv_cache_usage_perc = f.kv_cache_usage_perc.labels(*engine)
+        self.prompt_tokens = f.prompt_tokens.labels(model_name)
+        self.generation_tokens = f.generation_tokens.labels(model_name)
+        self.num_preemptions = f.num_preemptions.labels(*engine)
+        self.prefix_cache_queries = f.prefix_cache_queries.labels(*engine)
+        self.prefix_cache_hits = f.prefix_cache_hits.labels(*engine)
+        self.engine_restarts = f.engine_restarts.labels(*engine)
+        self._request_success = f.request_success
+        self.ttft = f.ttft.labels(model_name)
+        self.itl = f.itl.labels(model_name)
+        self.e2e = f.e2e.labels(model_name)
+        self.queue_time = f.queue_time.labels(model_name)
+        self.prefill_time = f.prefill_time.labels(model_name)
+        self.decode_time = f.decode_time.labels(model_name)
+        self.iteration_tokens = f.iteration_tokens.labels(*engine)
         self._last_stats = EngineStats()
         self._tracked: dict[str, _Tracked] = {}
         self._spec: _SpecDecodeCounters | None = None  # registered once the engine says it speculates
@@ -90,7 +139,7 @@ class ServerMetrics:
                 counter.inc(now - before)
         if s.spec_decode_enabled:
             if self._spec is None:
-                self._spec = _SpecDecodeCounters(self.registry, self.model_name)
+                self._spec = _SpecDecodeCounters(self.families.spec_decode(), self.model_name, self.replica)
             self._spec.update(s, prev)
         if result.stepped:
             self.iteration_tokens.observe(s.last_step_num_tokens)
@@ -150,23 +199,31 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+class _SpecDecodeFamilies:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        lbl = ["model_name", "replica"]
+        self.num_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Speculative drafts verified.", lbl,
+                                  registry=registry)
+        self.num_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens verified.", lbl,
+                                        registry=registry)
+        self.num_accepted_tokens = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                           lbl, registry=registry)
+        self.per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                               "Draft tokens accepted, by position in the draft.", [*lbl, "position"],
+                               registry=registry)
+
+
 class _SpecDecodeCounters:
     """vLLM's speculative-decoding counters: drafts (one per sequence and step that verified some), draft
     tokens, accepted draft tokens, and accepted draft tokens by position in the draft (label `position`,
     0-based: how often the i-th draft token was accepted)."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        lbl = ["model_name"]
-        self.model_name = model_name
-        self.num_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Speculative drafts verified.", lbl,
-                                  registry=registry).labels(model_name)
-        self.num_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens verified.", lbl,
-                                        registry=registry).labels(model_name)
-        self.num_accepted_tokens = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                                           lbl, registry=registry).labels(model_name)
-        self.per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                               "Draft tokens accepted, by position in the draft.", ["model_name", "position"],
-                               registry=registry)
+    def __init__(self, families: _SpecDecodeFamilies, model_name: str, replica: str) -> None:
+        self.engine = (model_name, replica)
+        self.num_drafts = families.num_drafts.labels(*self.engine)
+        self.num_draft_tokens = families.num_draft_tokens.labels(*self.engine)
+        self.num_accepted_tokens = families.num_accepted_tokens.labels(*self.engine)
+        self.per_pos = families.per_pos
 
     def update(self, s: EngineStats, prev: EngineStats) -> None:
         for counter, now, before in (
@@ -178,6 +235,6 @@ class _SpecDecodeCounters:
                 counter.inc(now - before)
         for pos, now in enumerate(s.spec_accepted_per_pos):
             before = prev.spec_accepted_per_pos[pos] if pos < len(prev.spec_accepted_per_pos) else 0
-            child = self.per_pos.labels(self.model_name, str(pos))  # created at 0 on first sight
+            child = self.per_pos.labels(*self.engine, str(pos))  # created at 0 on first sight
             if now > before:
                 child.inc(now - before)

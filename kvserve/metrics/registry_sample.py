@@ -1,7 +1,7 @@
 """One reading of a Prometheus registry, reduced to what a dashboard draws: every gauge, counter and
 histogram count/sum summed over its label sets, every histogram's cumulative buckets summed the same way,
-and the per-replica split of the gauges where metrics carry a `replica` label. Plus Prometheus's own
-quantile estimate from buckets.
+and the per-replica split of the gauges where metrics carry a `replica` label (and there are several).
+Plus Prometheus's own quantile estimate from buckets.
 
 Reading the registry (rather than keeping counters of our own) is what makes the dashboard agree with
 /metrics: both render the same objects."""
@@ -42,7 +42,8 @@ class RegistrySample:
 def read_registry(registry: CollectorRegistry, t: float | None = None) -> RegistrySample:
     values: dict[str, float] = defaultdict(float)
     buckets: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
-    replicas: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    # (model_name, replica) -> gauge name -> value
+    engines: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for family in registry.collect():
         if family.type == "counter" and not family.samples:
             values[family.name + "_total"] = 0.0   # a labelled counter nothing has incremented yet
@@ -56,10 +57,18 @@ def read_registry(registry: CollectorRegistry, t: float | None = None) -> Regist
                 continue
             values[s.name] += s.value  # gauges, counters, and histograms' _count and _sum
             if family.type == "gauge" and "replica" in s.labels:
-                replicas[s.labels["replica"]][s.name] += s.value
+                engines[(s.labels.get("model_name", ""), s.labels["replica"])][s.name] += s.value
     histograms = {name: Histogram(tuple(sorted(b)), tuple(b[le] for le in sorted(b))) for name, b in buckets.items()}
-    return RegistrySample(time.time() if t is None else t, dict(values), histograms,
-                          {r: dict(g) for r, g in replicas.items()})
+    return RegistrySample(time.time() if t is None else t, dict(values), histograms, _replicas(engines))
+
+
+def _replicas(engines: dict[tuple[str, str], dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per replica, named by its `replica` label, or "model/replica" when several models have replicas. One
+    engine in all is no split worth showing: then none."""
+    if len(engines) < 2:
+        return {}
+    several_models = len({model for model, _ in engines}) > 1
+    return {(f"{model}/{replica}" if several_models else replica): dict(g) for (model, replica), g in engines.items()}
 
 
 def histogram_quantile(q: float, h: Histogram) -> float | None:

@@ -42,12 +42,13 @@ def _busy(now: EngineStats, before: EngineStats) -> bool:
             or now.num_prompt_tokens != before.num_prompt_tokens)
 
 
-async def log_stats_periodically(get_stats: Callable[[], EngineStats], interval_s: float = 5.0) -> None:
-    """Runs until cancelled; stays quiet while idle."""
+async def log_stats_periodically(get_stats: Callable[[], EngineStats], interval_s: float = 5.0,
+                                 label: str = "") -> None:
+    """Runs until cancelled; stays quiet while idle. `label` starts each line (which engine, when several)."""
     before, t_before = get_stats(), time.monotonic()
     while True:
         await asyncio.sleep(interval_s)
         now, t_now = get_stats(), time.monotonic()
         if _busy(now, before):
-            logger.info("%s", format_stats_line(now, before, max(t_now - t_before, 1e-9)))
+            logger.info("%s%s", label, format_stats_line(now, before, max(t_now - t_before, 1e-9)))
         before, t_before = now, t_now

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server: FastAPI routes, admission middleware, lifecycle and graceful SIGTERM.
 
-The engine runs behind AsyncLLM (its own process by default), so this process only parses requests,
-tokenizes, and streams; it never imports torch in that mode."""
+Requests go through a registry of served models (kvserve/gateway): each model has its tokenizer, an admission
+queue, and one engine client (AsyncLLM) per replica, an engine process each by default; so this process
+only parses requests, tokenizes, routes and streams, and never imports torch in that mode. One model with
+one replica (`kvserve serve [MODEL]`) is the smallest such registry, not a separate path."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.config import EngineConfig
-from kvserve.entrypoints.async_llm import AsyncLLM, EngineMode
+from kvserve.entrypoints.async_llm import EngineMode
 from kvserve.entrypoints.openai.auth import bearer_token, key_matches
 from kvserve.entrypoints.openai.errors import bad_request, error_body, install_error_handlers
 from kvserve.entrypoints.openai.protocol import (
@@ -32,8 +34,11 @@ from kvserve.entrypoints.openai.protocol import (
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from kvserve.entrypoints.web.routes import add_api_routes, add_page_routes
+from kvserve.gateway.auto_route import AutoRouter
+from kvserve.gateway.config import AUTO_MODEL, AdmissionConfig, ModelEntry, ModelsConfig
+from kvserve.gateway.registry import ModelRegistry
 from kvserve.metrics.dashboard import MetricsHistory
-from kvserve.metrics.prometheus import ServerMetrics
+from kvserve.metrics.prometheus import MetricFamilies, ServerMetrics
 from kvserve.metrics.stat_logger import log_stats_periodically
 
 logger = logging.getLogger("kvserve.server")
@@ -56,11 +61,24 @@ class ServerArgs:
     log_stats_interval_s: float = 5.0
     log_level: str = "info"
     web: bool = True                # the chat + dashboard page at /
+    # Several models and/or replicas (--models-config, or `kvserve serve A B`); None: the one model of
+    # `engine`, named by served_model_names. `engine` is then the base every entry's options override.
+    models: ModelsConfig | None = None
 
     def model_names(self) -> list[str]:
+        if self.models is not None:
+            return self.models.model_names()
         if self.served_model_names:
             return self.served_model_names
         return [self.engine.model or DEFAULT_MODEL_NAME]
+
+    def models_config(self) -> ModelsConfig:
+        if self.models is not None:
+            return self.models
+        # One model, one replica, admission as --max-waiting says (unbounded without it).
+        name = self.model_names()[0]
+        return ModelsConfig(models=[ModelEntry(name=name, model=self.engine.model)],  # type: ignore[arg-type]
+                            admission=AdmissionConfig(max_waiting=self.engine.max_waiting))  # type: ignore[arg-type]
 
 
 @dataclass
@@ -135,50 +153,72 @@ async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
-def build_app(args: ServerArgs, state: ServerState | None = None) -> FastAPI:
+def build_app(args: ServerArgs, state: ServerState | None = None, auto_router: AutoRouter | None = None) -> FastAPI:
+    """auto_router: what picks small or large for `model: "auto"` (default: PromptLengthRouter)."""
     state = state or ServerState()
-    names = args.model_names()
-    engine = AsyncLLM(args.engine, mode=args.engine_mode)
-    metrics = ServerMetrics(names[0])
-    history = MetricsHistory(metrics.registry)
-    completions = OpenAIServingCompletion(engine, names, args.engine.max_waiting, args.cache_salt_by_api_key)
-    chat = OpenAIServingChat(engine, names, args.engine.max_waiting, args.cache_salt_by_api_key)
+    aliases = args.served_model_names[1:] if args.models is None else None
+    registry = ModelRegistry.from_config(args.models_config(), args.engine, engine_mode=args.engine_mode,
+                                         aliases=aliases, auto_router=auto_router)
+    families = MetricFamilies()
+    # One metrics feeder per engine (model, replica), all into one registry.
+    engines = [(model, i, engine, ServerMetrics(model.name, replica=str(i), families=families))
+               for model in registry.models for i, engine in enumerate(model.replicas)]
+    for model in registry.models:
+        families.gateway_queue_requests.labels(model.name).set_function(lambda q=model.queue: q.num_waiting)
+    history = MetricsHistory(families.registry)
+    completions = OpenAIServingCompletion(registry, args.cache_salt_by_api_key)
+    chat = OpenAIServingChat(registry, args.cache_salt_by_api_key)
+    several_engines = len(engines) > 1
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await engine.start()
-        engine.step_listeners.append(metrics.on_step)
-        engine.end_listeners.append(metrics.on_request_end)
-        engine.restart_listeners.append(metrics.on_engine_restart)
-        stat_task = asyncio.create_task(log_stats_periodically(lambda: engine.stats, args.log_stats_interval_s))
-        history_task = asyncio.create_task(history.run())
-        logger.info("engine ready (%s mode, pid %s): serving %s, max_model_len=%d", args.engine_mode,
-                    engine.engine_pid, ", ".join(names), engine.max_model_len)
+        await registry.start()
+        tasks = [asyncio.create_task(history.run())]
+        for model, i, engine, metrics in engines:
+            engine.step_listeners.append(metrics.on_step)
+            engine.end_listeners.append(metrics.on_request_end)
+            engine.restart_listeners.append(metrics.on_engine_restart)
+            label = f"{model.name}/{i}: " if several_engines else ""
+            tasks.append(asyncio.create_task(
+                log_stats_periodically(lambda e=engine: e.stats, args.log_stats_interval_s, label)))
+        for model in registry.models:
+            logger.info("engine%s ready (%s mode, pid %s): serving %s, max_model_len=%d, %d replica%s",
+                        "s" if len(model.replicas) > 1 else "", args.engine_mode,
+                        ", ".join(str(r.engine_pid) for r in model.replicas), ", ".join(model.aliases),
+                        model.max_model_len, len(model.replicas), "s" if len(model.replicas) > 1 else "")
+        if registry.auto:
+            logger.info("model `auto`: %s", ", ".join(f"{k} -> {v}" for k, v in registry.auto.items()))
         try:
             yield
         finally:
-            stat_task.cancel()
-            history_task.cancel()
-            await engine.shutdown()
+            for task in tasks:
+                task.cancel()
+            await registry.shutdown()
 
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
-    app.state.engine, app.state.metrics, app.state.server_state = engine, metrics, state
+    app.state.registry, app.state.metrics, app.state.server_state = registry, families, state
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, args=args, state=state)
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.dead is not None or state.draining:
+        # 503 while any model has no engine able to serve (all its replicas down or being replaced).
+        if registry.dead is not None or state.draining:
             return Response(status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(families.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=n, root=names[0], max_model_len=engine.max_model_len) for n in names])
+        cards = [ModelCard(id=alias, root=m.name, max_model_len=m.max_model_len)
+                 for m in registry.models for alias in m.aliases]
+        if registry.auto:
+            chosen = [registry.resolve(name) for name in registry.auto.values()]
+            cards.append(ModelCard(id=AUTO_MODEL, root=AUTO_MODEL, max_model_len=min(m.max_model_len for m in chosen)))
+        return ModelList(data=cards)
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request) -> Response:
@@ -190,28 +230,32 @@ def build_app(args: ServerArgs, state: ServerState | None = None) -> FastAPI:
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
-        chat.model_name(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
+        m = chat.resolve(req.model, lambda: req.prompt if req.prompt is not None
+                         else "\n".join(msg.text for msg in req.messages))
         if req.messages is not None:
-            ids = await chat.render_prompt(req.messages, req.add_generation_prompt)
+            ids = await chat.render_prompt(m, req.messages, req.add_generation_prompt)
         else:
-            ids = await chat.encode(req.prompt, req.add_special_tokens)
-        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+            ids = await chat.encode(m, req.prompt, req.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=m.max_model_len, tokens=ids)
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
-        chat.model_name(req.model)
-        bad = next((t for t in req.tokens if t >= engine.vocab_size), None)
+        if req.model == AUTO_MODEL and registry.auto:
+            raise bad_request("token ids belong to one model's vocabulary: name the model, not `auto`", "model")
+        m = chat.resolve(req.model)
+        bad = next((t for t in req.tokens if t >= m.vocab_size), None)
         if bad is not None:
-            raise bad_request(f"token id {bad} is out of range [0, {engine.vocab_size})", "tokens")
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens, skip_special_tokens=False))
+            raise bad_request(f"token id {bad} is out of range [0, {m.vocab_size})", "tokens")
+        return DetokenizeResponse(prompt=m.tokenizer.decode(req.tokens, skip_special_tokens=False))
 
     @app.get("/version")
     async def version() -> dict:
         return {"version": VERSION}
 
-    add_api_routes(app, history, api_key_required=bool(args.api_keys), version=VERSION, web_page=args.web)
+    add_api_routes(app, history, api_key_required=bool(args.api_keys), version=VERSION, web_page=args.web,
+                   models=registry.names())
     if args.web:
         add_page_routes(app)
 

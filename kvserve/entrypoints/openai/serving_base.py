@@ -1,19 +1,24 @@
-"""What completions and chat share: model check, admission control, prompt validation, max_tokens, running
-requests so that a client that goes away aborts them, SSE framing, logprob token strings."""
+"""What completions and chat share: which model serves the request, admission control, prompt validation,
+max_tokens, running requests so that a client that goes away aborts them, SSE framing, logprob token strings."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
 
-from kvserve.entrypoints.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, EngineRequestError
+from kvserve.entrypoints.async_llm import EngineDeadError, EngineRequestError
 from kvserve.entrypoints.openai.auth import bearer_token, tenant_cache_salt
 from kvserve.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from kvserve.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from kvserve.gateway.admission import NoReplica, QueueFull
+from kvserve.gateway.config import AUTO_MODEL
+from kvserve.gateway.registry import ModelRegistry, UnknownModel
+from kvserve.gateway.served_model import ServedModel
 from kvserve.outputs import RequestDelta
 from kvserve.sampling_params import SamplingParams
 
@@ -25,29 +30,31 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_waiting: int | None,
-                 cache_salt_by_api_key: bool = False) -> None:
-        self.engine = engine
-        self.served_model_names = served_model_names
-        self.max_waiting = max_waiting
+    """The per-request work both endpoints share. Every request is served by one model of the registry,
+    resolved from its `model` field first: its tokenizer, context length and engines are the ones used."""
+
+    def __init__(self, registry: ModelRegistry, cache_salt_by_api_key: bool = False) -> None:
+        self.registry = registry
         self.cache_salt_by_api_key = cache_salt_by_api_key
 
-    @property
-    def tokenizer(self):  # kvserve.tokenizer.Tokenizer, available once the engine is ready
-        return self.engine.tokenizer
+    def resolve(self, requested: str | None, prompt_text: Callable[[], str] | None = None) -> ServedModel:
+        try:
+            return self.registry.resolve(requested, prompt_text)
+        except UnknownModel as e:
+            raise OpenAIError(404, str(e), "model") from None
 
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    @staticmethod
+    def response_model_name(requested: str | None, model: ServedModel) -> str:
+        """What the response's `model` says: the name the client sent, or for none and for `auto` the name of
+        the model that answered."""
+        return requested if requested and requested != AUTO_MODEL else model.name
+
+    @staticmethod
+    async def encode(model: ServedModel, text: str, add_special_tokens: bool) -> list[int]:
         # A long text takes a while to tokenize: do it off the event loop so /health and streams keep going.
         if len(text) < 20_000:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
-
-    def model_name(self, requested: str | None) -> str:
-        if requested is None or requested == "":
-            return self.served_model_names[0]
-        if requested not in self.served_model_names:
-            raise OpenAIError(404, f"The model `{requested}` does not exist.", "model")
-        return requested
+            return model.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(model.tokenizer.encode, text, add_special_tokens)
 
     def cache_salt(self, raw_request: Request, requested: str | None) -> str | None:
         """The prefix-cache salt the engine gets: the request's cache_salt, under its API key's when the
@@ -56,59 +63,66 @@ class OpenAIServing:
             return requested
         return tenant_cache_salt(bearer_token(raw_request.headers.get("authorization")), requested)
 
-    def check_admission(self, num_new: int) -> None:
-        """A cheap early refusal; AsyncLLM.generate makes the binding check as it submits."""
-        if self.engine.dead is not None:
-            raise OpenAIError(503, f"engine is not running: {self.engine.dead}", headers={"Retry-After": "2"})
-        if self.max_waiting is not None and self.engine.num_waiting + num_new > self.max_waiting:
-            raise OpenAIError(429, f"too many requests waiting (max_waiting={self.max_waiting}); retry later",
-                              headers={"Retry-After": "1"})
+    @staticmethod
+    def check_admission(model: ServedModel, num_new: int, priority: int = 0) -> None:
+        """A cheap early refusal; the model's admission queue makes the binding check as each request joins."""
+        if model.dead is not None:
+            raise OpenAIError(503, f"engine is not running: {model.dead}", headers={"Retry-After": "2"})
+        queue = model.queue
+        if not queue.admits(priority, num_new):
+            raise OpenAIError(429, f"too many requests waiting (max_waiting={queue.max_waiting}); retry later",
+                              headers={"Retry-After": str(queue.retry_after_s())})
 
-    def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
+    @staticmethod
+    def check_prompt(model: ServedModel, token_ids: list[int], param: str = "prompt") -> None:
         if not token_ids:
             raise bad_request("prompt must not be empty", param)
-        vocab = self.engine.vocab_size
+        vocab = model.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is out of range [0, {vocab})", param)
 
-    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, param: str = "max_tokens") -> int:
-        room = self.engine.max_model_len - prompt_len
+    @staticmethod
+    def resolve_max_tokens(model: ServedModel, prompt_len: int, max_tokens: int | None,
+                           param: str = "max_tokens") -> int:
+        room = model.max_model_len - prompt_len
         if room < 1:
-            raise bad_request(f"This model's maximum context length is {self.engine.max_model_len} tokens; "
+            raise bad_request(f"This model's maximum context length is {model.max_model_len} tokens; "
                               f"the prompt has {prompt_len} tokens, leaving no room to generate.", "prompt")
         if max_tokens is None:
             return room
         if max_tokens < 1:
             raise bad_request(f"{param} must be an integer >= 1, got {max_tokens}", param)
         if max_tokens > room:
-            raise bad_request(f"This model's maximum context length is {self.engine.max_model_len} tokens. "
+            raise bad_request(f"This model's maximum context length is {model.max_model_len} tokens. "
                               f"However, you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
                               f"prompt, {max_tokens} for the completion).", param)
         return max_tokens
 
-    def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None,
+    @staticmethod
+    def sampling_params(model: ServedModel, req: SamplingFields, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
-        if req.n > self.engine.config.max_num_seqs:
-            raise bad_request(f"n must be <= max_num_seqs={self.engine.config.max_num_seqs}, got {req.n}", "n")
+        if req.n > model.config.max_num_seqs:
+            raise bad_request(f"n must be <= max_num_seqs={model.config.max_num_seqs}, got {req.n}", "n")
         if req.logit_bias:
             for key in req.logit_bias:
-                if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.engine.vocab_size:
-                    raise bad_request(f"logit_bias key {key!r} is not a token id in [0, {self.engine.vocab_size})",
+                if not key.lstrip("-").isdigit() or not 0 <= int(key) < model.vocab_size:
+                    raise bad_request(f"logit_bias key {key!r} is not a token id in [0, {model.vocab_size})",
                                       "logit_bias")
         try:
             params = req.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ValueError as e:
             raise bad_request(str(e)) from None
-        if params.top_k >= self.engine.vocab_size:  # keeping every token is the same as no top-k
+        if params.top_k >= model.vocab_size:  # keeping every token is the same as no top-k
             params.top_k = 0
         return params
 
-    async def generate(self, raw_request: Request, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int, request_id: str, cache_salt: str | None = None) -> AsyncIterator[RequestDelta]:
-        """AsyncLLM.generate with engine errors mapped to HTTP errors."""
-        gen = self.engine.generate(prompt_token_ids, params, request_id=request_id, priority=priority,
-                                   cache_salt=self.cache_salt(raw_request, cache_salt))
+    async def generate(self, model: ServedModel, raw_request: Request, prompt_token_ids: list[int],
+                       params: SamplingParams, priority: int, request_id: str,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestDelta]:
+        """The model's generate (admission, routing, the engine) with its errors mapped to HTTP errors."""
+        gen = model.generate(prompt_token_ids, params, request_id=request_id, priority=priority,
+                             cache_salt=self.cache_salt(raw_request, cache_salt), arrival_time=time.monotonic())
         async with contextlib.aclosing(gen):
             try:
                 async for out in gen:
@@ -117,10 +131,10 @@ class OpenAIServing:
                 if e.client_error:
                     raise bad_request(str(e)) from None
                 raise OpenAIError(500, str(e)) from None
-            except EngineDeadError as e:
+            except (EngineDeadError, NoReplica) as e:
                 raise OpenAIError(503, f"engine is not running: {e}", headers={"Retry-After": "2"}) from None
-            except EngineOverloadedError as e:
-                raise OpenAIError(429, str(e), headers={"Retry-After": "1"}) from None
+            except QueueFull as e:
+                raise OpenAIError(429, str(e), headers={"Retry-After": str(e.retry_after_s)}) from None
 
 
 async def merge(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

@@ -35,6 +35,7 @@ from kvserve.entrypoints.openai.serving_base import (
     until_disconnected,
     usage,
 )
+from kvserve.gateway.served_model import ServedModel
 from kvserve.outputs import PositionLogprobs, RequestDelta, RequestOutput, RequestOutputAccumulator
 
 
@@ -50,13 +51,13 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
 
 
 class OpenAIServingChat(OpenAIServing):
-    async def render_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+    async def render_prompt(self, m: ServedModel, messages: list[ChatMessage], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
         if not messages:
             raise bad_request("messages must not be empty", "messages")
         dicts = messages_to_dicts(messages)
         try:
-            text = self.tokenizer.apply_chat_template(
+            text = m.tokenizer.apply_chat_template(
                 dicts, add_generation_prompt=add_generation_prompt and not continue_final_message,
                 **(template_kwargs or {}))
         except (jinja2.TemplateError, ValueError, TypeError) as e:
@@ -68,26 +69,29 @@ class OpenAIServingChat(OpenAIServing):
             if final and cut >= 0:
                 text = text[: cut + len(final)]
         # The template already holds the special tokens it wants (BOS etc.).
-        return await self.encode(text, add_special_tokens=False)
+        return await self.encode(m, text, add_special_tokens=False)
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
-        model = self.model_name(req.model)
-        ids = await self.render_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                 req.chat_template_kwargs)
-        self.check_prompt(ids, "messages")
+        # model "auto" judges what the user asked last (the router was fitted on questions, not on transcripts).
+        m = self.resolve(req.model, lambda: next((msg.text for msg in reversed(req.messages) if msg.role == "user"),
+                                                 ""))
+        model = self.response_model_name(req.model, m)
+        ids = await self.render_prompt(m, req.messages, req.add_generation_prompt, req.continue_final_message,
+                                       req.chat_template_kwargs)
+        self.check_prompt(m, ids, "messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.resolve_max_tokens(
-            len(ids), requested, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+            m, len(ids), requested, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, num_top, None)
-        self.check_admission(1)
+        params = self.sampling_params(m, req, max_tokens, num_top, None)
+        self.check_admission(m, 1, req.priority)
 
         request_id = req.request_id or random_id("chatcmpl")
-        gen = self.generate(raw_request, ids, params, req.priority, request_id, req.cache_salt)
+        gen = self.generate(m, raw_request, ids, params, req.priority, request_id, req.cache_salt)
         if req.stream:
-            return await self._stream(req, raw_request, request_id, model, len(ids), gen)
+            return await self._stream(m, req, raw_request, request_id, model, len(ids), gen)
 
         async def collect() -> RequestOutput:
             # The engine sends each step's additions; the whole answer is assembled here, once.
@@ -103,7 +107,8 @@ class OpenAIServingChat(OpenAIServing):
             return Response(status_code=499)
         choices = []
         for c in out.outputs:
-            logprobs = self._logprobs(c.token_ids, c.logprobs or [], num_top) if num_top is not None else None
+            logprobs = (self._logprobs(m.tokenizer, c.token_ids, c.logprobs or [], num_top)
+                        if num_top is not None else None)
             choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                                       logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -111,21 +116,23 @@ class OpenAIServingChat(OpenAIServing):
                                       usage=usage(len(ids), completion_tokens, out.num_cached_tokens))
         return JSONResponse(body.model_dump())
 
-    def _logprobs(self, token_ids: list[int], entries: list[PositionLogprobs], num_top: int) -> ChatChoiceLogprobs:
+    @staticmethod
+    def _logprobs(tokenizer, token_ids: list[int], entries: list[PositionLogprobs],
+                  num_top: int) -> ChatChoiceLogprobs:
         content = []
         for tid, entry in zip(token_ids, entries):
             if tid not in entry:
                 continue
-            s = token_str(self.tokenizer, tid, entry[tid].decoded_token)
+            s = token_str(tokenizer, tid, entry[tid].decoded_token)
             tops = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= num_top), key=lambda x: x[1].rank)
             content.append(ChatTokenLogprob(
                 token=s, logprob=entry[tid].logprob, bytes=list(s.encode("utf-8")),
-                top_logprobs=[ChatTopLogprob(token=(ts := token_str(self.tokenizer, t, lp.decoded_token)),
+                top_logprobs=[ChatTopLogprob(token=(ts := token_str(tokenizer, t, lp.decoded_token)),
                                              logprob=lp.logprob, bytes=list(ts.encode("utf-8")))
                               for t, lp in tops[:num_top]]))
         return ChatChoiceLogprobs(content=content)
 
-    async def _stream(self, req: ChatCompletionRequest, raw_request: Request, request_id: str, model: str,
+    async def _stream(self, m: ServedModel, req: ChatCompletionRequest, raw_request: Request, request_id: str, model: str,
                       prompt_len: int, gen: AsyncIterator[RequestDelta]) -> Response:
         first = await first_output(raw_request, gen)
         if first is None:
@@ -152,7 +159,8 @@ class OpenAIServingChat(OpenAIServing):
                 sent[c.index] += len(c.token_ids)
                 if not c.text and not c.token_ids and c.finish_reason is None:
                     continue
-                logprobs = self._logprobs(c.token_ids, c.logprobs or [], num_top) if num_top is not None else None
+                logprobs = (self._logprobs(m.tokenizer, c.token_ids, c.logprobs or [], num_top)
+                            if num_top is not None else None)
                 lines.append(chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
                                                      logprobs=logprobs, finish_reason=c.finish_reason,
                                                      stop_reason=c.stop_reason)], continuous))

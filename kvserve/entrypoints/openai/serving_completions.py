@@ -29,34 +29,47 @@ from kvserve.entrypoints.openai.serving_base import (
     until_disconnected,
     usage,
 )
+from kvserve.gateway.served_model import ServedModel
 from kvserve.outputs import PositionLogprobs, RequestDelta, RequestOutput, RequestOutputAccumulator
+
+
+def _prompt_text(req: CompletionRequest) -> str:
+    """The text `model: "auto"` judges: the prompt, or the prompts joined. Token ids belong to one model's
+    vocabulary, so they cannot be judged (nor sent to either model) without naming the model."""
+    p = req.prompt
+    items = [p] if isinstance(p, str) else list(p or [])
+    if not all(isinstance(item, str) for item in items):
+        raise bad_request("model `auto` needs a text prompt: token ids belong to one model's vocabulary; "
+                          "name the model", "prompt")
+    return "\n".join(items)
 
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
-        model = self.model_name(req.model)
+        m = self.resolve(req.model, lambda: _prompt_text(req))
+        model = self.response_model_name(req.model, m)
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of must equal n (best-of selection is not supported)", "best_of")
-        prompts = await self._prompts(req)
+        prompts = await self._prompts(m, req)
         if req.echo and req.logprobs is not None:
             prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs
         else:
             prompt_logprobs = req.prompt_logprobs
         params = []
         for _, ids in prompts:
-            self.check_prompt(ids)
-            max_tokens = self.resolve_max_tokens(len(ids), req.max_tokens)
-            params.append(self.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs))
-        self.check_admission(len(prompts))
+            self.check_prompt(m, ids)
+            max_tokens = self.resolve_max_tokens(m, len(ids), req.max_tokens)
+            params.append(self.sampling_params(m, req, max_tokens, req.logprobs, prompt_logprobs))
+        self.check_admission(m, len(prompts), req.priority)
 
         request_id = req.request_id or random_id("cmpl")
-        gens = [self.generate(raw_request, ids, p, req.priority, f"{request_id}-{i}", req.cache_salt)
+        gens = [self.generate(m, raw_request, ids, p, req.priority, f"{request_id}-{i}", req.cache_salt)
                 for i, ((_, ids), p) in enumerate(zip(prompts, params))]
         merged = merge(gens)
         if req.stream:
-            return await self._stream(req, raw_request, request_id, model, prompts, merged)
+            return await self._stream(m, req, raw_request, request_id, model, prompts, merged)
 
         # The engine sends each step's additions; the whole answer is assembled here, once.
         accs = [RequestOutputAccumulator(f"{request_id}-{i}", text, ids, req.n, req.logprobs is not None)
@@ -77,7 +90,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for (text, ids), out in zip(prompts, finals):
             prompt_tokens += len(ids)
             cached += out.num_cached_tokens
-            prompt_text = text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
+            prompt_text = text if text is not None else m.tokenizer.decode(ids, skip_special_tokens=False)
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 logprobs = None
@@ -86,7 +99,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     if req.echo:
                         tok_ids = ids + tok_ids
                         entries = list(out.prompt_logprobs or [None] * len(ids)) + entries
-                    logprobs = self._logprobs(tok_ids, entries, 0)
+                    logprobs = self._logprobs(m.tokenizer, tok_ids, entries, 0)
                 choices.append(CompletionChoice(
                     index=len(choices), text=(prompt_text if req.echo else "") + c.text, logprobs=logprobs,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
@@ -94,7 +107,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                   usage=usage(prompt_tokens, completion_tokens, cached))
         return JSONResponse(body.model_dump())
 
-    async def _prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    async def _prompts(self, m: ServedModel, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         """[(text or None, token ids)] for each prompt of the request."""
         p = req.prompt
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
@@ -109,30 +122,31 @@ class OpenAIServingCompletion(OpenAIServing):
         out = []
         for item in items:
             if isinstance(item, str):
-                out.append((item, await self.encode(item, add_special)))
+                out.append((item, await self.encode(m, item, add_special)))
             else:
                 out.append((None, list(item)))
         return out
 
-    def _logprobs(self, token_ids: list[int], entries: list[PositionLogprobs | None],
+    @staticmethod
+    def _logprobs(tokenizer, token_ids: list[int], entries: list[PositionLogprobs | None],
                   text_offset: int) -> CompletionLogprobs:
         result = CompletionLogprobs()
         for tid, entry in zip(token_ids, entries):
             if entry is None or tid not in entry:
-                s = token_str(self.tokenizer, tid, None)
+                s = token_str(tokenizer, tid, None)
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
             else:
-                s = token_str(self.tokenizer, tid, entry[tid].decoded_token)
+                s = token_str(tokenizer, tid, entry[tid].decoded_token)
                 result.token_logprobs.append(entry[tid].logprob)
-                result.top_logprobs.append({token_str(self.tokenizer, t, lp.decoded_token): lp.logprob
+                result.top_logprobs.append({token_str(tokenizer, t, lp.decoded_token): lp.logprob
                                             for t, lp in entry.items()})
             result.tokens.append(s)
             result.text_offset.append(text_offset)
             text_offset += len(s)
         return result
 
-    async def _stream(self, req: CompletionRequest, raw_request: Request, request_id: str, model: str,
+    async def _stream(self, m: ServedModel, req: CompletionRequest, raw_request: Request, request_id: str, model: str,
                       prompts: list[tuple[str | None, list[int]]],
                       merged: AsyncIterator[tuple[int, RequestDelta]]) -> Response:
         first = await first_output(raw_request, merged)
@@ -165,7 +179,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 delta_text, new_ids, new_lps = c.text, c.token_ids, c.logprobs or []
                 if req.echo and not echoed[i][j]:
                     echoed[i][j] = True
-                    prompt_text = text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
+                    prompt_text = text if text is not None else m.tokenizer.decode(ids, skip_special_tokens=False)
                     delta_text = prompt_text + delta_text
                     new_ids = ids + new_ids
                     new_lps = list(prompt_lps[i] or [None] * len(ids)) + new_lps
@@ -174,7 +188,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     continue
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = self._logprobs(new_ids, new_lps, offsets[i][j])
+                    logprobs = self._logprobs(m.tokenizer, new_ids, new_lps, offsets[i][j])
                     if logprobs.tokens:
                         offsets[i][j] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                 chunk = CompletionResponse(

@@ -43,7 +43,7 @@ def add_page_routes(app: FastAPI) -> None:
 
 
 def add_api_routes(app: FastAPI, history: MetricsHistory, *, api_key_required: bool, version: str,
-                   web_page: bool) -> None:
+                   web_page: bool, models: list[str] | None = None) -> None:
     max_window = int(history.keep_s)
 
     @app.get("/api/dashboard")
@@ -56,4 +56,4 @@ def add_api_routes(app: FastAPI, history: MetricsHistory, *, api_key_required: b
     @app.get("/api/info")
     async def info() -> dict:
         return {"object": "server_info", "version": version, "api_key_required": api_key_required,
-                "web_page": web_page, "dashboard_interval_s": history.interval_s}
+                "web_page": web_page, "dashboard_interval_s": history.interval_s, "models": models or []}

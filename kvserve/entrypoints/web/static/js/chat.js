@@ -5,7 +5,7 @@ import { renderMarkdown } from './markdown.js';
 
 const SETTINGS_KEY = 'kvserve.chatSettings';
 const RENDER_EVERY_MS = 40;   // re-render a streaming reply at most this often: one parse per frame or so
-const AUTO_MODEL = '';        // the picker's "auto": send no model, the server answers with its default
+const AUTO_MODEL = '';        // the picker's "default": send no model, the server answers with its first model
 
 function byId(id) {
   return document.getElementById(id);
@@ -57,7 +57,7 @@ export class ChatView {
     const list = await this.api.json('/v1/models');
     const names = list.data.map((m) => m.id);
     const saved = this.el.model.value || this.savedSettings().model || AUTO_MODEL;
-    const options = names.length > 1 ? [[AUTO_MODEL, 'auto (server default)'], ...names.map((n) => [n, n])]
+    const options = names.length > 1 ? [[AUTO_MODEL, 'default (the first model)'], ...names.map((n) => [n, n])]
       : names.map((n) => [n, n]);
     this.el.model.replaceChildren(...options.map(([value, label]) => {
       const option = element('option', undefined, label);

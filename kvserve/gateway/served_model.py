@@ -1,0 +1,117 @@
+"""One served model: its replicas (one engine client, AsyncLLM, per engine process), the admission queue in
+front of them and the routing policy that picks a replica for each request (DESIGN.md §8).
+
+The HTTP layer sees a ServedModel as it saw the one engine before: a tokenizer, max_model_len, vocab_size,
+the engine config, and `generate`. With one replica there is nothing to route and no digest is computed."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from kvserve.config import EngineConfig
+from kvserve.engine.block_hash import block_hashes
+from kvserve.entrypoints.async_llm import AsyncLLM, EngineMode
+from kvserve.gateway.admission import AdmissionQueue, EngineView
+from kvserve.gateway.routing import CacheAwarePolicy, make_policy
+from kvserve.outputs import RequestDelta
+from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger("kvserve.gateway")
+
+# While requests wait in the queue, it is re-checked this often (a replica may have come back to life).
+_PUMP_INTERVAL_S = 0.25
+
+
+class ServedModel:
+    def __init__(self, name: str, config: EngineConfig, *, num_replicas: int = 1, policy: str = "cache_aware",
+                 max_waiting: int | None = None, engine_mode: EngineMode = "process",
+                 aliases: list[str] | None = None) -> None:
+        self.name = name
+        self.aliases = [name, *(a for a in aliases or [] if a != name)]   # names clients may send
+        # Admission is the queue's job here; the engines take whatever they are sent.
+        self.config = replace(config, max_waiting=None)
+        self.policy = make_policy(policy, num_replicas, self.config.block_size)
+        self.replicas = [AsyncLLM(self.config, mode=engine_mode) for _ in range(num_replicas)]
+        self.queue = AdmissionQueue(num_replicas, self.config.max_num_seqs, self.policy, self._engine_view,
+                                    max_waiting=max_waiting)
+        self._pumper: asyncio.Task | None = None
+
+    # ---- what the HTTP layer reads (replica 0 speaks for all: they load the same model) --------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.replicas[0].tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.replicas[0].max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.replicas[0].vocab_size
+
+    @property
+    def dead(self) -> str | None:
+        """Why no replica can serve, if none can."""
+        reasons = [r.dead for r in self.replicas]
+        return None if any(d is None for d in reasons) else "; ".join(d for d in reasons if d)
+
+    @property
+    def num_unhealthy(self) -> int:
+        return sum(r.dead is not None for r in self.replicas)
+
+    def _engine_view(self, i: int) -> EngineView:
+        r = self.replicas[i]
+        return EngineView(r.stats.num_running, r.num_waiting, r.stats.kv_cache_usage, r.dead is None)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Starts every replica's engine at once; if one fails, stops the others and raises."""
+        results = await asyncio.gather(*(r.start() for r in self.replicas), return_exceptions=True)
+        failed = next((e for e in results if isinstance(e, BaseException)), None)
+        if failed is not None:
+            await self.shutdown()
+            raise failed
+        for i, r in enumerate(self.replicas):
+            r.restart_listeners.append(lambda i=i: self._on_restart(i))
+        self._pumper = asyncio.create_task(self._pump_while_waiting())
+
+    def _on_restart(self, replica: int) -> None:
+        if isinstance(self.policy, CacheAwarePolicy):
+            self.policy.forget(replica)   # a new engine process starts with an empty prefix cache
+
+    async def _pump_while_waiting(self) -> None:
+        while True:
+            await asyncio.sleep(_PUMP_INTERVAL_S)
+            if self.queue.num_waiting:
+                self.queue.pump()
+
+    async def shutdown(self) -> None:
+        if self._pumper is not None:
+            self._pumper.cancel()
+        await asyncio.gather(*(r.shutdown() for r in self.replicas), return_exceptions=True)
+
+    # ---- requests ----------------------------------------------------------------------------------
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str,
+                       priority: int = 0, cache_salt: str | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestDelta]:
+        """Waits for a place (QueueFull / NoReplica if there is none to wait for), then streams the
+        request's deltas from the replica it was routed to."""
+        digests = []
+        if isinstance(self.policy, CacheAwarePolicy) and len(self.replicas) > 1:
+            digests = block_hashes(prompt_token_ids, self.config.block_size, cache_salt)
+        placement = await self.queue.acquire(digests, priority, params.n, len(prompt_token_ids))
+        try:
+            gen = self.replicas[placement.replica].generate(prompt_token_ids, params, request_id=request_id,
+                                                            priority=priority, cache_salt=cache_salt,
+                                                            arrival_time=arrival_time)
+            async with contextlib.aclosing(gen):
+                async for delta in gen:
+                    if placement.prefill_tokens:
+                        self.queue.first_token(placement)
+                    yield delta
+        finally:
+            self.queue.release(placement)

@@ -1,0 +1,223 @@
+"""A real `kvserve serve --models-config` with two tiny random models (each with its own chat template), one of
+them on two replicas, driven over HTTP by the official `openai` client and httpx: both names and `auto`
+answer, each with its own model's tokens (checked against transformers) and template; unknown names are
+404; /metrics and /health cover every engine; shared prefixes stay on one replica; a full queue is 429 with
+Retry-After; and interactive requests start at once while a burst of background generations waits."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import statistics
+import time
+
+import httpx
+import openai
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve.entrypoints.openai.launcher import RemoteServer
+
+pytestmark = pytest.mark.timeout(900)
+
+MAX_NUM_SEQS = 2          # places per engine: small enough for a short test to fill them
+MAX_WAITING = 2
+LARGE_TEMPLATE = "{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}" \
+                 "{% if add_generation_prompt %}[ASSISTANT] {% endif %}"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gateway")
+    large_dir = root / "large"
+    shutil.copytree(tiny_model_dirs["qwen2"][0], large_dir)
+    # The large model speaks another chat format than the small one: each model keeps its own template.
+    config = json.loads((large_dir / "tokenizer_config.json").read_text())
+    (large_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": LARGE_TEMPLATE}))
+    models = {
+        "models": [
+            {"name": "small", "model": str(tiny_model_dirs["llama"][0]), "data_parallel_size": 2},
+            {"name": "large", "model": str(large_dir)},
+        ],
+        "routing": {"policy": "cache_aware", "auto": {"small": "small", "large": "large"}},
+        "admission": {"max_waiting": MAX_WAITING},
+    }
+    path = root / "models.yaml"
+    path.write_text(yaml.safe_dump(models))
+    args = ["--models-config", str(path), "--max-model-len", "512", "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--num-kv-blocks", "128", "--dtype", "float32"]
+    with RemoteServer(args, startup_timeout_s=600) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def metric_samples(http: httpx.Client) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(http.get("/metrics").text) for s in f.samples}
+
+
+def wait_idle(http: httpx.Client, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = metric_samples(http)
+        busy = sum(v for (name, _), v in m.items() if name in ("kvserve:num_requests_running",
+                                                                 "kvserve:num_requests_waiting",
+                                                                 "kvserve:gateway_queue_requests"))
+        if busy == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the server did not go idle")
+
+
+# ---------------------------------------------------------------- names, models, templates
+
+def test_models_lists_every_name_and_auto(http):
+    cards = http.get("/v1/models").json()["data"]
+    assert [c["id"] for c in cards] == ["small", "large", "auto"]
+    assert all(c["max_model_len"] == 512 for c in cards)
+    assert http.get("/api/info").json()["models"] == ["small", "large", "auto"]
+
+
+def test_each_name_answers_with_its_own_model(client, server, tiny_model_dirs):
+    """Each name's greedy answer is its own model's: the offline engine on that model's directory gives the same
+    text, and its tokens are transformers' greedy tokens for that model."""
+    from tiny_models import hf_greedy
+
+    from kvserve import LLM, SamplingParams
+
+    prompt = [256, *b"The gateway routes"]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, skip_special_tokens=False)
+    texts = {}
+    for name, arch in (("small", "llama"), ("large", "qwen2")):
+        offline = LLM(str(tiny_model_dirs[arch][0]), max_model_len=512, dtype="float32", num_threads=1)
+        out = offline.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert list(out.token_ids) == hf_greedy(tiny_model_dirs[arch][1], prompt, 8)[0]
+        got = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True, "skip_special_tokens": False})
+        assert got.model == name and got.choices[0].text == out.text, name
+        texts[name] = out.text
+        del offline
+    assert texts["small"] != texts["large"]
+
+
+def test_unknown_model_is_404(client, http):
+    r = http.post("/v1/completions", json={"model": "medium", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+    assert r.json()["error"]["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="medium", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_each_model_renders_its_own_chat_template(client, http):
+    messages = [{"role": "user", "content": "Hello"}]
+    small = http.post("/tokenize", json={"model": "small", "messages": messages}).json()["tokens"]
+    large = http.post("/tokenize", json={"model": "large", "messages": messages}).json()["tokens"]
+    assert "[USER] Hello" in http.post("/detokenize", json={"model": "large", "tokens": large}).json()["prompt"]
+    assert "user: Hello" in http.post("/detokenize", json={"model": "small", "tokens": small}).json()["prompt"]
+    for name, ids in (("small", small), ("large", large)):
+        r = client.chat.completions.create(model=name, messages=messages, max_tokens=3, temperature=0)
+        assert r.model == name and r.usage.prompt_tokens == len(ids)
+
+
+def test_auto_picks_by_prompt_length_and_names_the_model_used(client, http):
+    short = client.completions.create(model="auto", prompt="Hi there", max_tokens=2)
+    assert short.model == "small"
+    long_prompt = ".," * 150                      # 300 pieces: over the baseline's 256-token threshold
+    long = client.completions.create(model="auto", prompt=long_prompt, max_tokens=2)
+    assert long.model == "large"
+    chat = client.chat.completions.create(model="auto", messages=[{"role": "user", "content": long_prompt}],
+                                          max_tokens=2, stream=True)
+    assert {c.model for c in chat} == {"large"}
+    r = http.post("/v1/completions", json={"model": "auto", "prompt": [1, 2, 3], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+# ---------------------------------------------------------------- metrics, health, routing
+
+def test_metrics_carry_model_and_replica_and_health_covers_all(http):
+    assert http.get("/health").status_code == 200
+    m = metric_samples(http)
+    engines = {dict(labels)["model_name"] + "/" + dict(labels)["replica"]
+               for (name, labels) in m if name == "kvserve:num_requests_running"}
+    assert engines == {"small/0", "small/1", "large/0"}
+    served = {dict(labels)["model_name"] for (name, labels) in m if name == "kvserve:request_success_total"}
+    assert served == {"small", "large"}
+    assert http.get("/api/dashboard").json()["replicas"].keys() == {"small/0", "small/1", "large/0"}
+
+
+def test_shared_prefix_stays_on_one_replica(client, http):
+    wait_idle(http)
+    before = metric_samples(http)
+    prefix = "The same long system prompt, shared by every request of this test. " * 4   # 280 tokens
+    cached = []
+    for i in range(4):
+        r = client.completions.create(model="small", prompt=prefix + f"Question {i}?", max_tokens=2)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    # Every request after the first finds the prefix's full blocks in its replica's cache.
+    assert cached[0] == 0 and all(c >= 256 for c in cached[1:]), cached
+    after = metric_samples(http)
+    hits = {r: after[("kvserve:prefix_cache_hits_total", (("model_name", "small"), ("replica", r)))]
+            - before[("kvserve:prefix_cache_hits_total", (("model_name", "small"), ("replica", r)))]
+            for r in ("0", "1")}
+    assert sorted(hits.values())[0] == 0 and sorted(hits.values())[1] == sum(cached), hits
+
+
+# ---------------------------------------------------------------- admission
+
+async def _ttft(c: httpx.AsyncClient, body: dict) -> float:
+    t0 = time.perf_counter()
+    async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        lines = r.aiter_lines()
+        async for line in lines:
+            if line.startswith("data: {"):     # the first token's chunk (its text may still be empty)
+                ttft = time.perf_counter() - t0
+                break
+        async for _ in lines:
+            pass
+    return ttft
+
+
+def test_full_queue_is_429_and_interactive_requests_are_not_starved(server, http):
+    """On `large` (one replica, 2 places, of which 1 is kept for priority <= 0): a burst of background
+    generations (priority 1) takes one place and fills the line; one more is refused with 429 and
+    Retry-After; interactive requests still start at once, with a p99 TTFT within 5x of an idle server's."""
+    wait_idle(http)
+    short = {"model": "large", "prompt": "Quick question?", "max_tokens": 4, "ignore_eos": True}
+    long = {"model": "large", "prompt": "Write at length.", "max_tokens": 400, "ignore_eos": True, "priority": 1}
+
+    async def main() -> tuple[list[float], list[float], httpx.Response, float]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as c:
+            idle = [await _ttft(c, short) for _ in range(8)]
+            burst = [asyncio.create_task(c.post("/v1/completions", json=long)) for _ in range(1 + MAX_WAITING)]
+            deadline = time.monotonic() + 60
+            while metric_samples(http).get(("kvserve:gateway_queue_requests", (("model_name", "large"),))) != \
+                    MAX_WAITING:
+                assert time.monotonic() < deadline, "the burst did not fill the line"
+                await asyncio.sleep(0.05)
+            refused = await c.post("/v1/completions", json=long)
+            busy = [await _ttft(c, short) for _ in range(8)]
+            still_waiting = metric_samples(http)[("kvserve:gateway_queue_requests", (("model_name", "large"),))]
+            for t in burst:
+                t.cancel()
+            await asyncio.gather(*burst, return_exceptions=True)
+            return idle, busy, refused, still_waiting
+
+    idle, busy, refused, still_waiting = asyncio.run(main())
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+    assert refused.json()["error"]["type"] == "RateLimitError"
+    assert still_waiting == MAX_WAITING        # the interactive requests went past the background line
+    p99 = lambda xs: statistics.quantiles(xs, n=100)[98]  # noqa: E731
+    assert p99(busy) <= 5 * max(p99(idle), 0.05), (idle, busy)
+    wait_idle(http)
