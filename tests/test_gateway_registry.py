@@ -8,6 +8,7 @@ import pytest
 
 from kvserve.config import EngineConfig
 from kvserve.gateway.auto_route import PromptLengthRouter, estimate_tokens
+from kvserve.gateway.difficulty import DifficultyRouter
 from kvserve.gateway.config import ModelsConfig
 from kvserve.gateway.registry import ModelRegistry, UnknownModel, engine_threads
 
@@ -37,11 +38,11 @@ def test_auto_asks_the_router_it_was_given():
     reg = ModelRegistry.from_config(ModelsConfig.from_dict(CONFIG), auto_router=FirstWordRouter())
     assert reg.resolve("auto", lambda: "Prove that primes are infinite.").name == "large"
     assert reg.resolve("auto", lambda: "Hi!").name == "small"
-    # Without one, the prompt-length baseline.
+    # Without one, the trained difficulty router.
     default = ModelRegistry.from_config(ModelsConfig.from_dict(CONFIG))
-    assert isinstance(default.auto_router, PromptLengthRouter)
-    assert default.resolve("auto", lambda: "word " * 300).name == "large"
-    assert default.resolve("auto", lambda: "word " * 100).name == "small"
+    assert isinstance(default.auto_router, DifficultyRouter)
+    for text in ("What is the capital of France?", "Copy this line: To be or not to be"):
+        assert default.resolve("auto", lambda: text).name == default.auto_router.choose(text)
 
 
 def test_prompt_length_router():

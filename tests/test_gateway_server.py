@@ -18,6 +18,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.entrypoints.openai.launcher import RemoteServer
+from kvserve.gateway.auto_route import PromptLengthRouter
+from kvserve.gateway.difficulty import load_default_router
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -130,17 +132,26 @@ def test_each_model_renders_its_own_chat_template(client, http):
         assert r.model == name and r.usage.prompt_tokens == len(ids)
 
 
-def test_auto_picks_by_prompt_length_and_names_the_model_used(client, http):
-    short = client.completions.create(model="auto", prompt="Hi there", max_tokens=2)
-    assert short.model == "small"
-    long_prompt = ".," * 150                      # 300 pieces: over the baseline's 256-token threshold
-    long = client.completions.create(model="auto", prompt=long_prompt, max_tokens=2)
-    assert long.model == "large"
-    chat = client.chat.completions.create(model="auto", messages=[{"role": "user", "content": long_prompt}],
-                                          max_tokens=2, stream=True)
+def test_auto_follows_the_difficulty_router_and_names_the_model_used(client, http):
+    # The gateway's default AutoRouter is the trained one (kvserve/gateway/difficulty.py); what it decides is
+    # its own tests' business, here the gateway must send each request where it says and name that model.
+    router = load_default_router()
+    easy, hard = "What is the capital of France?", "Copy this line: To be or not to be"
+    assert (router.choose(easy), router.choose(hard)) == ("small", "large")
+    assert client.completions.create(model="auto", prompt=easy, max_tokens=2).model == "small"
+    assert client.completions.create(model="auto", prompt=hard, max_tokens=2).model == "large"
+    # A chat is judged by its last user message, not by the system prompt or earlier turns.
+    messages = [{"role": "system", "content": easy}, {"role": "user", "content": easy},
+                {"role": "assistant", "content": "Paris."}, {"role": "user", "content": hard}]
+    chat = client.chat.completions.create(model="auto", messages=messages, max_tokens=2, stream=True)
     assert {c.model for c in chat} == {"large"}
     r = http.post("/v1/completions", json={"model": "auto", "prompt": [1, 2, 3], "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_prompt_length_baseline():
+    baseline = PromptLengthRouter(threshold_tokens=256)
+    assert baseline.choose("Hi there") == "small" and baseline.choose(".," * 150) == "large"
 
 
 # ---------------------------------------------------------------- metrics, health, routing
