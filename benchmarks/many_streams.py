@@ -3,7 +3,9 @@
 N clients (default 2,000) open a streaming completion each, all at once: a short prompt, 16 output tokens
 (ignore_eos). Every request must end with its 16 tokens or a clean 429 (when more than --max-waiting
 wait); transport errors and 5xx are failures. Meanwhile /health is probed from another process (its p99
-must stay under 100 ms) and the resident memory of the server and its engine is sampled.
+must stay under 100 ms) and the resident memory of the server and its engine is sampled. An idle server
+on the same stack (serving_probes.ControlServer) is probed the same way throughout: its latency is what
+the machine's load alone costs a probe, and is reported next to the real one.
 
     python benchmarks/many_streams.py                      # 2,000 streams; writes results/many_streams.{json,md}
     python benchmarks/many_streams.py --streams 20 --out /tmp/ms   # a quick check of the script itself
@@ -25,7 +27,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serving_probes import HealthProbe, RssSampler, error_lines, percentile, raise_fd_limit  # noqa: E402
+from serving_probes import ControlServer, HealthProbe, RssSampler, error_lines, percentile, raise_fd_limit  # noqa: E402
 
 from kvserve.entrypoints.openai.launcher import RemoteServer  # noqa: E402
 
@@ -74,6 +76,10 @@ async def run_clients(base_url: str, n: int, max_tokens: int, timeout_s: float) 
         return await asyncio.gather(*(one_stream(session, url, i, max_tokens) for i in range(n)))
 
 
+def _load(avg: tuple[float, float, float]) -> str:
+    return ", ".join(f"{x:.1f}" for x in avg)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=2000)
@@ -90,17 +96,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: open-files limit {fd_limit} is low for {args.streams} streams", file=sys.stderr)
     server_args = ["--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
                    "--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", "512"]
-    with RemoteServer(server_args) as server:
-        rss = RssSampler(server.proc.pid)
-        time.sleep(1.0)
-        idle_rss = rss.samples[-1][1]
-        probe = HealthProbe(server.base_url)
-        t0 = time.perf_counter()
-        results = asyncio.run(run_clients(server.base_url, args.streams, args.max_tokens, args.timeout))
-        duration = time.perf_counter() - t0
-        health = probe.stop()
-        samples = rss.stop()
-        errors = error_lines(server.output())
+    control = ControlServer()
+    try:
+        with RemoteServer(server_args) as server:
+            rss = RssSampler(server.proc.pid)
+            time.sleep(1.0)
+            idle_rss = rss.samples[-1][1]
+            probe, control_probe = HealthProbe(server.base_url), HealthProbe(control.base_url)
+            load_start = os.getloadavg()
+            t0 = time.perf_counter()
+            results = asyncio.run(run_clients(server.base_url, args.streams, args.max_tokens, args.timeout))
+            duration = time.perf_counter() - t0
+            health, health_control = probe.stop(), control_probe.stop()
+            samples = rss.stop()
+            errors = error_lines(server.output())
+    finally:
+        control.stop()
 
     outcomes = Counter(o for o, _, _ in results)
     ok = [r for r in results if r[0] == "ok"]
@@ -115,11 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         "e2e_s": {"p50": round(percentile([e for _, _, e in ok], 50), 3),
                   "p99": round(percentile([e for _, _, e in ok], 99), 3)},
         "health": health,
+        "health_idle_control_server": health_control,
         "rss_mib": {"idle": round(idle_rss / 2**20, 1), "peak": round(peak_rss / 2**20, 1),
                     "end": round(samples[-1][1] / 2**20, 1)},
         "server_error_lines": errors[:20],
         "passed": passed,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg_at_start": load_start,
+                    "load_avg_at_end": os.getloadavg()},
         "command": " ".join(["python", *sys.argv]),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -133,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
           f"end-to-end p50 {summary['e2e_s']['p50']} s, p99 {summary['e2e_s']['p99']} s",
           f"- /health: {health['probes']} probes, p50 {health['p50_ms']} ms, p99 {health['p99_ms']} ms, "
           f"max {health['max_ms']} ms, non-200 {health['non_200']}",
+          f"- /health of an idle server on the same stack, probed meanwhile (the machine's share): "
+          f"p50 {health_control['p50_ms']} ms, p99 {health_control['p99_ms']} ms, max {health_control['max_ms']} ms",
+          f"- load average (1, 5, 15 min) at the start {_load(load_start)}, at the end {_load(os.getloadavg())} "
+          f"on {os.cpu_count()} CPUs",
           f"- server + engine RSS: idle {summary['rss_mib']['idle']} MiB, peak {summary['rss_mib']['peak']} MiB, "
           f"end {summary['rss_mib']['end']} MiB",
           f"- error lines in the server log: {len(errors)}",

@@ -6,6 +6,9 @@ from __future__ import annotations
 import multiprocessing
 import re
 import resource
+import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -63,6 +66,54 @@ class HealthProbe:
         ms = lambda x: round(1000 * x, 2)  # noqa: E731
         return {"probes": len(latencies), "non_200": bad, "p50_ms": ms(percentile(latencies, 50)),
                 "p99_ms": ms(percentile(latencies, 99)), "max_ms": ms(max(latencies, default=float("nan")))}
+
+
+# ---------------------------------------------------------------- a control: an idle server on the same stack
+
+class ControlServer:
+    """An idle FastAPI app (uvicorn, the same event loop and HTTP parser as kvserve) answering /health.
+    Probed alongside the real server, it shows how much of /health's latency the machine's load alone
+    causes: on a busy machine a probe waits for a core whatever the server does."""
+
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "serving_probes:control_app", "--port", str(port),
+             "--log-level", "warning"], cwd=Path(__file__).parent, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        self.stop()
+        raise TimeoutError("control server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def _make_control_app():
+    from fastapi import FastAPI, Response
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    return app
+
+
+def __getattr__(name: str):  # uvicorn imports control_app; build it (and import fastapi) only then
+    if name == "control_app":
+        return _make_control_app()
+    raise AttributeError(name)
 
 
 # ---------------------------------------------------------------- memory

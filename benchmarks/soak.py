@@ -94,7 +94,7 @@ def make_spec(rng: random.Random, i: int) -> Spec:
         return Spec(kind, "/v1/chat/completions", body, {"n": n, "tokens": max_tokens})
     if kind == "stop":
         body = {**base, "prompt": f"List {topic} facts, one per line:\n1.", "max_tokens": 32,
-                "stop": ["\n", "."], "min_tokens": rng.choice([0, 0, 3])}
+                "stop": ["\n", "."], "min_tokens": rng.choice([0, 0, 3]), "logprobs": 0}  # tokens, for min_tokens
         return Spec(kind, "/v1/completions", body, {"stop": ["\n", "."]})
     if kind == "echo_logprobs":
         body = {**base, "prompt": f"The story of {topic} begins", "max_tokens": max_tokens, "echo": True,
@@ -131,7 +131,12 @@ def check_response(spec: Spec, status: int, body: dict) -> None:
         check(usage["prompt_tokens_details"]["cached_tokens"] >= 0, "cached_tokens")
     if spec.kind == "stop":
         c = choices[0]
-        check(not any(s in c["text"] for s in e["stop"]), f"stop string in {c['text']!r}")
+        # As in vLLM, a stop string counts only if it ends in text after the first min_tokens tokens.
+        head = "".join(c["logprobs"]["tokens"][:spec.body["min_tokens"]])
+        if "\ufffd" not in head:  # a token that is part of a UTF-8 character shows as U+FFFD on its own
+            check(c["text"].startswith(head), f"text {c['text']!r} does not start with its tokens {head!r}")
+        check(not any(s in c["text"][max(0, len(head) - len(s) + 1):] for s in e["stop"]),
+              f"stop string after the first {spec.body['min_tokens']} tokens in {c['text']!r}")
         check(c["finish_reason"] in ("stop", "length"), "finish_reason")
         check(usage["completion_tokens"] >= spec.body["min_tokens"], "min_tokens")
     if spec.kind == "echo_logprobs":

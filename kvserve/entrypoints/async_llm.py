@@ -56,6 +56,10 @@ _WATCH_INTERVAL_S = 0.1
 # each replacement waits longer, doubling up to _MAX_BACKOFF_S, so a crash loop does not spin the CPU.
 _CRASH_WINDOW_S = 300.0
 _MAX_BACKOFF_S = 30.0
+# A step touches up to max_num_seqs streams. Woken all at once, they would each format and send a chunk in
+# one turn of the event loop (hundreds of chunks, tens of ms) before it polls its sockets again, and /health
+# and new requests would wait behind them. They are woken this many per turn instead.
+_DELIVERY_SLICE = 16
 
 
 class EngineRequestError(Exception):
@@ -99,6 +103,9 @@ class AsyncLLM:
         self.num_restarts = 0                 # engine processes started to replace one that died
         self.quarantine = CrashQuarantine()
         self._streams: dict[str, _Stream] = {}
+        # Step outputs not yet handed to their streams, in arrival order (see _DELIVERY_SLICE).
+        self._outbox: deque[tuple[_Stream, RequestDelta | Exception]] = deque()
+        self._delivering = False
         self._num_sent = 0                     # AddRequests sent; the engine reports how many it handled
         self._num_handled = 0
         self._send: Callable[[AddRequest | AbortRequest | Shutdown], None] | None = None
@@ -237,6 +244,7 @@ class AsyncLLM:
     def _mark_dead(self, why: str) -> None:
         self.dead = why
         logger.error("%s", why)
+        self._deliver(len(self._outbox))  # what the engine sent before dying goes first, then the error
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(why))
         self._streams.clear()  # their generators end on the error; nothing of theirs is in the next engine
@@ -300,6 +308,20 @@ class AsyncLLM:
             for listener in self.end_listeners:
                 listener(request_id)
 
+    def _deliver(self, count: int) -> None:
+        for _ in range(min(count, len(self._outbox))):
+            stream, item = self._outbox.popleft()
+            stream.queue.put_nowait(item)
+
+    def _deliver_slice(self) -> None:
+        """Wake the next _DELIVERY_SLICE streams; the rest on the loop's next turn, after it has polled its
+        sockets (a callback scheduled now runs only then). A stream's items keep their order."""
+        self._deliver(_DELIVERY_SLICE)
+        if self._outbox:
+            asyncio.get_running_loop().call_soon(self._deliver_slice)
+        else:
+            self._delivering = False
+
     def _on_step(self, result: StepResult) -> None:
         self.stats = result.stats
         self._num_handled = result.num_added
@@ -307,11 +329,14 @@ class AsyncLLM:
         # for the listeners too, so metrics count only what reached a client.
         result.outputs = [out for out in result.outputs if out.request_id in self._streams]
         for out in result.outputs:
-            self._streams[out.request_id].queue.put_nowait(out)
+            self._outbox.append((self._streams[out.request_id], out))
         for err in result.errors:
             stream = self._streams.get(err.request_id)
             if stream is not None:
-                stream.queue.put_nowait(EngineRequestError(err.message, err.client_error))
+                self._outbox.append((stream, EngineRequestError(err.message, err.client_error)))
+        if self._outbox and not self._delivering:
+            self._delivering = True
+            self._deliver_slice()
         for listener in self.step_listeners:
             try:
                 listener(result)

@@ -21,6 +21,7 @@ from kvserve.config import EngineConfig
 from kvserve.entrypoints.async_llm import EngineMode
 from kvserve.entrypoints.openai.auth import bearer_token, key_matches
 from kvserve.entrypoints.openai.errors import bad_request, error_body, install_error_handlers
+from kvserve.entrypoints.openai.pacing import LoopPacer
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,6 +46,8 @@ logger = logging.getLogger("kvserve.server")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 VERSION = "0.1.0"
+# New /v1 requests that start their parsing and tokenizing per event-loop turn (see openai/pacing.py).
+REQUESTS_PER_LOOP_TURN = 16
 
 
 @dataclass
@@ -89,10 +92,12 @@ class ServerState:
 
 class GuardMiddleware:
     """Pure ASGI (so streaming and disconnect detection pass through untouched): 503 while draining,
-    401 without the API key on /v1, 413 for oversized bodies; counts in-flight requests for draining."""
+    401 without the API key on /v1, 413 for oversized bodies; paces bursts of new requests over loop turns;
+    counts in-flight requests for draining."""
 
     def __init__(self, app: ASGIApp, args: ServerArgs, state: ServerState) -> None:
         self.app, self.args, self.state = app, args, state
+        self.pacer = LoopPacer(REQUESTS_PER_LOOP_TURN)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -121,6 +126,7 @@ class GuardMiddleware:
             more = message.get("more_body", False)
             if len(body) > limit:
                 return await _send_error(send, 413, f"request body exceeds {limit} bytes")
+        await self.pacer.turn()
         replayed = False
 
         async def replay() -> Message:
