@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from kvserve.config import EngineConfig
 from kvserve.engine.block_hash import block_hashes
 from kvserve.engine.llm_engine import LLMEngine
 
@@ -87,3 +88,34 @@ def make_draft_file(path, vocab_ids: list[int], hidden: int = 64, vocab: int = 2
     tensors["lm_head.weight"] = 0.15 * torch.randn(len(vocab_ids), hidden, generator=g)
     tensors["vocab_ids"] = torch.tensor(sorted(vocab_ids), dtype=torch.int64)
     save_draft(path, cfg, tensors)
+
+
+def make_engine(path, spec=None, **kw) -> LLMEngine:
+    """A float32 engine with small blocks and steps, so tiny prompts cross block and chunk boundaries."""
+    kw = {"dtype": "float32", "block_size": 4, "max_num_batched_tokens": 16, **kw}
+    return LLMEngine(EngineConfig(model=str(path), speculative_config=spec, **kw))
+
+
+def run_waves(engine: LLMEngine, waves, k: int, check: bool = False) -> dict:
+    """Each wave's requests are added once the previous wave has finished; returns outputs by id. With
+    check, the KV bookkeeping of k-token drafts is verified after every step; no block may leak."""
+    from engine_helpers import assert_no_leaks
+
+    done = {}
+    for wave in waves:
+        for rid, prompt, params in wave:
+            engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            before = num_tokens_now(engine)
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            if check:
+                check_kv_bookkeeping(engine, k, before)
+    assert_no_leaks(engine)
+    return done
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(n)] for n in lengths]

@@ -6,7 +6,6 @@ outputs must be those of non-speculative decoding: greedy token for token, seede
 token, unseeded sampling in distribution; with chunked prefill, preemptions, prefix-cache hits, n > 1 and
 aborts."""
 import copy
-import random
 import shutil
 
 import pytest
@@ -24,7 +23,7 @@ from kvserve.spec_decode.draft_model import DraftLM, load_draft
 from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.draft_reference import DraftReference
 from engine_helpers import assert_no_leaks, drain
-from spec_helpers import check_kv_bookkeeping, make_draft_file, num_tokens_now
+from spec_helpers import check_kv_bookkeeping, make_draft_file, make_engine, num_tokens_now, prompts, run_waves
 from test_spec_decode_distribution import BANNED, NUM_TOKENS, PRESENCE, TEMPERATURE, TOP_K, target
 
 K = 3
@@ -36,30 +35,10 @@ def spec(model, **kw) -> dict:
             "min_acceptance_rate": 0.0, **kw}
 
 
-def make_engine(path, speculative_config=None, **kw) -> LLMEngine:
-    kw = {"dtype": "float32", "block_size": 4, "max_num_batched_tokens": 16, **kw}
-    return LLMEngine(EngineConfig(model=str(path), speculative_config=speculative_config, **kw))
-
-
 def run(engine: LLMEngine, waves, check: bool = False) -> dict:
-    done = {}
-    for wave in waves:
-        for rid, prompt, params in wave:
-            engine.add_request(rid, prompt, params)
-        while engine.has_unfinished_requests():
-            before = num_tokens_now(engine)
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-            if check:
-                check_kv_bookkeeping(engine, K, before)
-    assert_no_leaks(engine)
-    return done
+    return run_waves(engine, waves, K, check)
 
 
-def prompts(seed: int, lengths) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(n)] for n in lengths]
 
 
 @pytest.fixture(scope="module")

@@ -5,42 +5,20 @@ import random
 
 import pytest
 
-from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 from engine_helpers import assert_no_leaks, drain
-from spec_helpers import ScriptedProposer, check_kv_bookkeeping, num_tokens_now
+from spec_helpers import ScriptedProposer, check_kv_bookkeeping, make_engine, num_tokens_now, prompts, run_waves
 
 K = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "disable_by_batch_size": None,
          "min_acceptance_rate": 0.0}
 
 
-def make_engine(path, spec=None, **kw) -> LLMEngine:
-    kw = {"dtype": "float32", "block_size": 4, "max_num_batched_tokens": 16, **kw}
-    return LLMEngine(EngineConfig(model=str(path), speculative_config=spec, **kw))
+def run(engine: LLMEngine, waves, check: bool = False) -> dict:
+    return run_waves(engine, waves, K, check)
 
 
-def run(engine: LLMEngine, waves: list[list[tuple[str, list[int], SamplingParams]]], check: bool = False):
-    """Each wave's requests are added once the previous wave has finished; returns outputs by id."""
-    done = {}
-    for wave in waves:
-        for rid, prompt, params in wave:
-            engine.add_request(rid, prompt, params)
-        while engine.has_unfinished_requests():
-            before = num_tokens_now(engine)
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-            if check:
-                check_kv_bookkeeping(engine, K, before)
-    assert_no_leaks(engine)
-    return done
-
-
-def prompts(seed: int, lengths) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(n)] for n in lengths]
 
 
 def reference_and_drafts(path, prompt_list, params, wrong, **kw):
