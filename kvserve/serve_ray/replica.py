@@ -27,7 +27,10 @@ class ModelReplica:
 
         self.name = name
         self.app = build_app(server_args)
-        self.engine = self.app.state.engine
+        # The app serves one model with one engine; requests beyond its batch wait in the model's own
+        # admission queue (kvserve/gateway), so waiting counts both.
+        self.model = self.app.state.registry.models[0]
+        self.engine = self.model.replicas[0]
         # The app's lifespan starts the engine (and its stats logging) and stops it. It is held open by one
         # task, entered and left there, as an ASGI server would; __del__ lets it end.
         self._stop = asyncio.Event()
@@ -93,7 +96,7 @@ class ModelReplica:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's custom autoscaling metrics hook: what QueueDepthPolicy scales on."""
-        return {WAITING_METRIC: float(self.engine.num_waiting),
+        return {WAITING_METRIC: float(self.model.queue.num_waiting + self.engine.num_waiting),
                 RUNNING_METRIC: float(self.engine.stats.num_running),
                 BATCH_SLOTS_METRIC: float(self.engine.config.max_num_seqs)}
 
