@@ -108,20 +108,9 @@ class DraftProposer:
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_start_loc.append(query_start_loc[-1] + len(tokens))
             seq_lens.append(end)
-        max_blocks = max(len(seq.block_table) for seq, _, _ in rows)
-        tables = torch.zeros((len(rows), max_blocks), dtype=torch.int64)
-        for i, (seq, _, _) in enumerate(rows):
-            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
         dev = self.device
-        meta = self.attn_backend.build_metadata(StepBatch(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
-            query_start_loc_list=query_start_loc,
-            seq_lens_list=seq_lens,
-            block_size=bs,
-        ))
+        meta = self.attn_backend.build_metadata(StepBatch.from_host(
+            [seq.block_table for seq, _, _ in rows], slot_mapping, query_start_loc, seq_lens, bs, dev))
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                             torch.tensor(positions, dtype=torch.int64, device=dev), meta, self.kv_caches)
         last = torch.tensor(query_start_loc[1:], device=dev) - 1

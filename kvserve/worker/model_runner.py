@@ -64,14 +64,11 @@ class ModelRunner:
         starts = [0]
         for n in dummy.query_lens:
             starts.append(starts[-1] + n)
-        width = max(len(t) for t in dummy.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in dummy.block_tables]
-        i64 = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
-        meta = self.attn_backend.build_metadata(StepBatch(
-            i64(dummy.slots), i64(starts), i64(dummy.query_lens), i64(tables), starts, list(dummy.query_lens), bs))
+        meta = self.attn_backend.build_metadata(StepBatch.from_host(
+            dummy.block_tables, dummy.slots, starts, list(dummy.query_lens), bs, dev))
         positions = [p for n in dummy.query_lens for p in range(n)]
-        hidden = self.model(torch.zeros(len(positions), dtype=torch.int64, device=dev), i64(positions), meta,
-                            self.kv_caches)
+        hidden = self.model(torch.zeros(len(positions), dtype=torch.int64, device=dev),
+                            torch.tensor(positions, dtype=torch.int64, device=dev), meta, self.kv_caches)
         logits = self.model.compute_logits(hidden[[e - 1 for e in starts[1:]]])
         n = len(dummy.query_lens)
         inputs = SamplingInputs([SamplingParams()] * n, [None] * n, [[0]] * n, [[]] * n, self.eos_token_ids)
@@ -156,23 +153,11 @@ class ModelRunner:
                        sample_rows: list[int], prompt_lp: list[tuple[Sequence, int, int, int]],
                        result: ModelRunnerOutput) -> torch.Tensor | None:
         """The model's forward for any step; prompt logprobs into result; the sampled rows' logits."""
-        bs = self.block_size
-        max_blocks = max(len(s.block_table) for s, _ in sched.scheduled)
-        tables = torch.zeros((len(sched.scheduled), max_blocks), dtype=torch.int64)
-        for i, (seq, _) in enumerate(sched.scheduled):
-            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
-
         dev = self.device
         # The backend's per-step work (index tensors, plans) happens here, once, not in the first layer.
-        meta = self.attn_backend.build_metadata(StepBatch(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
-            query_start_loc_list=query_start_loc,
-            seq_lens_list=seq_lens,
-            block_size=bs,
-        ))
+        meta = self.attn_backend.build_metadata(StepBatch.from_host(
+            [seq.block_table for seq, _ in sched.scheduled], slot_mapping, query_start_loc, seq_lens,
+            self.block_size, dev))
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),
