@@ -13,8 +13,11 @@ the best this CPU supports. A forced ISA this CPU lacks logs a warning and falls
 and wins over KVSERVE_CPU_ISA. Call sites check applies(t), then call ops().<op>(...).
 
 The build is cached by torch (under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), so only the
-first process on a machine pays for it (~11 s a variant on the 2-core dev machine). Anything that stops
-it (no compiler, no supported ISA, a failed build) leaves the torch paths in place, and is logged once.
+first process on a machine pays for it (45-100 s a variant on the 2-core dev machine). Its folder is named
+by what goes into it (sources, flags, torch), and it compiles copies of the sources kept there: checkouts
+and venvs that share the cache then share a build, where one folder per variant made them rebuild it in
+turn (ninja rebuilds when a compile command changes, and the source path is part of it). Anything that
+stops it (no compiler, no supported ISA, a failed build) leaves the torch paths in place, and is logged once.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import logging
 import os
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -117,9 +121,18 @@ def sources() -> list[Path]:
     return sorted(_DIR.glob("*.cpp"))
 
 
-def compile_flags(isa_name: str) -> list[str]:
+def _read_sources() -> dict[str, bytes]:
+    """The sources and headers, read once: the digest and the build's copies must be the same bytes."""
+    return {f.name: f.read_bytes() for f in sorted(_DIR.glob("*.[ch]*"))}
+
+
+def _digest(files: dict[str, bytes]) -> str:
+    return hashlib.sha256(b"".join(files.values())).hexdigest()[:16]
+
+
+def compile_flags(isa_name: str, digest: str | None = None) -> list[str]:
     # torch rebuilds when the sources or flags change, not the headers: the digest flag covers them.
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(_DIR.glob("*.[ch]*")))).hexdigest()[:16]
+    digest = digest or _digest(_read_sources())
     return _COMMON_FLAGS + _ISA_FLAGS[isa_name] + [f"-DKVSERVE_NS={namespace(isa_name)}",
                                                    f"-DKVSERVE_SOURCES_DIGEST={digest}"]
 
@@ -134,15 +147,39 @@ def build(isa_name: str) -> torch._ops._OpNamespace | None:
     try:
         from torch.utils.cpp_extension import load
         _put_ninja_on_path()
-        load(name=f"kvserve_cpu_{isa_name}", sources=[str(s) for s in sources()],
-             extra_cflags=compile_flags(isa_name), extra_ldflags=["-fopenmp"], is_python_module=False,
-             verbose=False)
+        files = _read_sources()
+        flags = compile_flags(isa_name, _digest(files))
+        build_dir = _build_directory(isa_name, flags)
+        load(name=f"kvserve_cpu_{isa_name}", sources=_stage_sources(files, build_dir / "src"),
+             extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
+             build_directory=str(build_dir), verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path still works
         logger.warning("CPU kernels (%s) off, the build failed: %s", isa_name,
                        str(e).strip().splitlines()[-1] if str(e) else e)
         return None
     ops_ns = getattr(torch.ops, namespace(isa_name))
     return ops_ns if hasattr(ops_ns, "paged_attention_") and hasattr(ops_ns, "silu_and_mul") else None
+
+
+def _build_directory(isa_name: str, flags: list[str]) -> Path:
+    """torch's folder for the variant, named by the flags (the sources' digest among them) and this torch."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    key = hashlib.sha256("\0".join([*flags, torch.__version__, str(Path(torch.__file__).parent)]).encode())
+    return Path(_get_build_directory(f"kvserve_cpu_{isa_name}_{key.hexdigest()[:12]}", verbose=False))
+
+
+def _stage_sources(files: dict[str, bytes], into: Path) -> list[str]:
+    """Copies of the sources at a path that depends only on their contents. A copy already there is kept
+    as is (same name, same folder key: same bytes), so its mtime stays older than the objects."""
+    into.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        dst = into / name
+        if not dst.exists():
+            tmp = into / f".{name}.{os.getpid()}.tmp"  # processes starting together: whole files only
+            tmp.write_bytes(data)
+            os.replace(tmp, dst)
+    return [str(into / name) for name in files if name.endswith(".cpp")]
 
 
 def compile_only(isa_name: str, out_dir: Path) -> list[Path]:
@@ -153,13 +190,17 @@ def compile_only(isa_name: str, out_dir: Path) -> list[Path]:
     cxx = os.environ.get("CXX", "c++")
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     includes = [f"-I{p}" for p in include_paths()]
-    objects = []
-    for src in sources():
+    flags = compile_flags(isa_name)
+
+    def compile_one(src: Path) -> Path:
         obj = Path(out_dir) / f"{src.stem}.{isa_name}.o"
-        subprocess.run([cxx, "-std=c++20", "-fPIC", abi, *includes, *compile_flags(isa_name), "-c", str(src),
-                        "-o", str(obj)], check=True, capture_output=True, text=True)
-        objects.append(obj)
-    return objects
+        subprocess.run([cxx, "-std=c++20", "-fPIC", abi, *includes, *flags, "-c", str(src), "-o", str(obj)],
+                       check=True, capture_output=True, text=True)
+        return obj
+
+    # One compiler per core, as ninja runs the real build (the first error raises, as before).
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(compile_one, sources()))
 
 
 def have_compiler() -> bool:
