@@ -100,16 +100,10 @@ def test_unknown_dataset_is_a_user_error(tok):
         sample_requests(DatasetConfig(name="sharegpt"), tok)
 
 
-def test_gguf_tokenizer_matches_transformers_gguf_conversion(tok):
+def test_gguf_tokenizer_matches_transformers_gguf_conversion(tok, default_reference_tokenizer):
     """The benchmark's tokenizer (rebuilt from GGUF metadata) against transformers' own GGUF
     tokenizer conversion: an independent reference for every count the benchmark makes."""
-    pytest.importorskip("transformers")
-    from transformers import AutoTokenizer
-
-    from kvserve.bench.tokenizer import default_model_path
-
-    path = default_model_path()
-    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ref = default_reference_tokenizer
     corpus, rng = corpus_mod.load_corpus(), random.Random(1)
     texts = [corpus.passage(rng.randrange(len(corpus.lines)), 300) for _ in range(100)]
     texts.append("Digits 1234567, accents naïve café, emoji 🤖\n\n\ttabs <|im_start|>user\nhi<|im_end|>")

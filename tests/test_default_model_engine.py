@@ -2,13 +2,10 @@
 transformers loading the same GGUF file with its own code. The weights are dequantized
 (quantization="none"): parity with a float reference stays exact. The default, 4-bit path is tested
 against this float model in test_quantized_model.py."""
-from pathlib import Path
-
 import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.models.default import default_model_path
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -23,11 +20,8 @@ def llm() -> LLM:
 
 
 @pytest.fixture(scope="module")
-def hf_reference():
-    from transformers import AutoModelForCausalLM
-    path = Path(default_model_path())
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                dtype=torch.float32).eval()
+def hf_reference(default_reference_model):
+    return default_reference_model  # tests/conftest.py: transformers' own reading of the same GGUF file
 
 
 def greedy_argmax(model, ids: list[int], n: int) -> list[int]:

@@ -5,14 +5,10 @@ float32 (quantization="none") so the comparison is exact; the kept-4-bit default
 test_quantized_model.py."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from transformers import LlamaForCausalLM
 
-from kvserve.models.default import default_model_path
 from kvserve.models.loader import LoadedModel, load_model
 from paged_helpers import PagedSeqs, make_backend, make_kv_caches
 
@@ -31,24 +27,13 @@ def ours() -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def reference() -> LlamaForCausalLM:
-    path = default_model_path()
-    # from_pretrained(gguf_file=...) needs `accelerate`; this is the same transformers GGUF code path.
-    hf_cfg = {k: v for k, v in load_gguf_checkpoint(path)["config"].items() if k != "model_type"}
-    config = LlamaConfig(**hf_cfg)
-    config._attn_implementation = "eager"
-    model = LlamaForCausalLM(config)
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
-    model.tie_weights()
-    return model.eval()
+def reference(default_reference_model) -> LlamaForCausalLM:
+    return default_reference_model  # tests/conftest.py: transformers' own GGUF reading, shared
 
 
 @pytest.fixture(scope="module")
-def reference_tokenizer():
-    path = Path(default_model_path())
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def reference_tokenizer(default_reference_tokenizer):
+    return default_reference_tokenizer
 
 
 def greedy_paged(loaded: LoadedModel, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:

@@ -38,13 +38,21 @@ def generate(llm: LLM, speculate: bool, prompts, params):
     return outs, before, after
 
 
-def test_greedy_identical_with_preemption_and_prefix_hits(llm):
+@pytest.fixture(scope="module")
+def reference(llm: LLM):
+    """The engine without speculation, greedy: (first wave's outputs, its stats, the second wave's prompts
+    and outputs). Both tests compare against it (logprobs do not change greedy tokens)."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
     ref, _, ref_stats = generate(llm, False, PROMPTS, params)
     # Second wave: the first wave's prompts plus part of their outputs (prefix-cache hits on generated blocks).
     second = [o.prompt_token_ids + o.outputs[0].token_ids[:30] for o in ref]
     ref2, _, _ = generate(llm, False, second, params)
+    return ref, ref_stats, second, ref2
 
+
+def test_greedy_identical_with_preemption_and_prefix_hits(llm, reference):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    ref, ref_stats, second, ref2 = reference
     outs, before, after = generate(llm, True, PROMPTS, params)
     outs2 = llm.generate(second, params, use_tqdm=False)
     after2 = llm.engine.get_stats()
@@ -65,15 +73,13 @@ def test_offline_llm_accepts_speculative_config(llm):
     assert llm.engine.speculator.config.num_speculative_tokens == 4
 
 
-def test_shipped_draft_greedy_identical_with_preemption_and_prefix_hits(llm):
+def test_shipped_draft_greedy_identical_with_preemption_and_prefix_hits(reference):
     """The draft shipped for the default model (method "draft" without "model"): the output of the engine
     without speculation, with preemptions and prefix-cache hits, and some of its drafts accepted."""
     draft_llm = LLM(dtype="float32", quantization="none", block_size=16, max_num_batched_tokens=64, num_kv_blocks=12,
                     speculative_config={"method": "draft", "num_speculative_tokens": 3, "disable_by_batch_size": None})
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    ref, _, _ = generate(llm, False, PROMPTS, params)
-    second = [o.prompt_token_ids + o.outputs[0].token_ids[:30] for o in ref]
-    ref2, _, _ = generate(llm, False, second, params)
+    ref, _, second, ref2 = reference
     outs, before, after = generate(draft_llm, True, PROMPTS, params)
     outs2 = draft_llm.generate(second, params, use_tqdm=False)
     after2 = draft_llm.engine.get_stats()
