@@ -12,7 +12,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def make_engine(path, **kw) -> LLMEngine:
-    cfg = dict(model=str(path), dtype="float32", block_size=4, max_num_batched_tokens=32, max_num_seqs=16)
+    # 64 MiB of KV: tens of thousands of blocks for a tiny model (the 1 GiB CPU default takes ~1.5 s to
+    # allocate); the tests that want pressure set num_kv_blocks.
+    cfg = dict(model=str(path), dtype="float32", block_size=4, max_num_batched_tokens=32, max_num_seqs=16,
+               kv_cache_memory=64 << 20)
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg))
 
