@@ -7,6 +7,7 @@ import random
 from kvserve.config import EngineConfig
 from kvserve.engine.block_hash import block_hashes
 from kvserve.engine.llm_engine import LLMEngine
+from tiny_models import TINY_KV
 
 
 class ScriptedProposer:
@@ -91,10 +92,9 @@ def make_draft_file(path, vocab_ids: list[int], hidden: int = 64, vocab: int = 2
 
 
 def make_engine(path, spec=None, **kw) -> LLMEngine:
-    """A float32 engine with small blocks and steps, so tiny prompts cross block and chunk boundaries.
-    64 MiB of KV (32k blocks for the tiny models: no pressure unless a test sets num_kv_blocks) instead of
-    the CPU default of 1 GiB, whose 500k blocks take ~1.5 s to allocate for every engine."""
-    kw = {"dtype": "float32", "block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory": 64 << 20, **kw}
+    """A float32 engine with small blocks and steps, so tiny prompts cross block and chunk boundaries
+    (and TINY_KV: no KV pressure unless a test sets num_kv_blocks)."""
+    kw = {"dtype": "float32", "block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory": TINY_KV, **kw}
     return LLMEngine(EngineConfig(model=str(path), speculative_config=spec, **kw))
 
 

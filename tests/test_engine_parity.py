@@ -9,7 +9,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 from engine_helpers import drain
-from tiny_models import hf_greedy
+from tiny_models import TINY_KV, hf_greedy
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 MAX_NEW = 10
@@ -45,7 +45,7 @@ def test_engine_matches_transformers(arch, tiny_model_dirs):
     lengths = [3, 17, 9, 30, 5, 22]
     prompts = [[rng.randrange(0, 256) for _ in range(n)] for n in lengths]
     engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", block_size=4,
-                                    max_num_batched_tokens=16, max_num_seqs=8))
+                                    max_num_batched_tokens=16, max_num_seqs=8, kv_cache_memory=TINY_KV))
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3, prompt_logprobs=1)
     outs, mixed_steps = run_engine_staggered(engine, prompts, params)
     assert mixed_steps > 0, "the workload should mix prefill chunks with decodes"
@@ -70,7 +70,8 @@ def test_engine_matches_transformers(arch, tiny_model_dirs):
 
 def test_batch_invariance_greedy_alone_and_among_32(tiny_model_dirs):
     path, _ = tiny_model_dirs["llama"]
-    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", block_size=4, max_num_batched_tokens=64))
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", block_size=4, max_num_batched_tokens=64,
+                                    kv_cache_memory=TINY_KV))
     rng = random.Random(7)
     target = [rng.randrange(256) for _ in range(11)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

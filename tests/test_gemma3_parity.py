@@ -27,7 +27,7 @@ from engine_helpers import drain
 from paged_helpers import PagedSeqs, make_backend, make_kv_caches, require_native_kernel
 from triton_helpers import triton_device
 from test_model_parity import VOCAB, hf_logits, write_tokenizer
-from tiny_models import hf_greedy
+from tiny_models import TINY_KV, hf_greedy
 
 BLOCK_SIZE = 4
 WINDOW = 8
@@ -131,7 +131,7 @@ def test_engine_generates_what_transformers_generates(attention_backend: str, tm
     if attention_backend == "triton":  # slow in the interpreter: still chunked prefills, decodes, a window
         prompts, max_new = prompts[1:3], 5
     engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", block_size=BLOCK_SIZE,
-                                    max_num_batched_tokens=16, max_num_seqs=8,
+                                    max_num_batched_tokens=16, max_num_seqs=8, kv_cache_memory=TINY_KV,
                                     attention_backend=attention_backend))
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True, logprobs=2)
     for i, p in enumerate(prompts):

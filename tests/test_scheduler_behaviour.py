@@ -7,15 +7,14 @@ from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 from engine_helpers import assert_no_leaks, drain
+from tiny_models import TINY_KV
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def make_engine(path, **kw) -> LLMEngine:
-    # 64 MiB of KV: tens of thousands of blocks for a tiny model (the 1 GiB CPU default takes ~1.5 s to
-    # allocate); the tests that want pressure set num_kv_blocks.
     cfg = dict(model=str(path), dtype="float32", block_size=4, max_num_batched_tokens=32, max_num_seqs=16,
-               kv_cache_memory=64 << 20)
+               kv_cache_memory=TINY_KV)
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg))
 

@@ -7,11 +7,12 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 from engine_helpers import assert_no_leaks, drain
 from spec_helpers import ScriptedProposer
+from tiny_models import TINY_KV
 
 
 def engine_for(path, spec=None) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(path), dtype="float32", block_size=4, max_num_batched_tokens=64,
-                                  speculative_config=spec))
+                                  kv_cache_memory=TINY_KV, speculative_config=spec))
 
 
 def continuations(path, ps, params):

@@ -12,6 +12,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 from engine_helpers import assert_no_leaks, drain
+from tiny_models import TINY_KV
 
 BANNED = 3            # logit_bias -100: probability zero, so a draft of it is always rejected
 TOP_K = 2
@@ -76,6 +77,7 @@ def test_sampled_distribution_is_the_targets(kind, tiny_model_dirs):
 
     engine = LLMEngine(EngineConfig(
         model=str(path), dtype="float32", block_size=4, max_num_seqs=SAMPLES, max_num_batched_tokens=8192,
+        kv_cache_memory=TINY_KV,
         speculative_config={"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None,
                             "min_acceptance_rate": 0.0}))
     engine.speculator.proposer = TableProposer(prompt, table, kind)
