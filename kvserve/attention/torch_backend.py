@@ -60,6 +60,15 @@ class TorchPagedBackend(AttentionBackend):
         plans = {key: build_plan(batch, Hkv, self.num_blocks, key[0], key[1]) for key in self._plan_keys}
         return TorchMetadata(batch, self, plans)
 
+    def kernel_only_plan(self, meta: AttentionMetadata) -> AttentionPlan | None:
+        """This step's plan if every layer shares it and all its rows run on the native kernel (what
+        a native decoder stack needs: kvserve/models/native_stack.py), else None."""
+        if len(self._plan_keys) != 1 or not self._plan_keys[0][1]:
+            return None
+        assert isinstance(meta, TorchMetadata)
+        plan = meta.plans[self._plan_keys[0]]
+        return plan if plan.kernel_rows is not None and not plan.decode and not plan.prefills else None
+
     def _plan_key(self, layer: PagedAttention) -> PlanKey:
         return layer.sliding_window, self._kernel[layer.layer_idx]
 

@@ -18,6 +18,7 @@ from kvserve.layers.quantization import QuantConfig
 from kvserve.layers.quantization.methods import Loaded
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.models.native_stack import NativeDecoderStack
 from kvserve.models.weight_loading import linear_layers, load_named_weights
 
 
@@ -84,9 +85,11 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's output, not yet added to the residual stream (the add is fused into
         this layer's first norm); None residual: the first layer, x is the embedding."""
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+            # The first layer too adds to a (zero) residual: its norm then runs the same code as the native
+            # decoder stack's (kvserve/models/native_stack.py), so the two paths agree bit for bit; the
+            # quantized layers' 8-bit activations would turn a last-bit difference into visible ones.
+            residual = torch.zeros_like(x)
+        x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -107,6 +110,9 @@ class LlamaForCausalLM(nn.Module):
         # A tied LM head is the embedding itself, in whatever format the embedding is stored.
         self.lm_head: LinearBase = self.embed_tokens if cfg.tie_word_embeddings else ColumnLinear(
             cfg.hidden_size, cfg.vocab_size, quant.method(["lm_head.weight"], output_layer=True), "lm_head.weight")
+        # The decoder layers in one native call where it covers this model, set once the weights are in
+        # (kvserve/models/native_stack.py); None: the layers below run one by one.
+        self.native_stack: NativeDecoderStack | None = None
 
     def forward(
         self,
@@ -118,9 +124,13 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final-norm hidden states [T, hidden]."""
         assert len(kv_caches) == len(self.layers)
         x, residual = self.embed_tokens.embed(input_ids), None
-        with forward_context(meta, kv_caches):  # where each layer's self.attn finds its cache and the step's plan
-            for layer in self.layers:
-                x, residual = layer(positions, x, residual)
+        native = self.native_stack(x, positions, meta, kv_caches) if self.native_stack is not None else None
+        if native is not None:
+            x, residual = native
+        else:
+            with forward_context(meta, kv_caches):  # where each layer's self.attn finds its cache and the step's plan
+                for layer in self.layers:
+                    x, residual = layer(positions, x, residual)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -135,3 +145,4 @@ class LlamaForCausalLM(nn.Module):
         """Route Hugging Face-named tensors to their layers (linear shards through each layer's checked
         weight_loader), then finalize every linear layer. Every weight must be present."""
         load_named_weights(self, weights, self.config.tie_word_embeddings)
+        self.native_stack = NativeDecoderStack.build(self)

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -98,6 +99,11 @@ void dispatch(at::ScalarType t, const char* name, F&& f) {
   else TORCH_CHECK(false, name, ": bfloat16 or float32 only");
 }
 
+}  // namespace
+
+namespace kvserve_cpu {
+inline namespace KVSERVE_NS {
+
 // residual += x; x = rms_norm(residual) * weight. x, residual: [rows, n] contiguous; weight [n].
 void fused_add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous() &&
@@ -142,7 +148,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
+}  // namespace KVSERVE_NS
+}  // namespace kvserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
   m.def("fused_add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
@@ -151,7 +158,7 @@ TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
 }
 
 TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
-  m.impl("fused_add_rms_norm_", &fused_add_rms_norm_);
-  m.impl("rotary_", &rotary_);
-  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("fused_add_rms_norm_", &kvserve_cpu::fused_add_rms_norm_);
+  m.impl("rotary_", &kvserve_cpu::rotary_);
+  m.impl("silu_and_mul", &kvserve_cpu::silu_and_mul);
 }

@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -167,6 +168,11 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
   }
 }
 
+}  // namespace
+
+namespace kvserve_cpu {
+inline namespace KVSERVE_NS {
+
 // q, out: [T, H, D] (q's heads contiguous, its tokens possibly strided: a view of the fused QKV
 // projection); k_cache, v_cache: [Hkv, NB, bs, D] of q's dtype, or float8_e4m3fn holding K / k_scale and
 // V / v_scale; row_token, row_seq, row_len: [R]
@@ -276,7 +282,8 @@ void cache_kv_(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cac
   else TORCH_CHECK(false, "cache_kv_: unsupported dtypes ", in, " -> ", cache);
 }
 
-}  // namespace
+}  // namespace KVSERVE_NS
+}  // namespace kvserve_cpu
 
 TORCH_LIBRARY(KVSERVE_NS, m) {
   m.def("paged_attention_(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, Tensor row_token, "
@@ -287,6 +294,6 @@ TORCH_LIBRARY(KVSERVE_NS, m) {
 }
 
 TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
-  m.impl("paged_attention_", &paged_attention_);
-  m.impl("cache_kv_", &cache_kv_);
+  m.impl("paged_attention_", &kvserve_cpu::paged_attention_);
+  m.impl("cache_kv_", &kvserve_cpu::cache_kv_);
 }

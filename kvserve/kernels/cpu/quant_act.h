@@ -12,7 +12,13 @@
 #include <cstdint>
 #include <vector>
 
+#ifndef KVSERVE_NS
+#error "KVSERVE_NS (the torch.ops namespace of this build, e.g. kvserve_avx2) must be defined"
+#endif
+
 namespace kvserve_quant {
+// Each build's own copies (see vec.h): the other build's would run its instruction set's code.
+inline namespace KVSERVE_NS {
 
 constexpr int64_t QK = 32;       // values per block (and per activation scale)
 
@@ -115,4 +121,5 @@ void dispatch_scale(at::ScalarType t, F&& f) {
   else TORCH_CHECK(false, "quantized linear: scales must be float16 or float32, got ", t);
 }
 
+}  // namespace KVSERVE_NS
 }  // namespace kvserve_quant

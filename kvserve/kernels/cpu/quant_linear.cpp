@@ -30,10 +30,6 @@
 
 #include "quant_act.h"
 
-#ifndef KVSERVE_NS
-#define KVSERVE_NS kvserve
-#endif
-
 namespace {
 
 using namespace kvserve_quant;
@@ -146,7 +142,7 @@ void gemm(const QuantAct& a, int64_t M, int64_t N, const uint8_t* wq, const S* w
 // x [.., K] float32/bfloat16 -> y [.., N] of x's dtype. wq: q8 int8 [N, K] / q4 uint8 [N, K / 2];
 // scales [N, K / group]; mins [N, K / 32] (q4) or undefined (q8).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& mins, int64_t group) {
+                        const std::optional<at::Tensor>& mins, int64_t group) {
   TORCH_CHECK(x.device().is_cpu() && wq.is_contiguous() && scales.is_contiguous(), "quant_linear: CPU, contiguous");
   const int64_t K = x.size(-1), N = wq.size(0);
   TORCH_CHECK(K % QK == 0, "quant_linear: in_features must be a multiple of 32, got ", K);

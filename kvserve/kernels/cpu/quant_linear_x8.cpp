@@ -23,11 +23,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "ops.h"
 #include "quant_act.h"
-
-#ifndef KVSERVE_NS
-#define KVSERVE_NS kvserve
-#endif
 
 namespace {
 
@@ -35,6 +32,7 @@ using namespace kvserve_quant;
 
 constexpr int kLaneRow[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // lane -> row within the tile
 constexpr int64_t kMaxRows = 2;                        // activation rows per pass over a tile's weights
+constexpr int64_t kPrefetchBytes = 4096;               // how far ahead of the kernel weights are fetched
 
 inline __m256 load_scales(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load_scales(const at::Half* p) {
@@ -59,11 +57,19 @@ inline __m256i reduce_pairs(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
 template <bool Q4, typename S, int R>
 inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, const S* mt, float (*out)[8]) {
   constexpr int64_t kTileBlockBytes = Q4 ? 128 : 256;
+  constexpr int64_t kAhead = kPrefetchBytes / kTileBlockBytes;  // blocks ahead
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* w = wt + b * kTileBlockBytes;
+    // Weights stream from DRAM once per step; the hardware prefetcher alone left the two cores waiting
+    // about half the time (layers at ~11 GB/s of a ~22 GB/s machine). Asking for the block kAhead blocks
+    // on (4 KB, past the tile's end into the next tile) brings a step's matmuls to the read bandwidth.
+    for (int64_t l = 0; l < kTileBlockBytes; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kTileBlockBytes + l), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(st + (b + kAhead) * 8), _MM_HINT_T0);
+    if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(mt + (b + kAhead) * 8), _MM_HINT_T0);
     const __m256 scale = load_scales(st + b * 8);
     if constexpr (Q4) {
       const __m256i mask = _mm256_set1_epi8(0x0F);
@@ -130,9 +136,14 @@ void gemm(const QuantAct& a, int64_t M, int64_t N, const uint8_t* wq, const S* w
   });
 }
 
+}  // namespace
+
+namespace kvserve_cpu {
+inline namespace KVSERVE_NS {
+
 // x [.., K] float32/bfloat16 -> y [.., N] of x's dtype, weights in the layout above (group 32).
 at::Tensor quant_linear_x8(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
-                           const c10::optional<at::Tensor>& mins) {
+                           const std::optional<at::Tensor>& mins) {
   TORCH_CHECK(x.device().is_cpu() && wq.is_contiguous() && scales.is_contiguous(), "quant_linear_x8: CPU, contiguous");
   const bool q4 = mins.has_value() && mins->defined();
   const int64_t K = x.size(-1), N = wq.size(0) * 8, nb = K / QK;
@@ -164,10 +175,11 @@ at::Tensor quant_linear_x8(const at::Tensor& x, const at::Tensor& wq, const at::
   return y;
 }
 
-}  // namespace
+}  // namespace KVSERVE_NS
+}  // namespace kvserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
   m.def("quant_linear_x8(Tensor x, Tensor wq, Tensor scales, Tensor? mins) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) { m.impl("quant_linear_x8", &quant_linear_x8); }
+TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) { m.impl("quant_linear_x8", &kvserve_cpu::quant_linear_x8); }

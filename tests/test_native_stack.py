@@ -1,0 +1,89 @@
+"""The native decoder stack (kvserve/models/native_stack.py) against the decoder layers run one by one:
+the same tokens and the same log-probabilities, bit for bit, over prefill, chunked prefill and decode
+steps of a mixed batch; and the stack declines what it does not cover."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.attention import torch_plan
+from kvserve.kernels import cpu as cpu_kernels
+from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no native CPU kernels on this machine")
+
+PROMPTS = ["a", "Mixed lengths in one batch, ", "The decoder stack " * 6, "xyz " * 20]
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("native_stack")
+    dirs = {}
+    for arch in ("llama", "mistral", "qwen2", "qwen3"):
+        make_tiny_model(arch, root / arch)
+        dirs[arch] = root / arch
+    return dirs
+
+
+def make_llm(path: Path, **kw) -> LLM:
+    # A small token budget splits the longer prompts into chunks that share steps with decodes.
+    return LLM(model=str(path), dtype="float32", max_num_batched_tokens=32, num_kv_blocks=64,
+               enable_prefix_caching=False, **kw)
+
+
+def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]
+
+
+def count_native_steps(llm: LLM) -> dict[str, int]:
+    """Wraps the model's stack to count the steps it ran and the steps it left to the layers."""
+    stack = llm.engine.runner.model.native_stack
+    counts = {"native": 0, "layers": 0}
+
+    class Counting:
+        def __call__(self, *args):
+            out = stack(*args)
+            counts["native" if out is not None else "layers"] += 1
+            return out
+
+    llm.engine.runner.model.native_stack = Counting()
+    return counts
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_stack_matches_the_layers_bit_for_bit(tiny_dirs, arch: str, quantization: str) -> None:
+    llm = make_llm(tiny_dirs[arch], quantization=quantization)
+    model = llm.engine.runner.model
+    assert model.native_stack is not None
+    counts = count_native_steps(llm)
+    native = run(llm)
+    assert counts["native"] > 0 and counts["layers"] == 0, counts
+    model.native_stack = None
+    assert run(llm) == native
+
+
+def test_steps_it_does_not_cover_go_to_the_layers(tiny_dirs, monkeypatch) -> None:
+    """A prefill long enough for SDPA puts its step on the layers; the other steps stay native, and the
+    result is still the layers' own."""
+    monkeypatch.setattr(torch_plan, "_KERNEL_MAX_PREFILL_CONTEXT", 20)
+    llm = make_llm(tiny_dirs["llama"], quantization="int8")
+    counts = count_native_steps(llm)
+    native = run(llm)
+    assert counts["native"] > 0 and counts["layers"] > 0, counts
+    llm.engine.runner.model.native_stack = None
+    assert run(llm) == native
+
+
+@pytest.mark.parametrize("arch,quantization", [("llama", "none"), ("qwen2", "int8"), ("qwen3", "int8")])
+def test_models_it_does_not_cover_have_no_stack(tiny_dirs, arch: str, quantization: str) -> None:
+    """Float weights, q/k/v biases (Qwen2) and q/k norms (Qwen3) run the layers."""
+    llm = make_llm(tiny_dirs[arch], quantization=quantization)
+    assert llm.engine.runner.model.native_stack is None
+    assert len(run(llm)) == len(PROMPTS)
