@@ -46,13 +46,12 @@ def count_native_steps(llm: LLM) -> dict[str, int]:
     stack = llm.engine.runner.model.native_stack
     counts = {"native": 0, "layers": 0}
 
-    class Counting:
-        def __call__(self, *args):
-            out = stack(*args)
-            counts["native" if out is not None else "layers"] += 1
-            return out
+    def counting(*args):
+        out = stack(*args)
+        counts["native" if out is not None else "layers"] += 1
+        return out
 
-    llm.engine.runner.model.native_stack = Counting()
+    llm.engine.runner.model.native_stack = counting
     return counts
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from kvserve.attention.torch_plan import AttentionPlan
     from kvserve.layers.attention import PagedAttention
     from kvserve.models.kv_cache import KVCacheSpec
 
@@ -110,3 +111,8 @@ class AttentionBackend(ABC):
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Write k, v ([T, Hkv, D]) at the batch's slots, then attend q ([T, H, D], any token stride)
         over each sequence's cached context: [T, H * D] in q's dtype."""
+
+    def kernel_only_plan(self, meta: AttentionMetadata) -> AttentionPlan | None:
+        """The step's native-kernel plan when a native decoder stack (kvserve/models/native_stack.py) may
+        run every layer's attention itself; None (the default): the layers call forward."""
+        return None

@@ -40,7 +40,7 @@ def _quantized(layer: LinearBase) -> list[torch.Tensor | None] | None:
 class NativeDecoderStack:
     def __init__(self, model: LlamaForCausalLM, weights: list[torch.Tensor | None]) -> None:
         first = model.layers[0].self_attn
-        self.model = model
+        self.rotary = model.rotary  # its cos/sin table may be rebuilt (reset_table): read it per call
         self.weights = weights
         self.num_heads, self.scale = first.num_heads, first.attn.scale
         self.eps = model.layers[0].input_layernorm.eps
@@ -69,8 +69,7 @@ class NativeDecoderStack:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[KVCache]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(last layer's output, residual stream) as the layers return them, or None: run the layers."""
-        kernel_only_plan = getattr(meta.backend, "kernel_only_plan", None)
-        plan = kernel_only_plan(meta) if kernel_only_plan is not None else None
+        plan = meta.backend.kernel_only_plan(meta)
         if plan is None or not cpu_kernels.applies(x) or x.dtype != self.weights[0].dtype:
             return None
         rows, batch = plan.kernel_rows, meta.batch
@@ -80,6 +79,6 @@ class NativeDecoderStack:
         k_scales = [a.k_scale if fp8 else 1.0 for a in self.attn_layers]
         v_scales = [a.v_scale if fp8 else 1.0 for a in self.attn_layers]
         self.op(x, residual, positions, self.weights, [c[0] for c in kv_caches], [c[1] for c in kv_caches],
-                self.model.rotary.cos_sin, batch.slot_mapping, rows.token, rows.seq, rows.len, batch.block_tables,
+                self.rotary.cos_sin, batch.slot_mapping, rows.token, rows.seq, rows.len, batch.block_tables,
                 self.num_heads, self.eps, self.scale, self.windows, k_scales, v_scales)
         return x, residual
