@@ -15,6 +15,7 @@ from kvserve.layers.quantization.blocks import BlockWeight, pack_q4, quantize_in
 from kvserve.layers.quantization.methods import kernel_available
 from kvserve.models.gguf import GGUFTensor
 from kvserve.models.gguf_blocks import SUPPORTED, to_block_weight
+from paged_helpers import native_ops
 
 Q = gguf.GGMLQuantizationType
 
@@ -96,28 +97,55 @@ def block_weights() -> dict[str, BlockWeight]:
 needs_kernel = pytest.mark.skipif(not kernel_available(torch.float32), reason="no quant_linear kernel for this CPU")
 
 
+def quantized_reference(x: torch.Tensor, bw: BlockWeight) -> torch.Tensor:
+    """x @ W^T as the kernels define it, in float64: each activation row quantized to int8 per block of 32
+    the way quant_act.h does (scale = max|x| / 127 in float32, values rounded half to even), then exact
+    integer dot products per weight group, scaled. What is left between this and a kernel is float32
+    summation order, so it checks the kernels' lane and tile bookkeeping far more tightly than the float
+    reference can."""
+    xf = x.float().view(x.shape[0], -1, 32)
+    mx = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(mx > 0, torch.tensor(127.0) / mx, torch.zeros_like(mx))
+    q = (xf * inv).round().double().view(x.shape[0], -1)  # float32 product, then round: as the kernel
+    d = (mx / 127).double().repeat_interleave(32, dim=1).squeeze(-1)  # [M, K]: the block scale per value
+    n, k = bw.shape
+    _, scales, mins = bw._rows(None)
+    w = bw.values().double().view(n, k // bw.group, bw.group) * scales.double()[..., None]
+    y = (q * d.view(x.shape[0], -1)) @ w.view(n, k).t()
+    if mins is not None:  # min * d * sum(q) per block
+        qsum = (q.view(x.shape[0], -1, 32).sum(-1) * (mx / 127).double().squeeze(-1))
+        y = y + qsum @ mins.double().t()
+    return y
+
+
 @needs_kernel
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
 @pytest.mark.parametrize("name", list(block_weights()))
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 64, 65, 130])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["rows", "x8"])
-def test_quant_linear_kernel_matches_dequantized_reference(name: str, rows: int, dtype: torch.dtype,
+def test_quant_linear_kernel_matches_dequantized_reference(isa: str, name: str, rows: int, dtype: torch.dtype,
                                                            interleaved: bool) -> None:
+    ops = native_ops(isa)
     bw = block_weights()[name]
     x = (torch.randn(rows, bw.shape[1]) * 2).to(dtype)
     ref = x.float() @ bw.dequantize().t()
+    exact = quantized_reference(x, bw)
     if interleaved:
         if not bw.can_interleave():
             pytest.skip("groups of 16 stay row-major")
         bw = bw.interleave8()
-        y = cpu_kernels.ops().quant_linear_x8(x, bw.qs, bw.scales, bw.mins)
+        y = ops.quant_linear_x8(x, bw.qs, bw.scales, bw.mins)
     else:
-        y = cpu_kernels.ops().quant_linear(x, bw.qs, bw.scales, bw.mins, bw.group)
-    assert y.dtype == dtype and y.shape == (rows, bw.shape[0])
+        y = ops.quant_linear(x, bw.qs, bw.scales, bw.mins, bw.group)
+    assert y.dtype == dtype and y.shape == (rows, exact.shape[1])
     # Activations are quantized to int8 per block of 32 (as llama.cpp does): error ~ 1 / 254 per block,
     # averaged over the row; bf16 output adds its rounding.
     err = (y.float() - ref).norm(dim=1) / ref.norm(dim=1)
     assert err.max() < (0.01 if dtype == torch.float32 else 0.015), err.max()
+    # Against the same quantization done in float64, only float32 rounding (and bf16's output) is left.
+    exact_err = (y.double() - exact).norm(dim=1) / exact.norm(dim=1)
+    assert exact_err.max() < (1e-5 if dtype == torch.float32 else 4e-3), exact_err.max()
 
 
 @pytest.mark.parametrize("name", ["q4_f16", "q4_f32", "q8_g32"])

@@ -20,6 +20,8 @@ from collections.abc import Iterable
 
 import torch
 
+from kvserve.attention.backend import FP8
+from kvserve.attention.kv_scales import CALIBRATION_TEXT, calibrate_kv_scales
 from kvserve.config import EngineConfig
 from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.request import Request
@@ -88,10 +90,12 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(loaded.model, kv_spec, num_blocks, self.device, self.eos_token_ids, self.dtype,
                                   config.attention_backend)
-        if self.device.type == "cuda" and not config.enforce_eager and self.runner.attn_backend.name == "triton":
-            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         draft = (DraftProposer(draft_model, draft_kv_spec, num_blocks, self.device, self.eos_token_ids, self.dtype,
                                config.attention_backend) if draft_model is not None else None)
+        if self.kv_cache_dtype == FP8:  # before graph capture: the graphs take the scales as constants
+            self._calibrate_kv_scales(self.runner, draft)
+        if self.device.type == "cuda" and not config.enforce_eager and self.runner.attn_backend.name == "triton":
+            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.speculator = Speculator(spec, self.max_model_len, draft) if spec is not None else None
         self.requests: dict[str, Request] = {}
         self._accumulators: dict[str, RequestOutputAccumulator] = {}   # only for callers of step()
@@ -104,6 +108,15 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s), max_model_len %d, dtype %s, device %s",
                     num_blocks, config.block_size, num_blocks * block_bytes / 2**20, self.kv_cache_dtype,
                     self.max_model_len, self.dtype, self.device)
+
+    def _calibrate_kv_scales(self, *runners: ModelRunner | DraftProposer | None) -> None:
+        """Per-layer float8 K/V scales from a fixed text (kvserve/attention/kv_scales.py), for the target
+        and the draft model alike; the text is cut to what the pool and the context hold."""
+        ids = self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False)
+        ids = ids[:min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size)]
+        for r in runners:
+            if r is not None:
+                calibrate_kv_scales(r.model, r.attn_backend, r.kv_caches, r.block_size, ids, self.device)
 
     def _num_blocks_by_profiling(self, model: torch.nn.Module, kv_spec) -> int:
         """CUDA: the blocks that fit in gpu_memory_utilization of the GPU once a worst-case step has run

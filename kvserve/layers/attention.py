@@ -23,12 +23,15 @@ class PagedAttention(nn.Module):
         # Mistral-style: the query at position p sees keys p - sliding_window < j <= p.
         self.sliding_window = sliding_window
         self.scale = head_dim ** -0.5 if scale is None else scale  # Gemma scales by its query_pre_attn_scalar
-        # A float8 cache holds K / k_scale and V / v_scale. 1.0, as vLLM uses without calibration: e4m3 spans
-        # +-448 with 3 mantissa bits, and these models' K/V stay well inside that range.
+        # A float8 cache holds K / k_scale and V / v_scale: calibrated when the engine starts
+        # (kvserve/attention/kv_scales.py), which sets kv_amax for one forward to collect max |K|, max |V|.
         self.k_scale = self.v_scale = 1.0
+        self.kv_amax: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k and v: [T, Hkv, D] (views of the fused projection are fine)."""
+        if self.kv_amax is not None:
+            torch.maximum(self.kv_amax, torch.stack([k.abs().amax(), v.abs().amax()]).float(), out=self.kv_amax)
         ctx = get_forward_context()
         return ctx.meta.backend.forward(self, q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta)
 

@@ -1,7 +1,9 @@
 """C++ kernels for x86 CPUs: one source, built once per instruction set, the variant chosen at run time.
 
 Variants ("ISAs"), best first:
-- "avx512": AVX-512 F/BW/DQ/VL + FMA (+ F16C, which every AVX-512 CPU has; the sources may use it);
+- "avx512": AVX-512 F/BW/DQ/VL + VNNI + FMA (+ F16C, which every AVX-512 CPU has; the sources may use it).
+  VNNI's byte dot products are what the quantized matmuls use; the AVX-512 CPUs without it (Skylake-SP/X,
+  2017) run the avx2 variant;
 - "avx2": AVX2 + FMA + F16C.
 Each is its own extension, kvserve_cpu_<isa>, built from every *.cpp in this folder with
 -DKVSERVE_NS=kvserve_<isa>, so its ops land in torch.ops.kvserve_<isa> and both variants can be loaded
@@ -40,11 +42,11 @@ ISAS = ("avx512", "avx2")  # best first
 # runs on one thread. The library resolves to the libgomp torch has already loaded.
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
 _ISA_FLAGS = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
 # /proc/cpuinfo flags each variant needs; torch's capability names where /proc is absent.
-_CPU_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma", "f16c"},
+_CPU_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "fma", "f16c"},
               "avx2": {"avx2", "fma", "f16c"}}
 _TORCH_CAPABILITIES = {"avx512": {"AVX512"}, "avx2": {"AVX2", "AVX512"}}
 
