@@ -160,6 +160,22 @@ def test_interleaved_blocks_hold_the_same_weights(name: str) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+@pytest.mark.parametrize("name", ["q4_f16", "q4_f32", "q8_g32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_embedding_rows_from_interleaved_blocks(isa: str, name: str, dtype: torch.dtype) -> None:
+    ops = native_ops(isa)
+    bw = block_weights()[name].interleave8()
+    ids = torch.tensor([39, 0, 7, 8, 13, 13, 21])
+    rows = ops.quant_embedding_x8(ids, bw.qs, bw.scales, bw.mins, dtype)
+    ref = bw.dequantize(ids, dtype)
+    # q * scale + min in one fused multiply-add or two roundings: a last-bit difference at most
+    torch.testing.assert_close(rows, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.quant_embedding_x8(torch.tensor([40]), bw.qs, bw.scales, bw.mins, dtype)
+
+
+@needs_kernel
 def test_quant_linear_kernel_rejects_mismatched_shapes() -> None:
     bw = block_weights()["q4_f16"]
     with pytest.raises(RuntimeError, match="does not match in_features"):

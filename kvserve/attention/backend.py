@@ -46,11 +46,10 @@ class StepBatch:
     def from_host(cls, block_tables: list[list[int]], slot_mapping: list[int], query_start_loc: list[int],
                   seq_lens: list[int], block_size: int, device: torch.device) -> StepBatch:
         """The step's tensors on `device` from host lists; block tables zero-padded to the longest."""
-        tables = torch.zeros((len(block_tables), max(map(len, block_tables))), dtype=torch.int64)
-        for i, table in enumerate(block_tables):
-            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int64)
+        width = max(map(len, block_tables))
+        padded = [table + [0] * (width - len(table)) if len(table) < width else table for table in block_tables]
         i64 = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
-        return cls(i64(slot_mapping), i64(query_start_loc), i64(seq_lens), tables.to(device), query_start_loc,
+        return cls(i64(slot_mapping), i64(query_start_loc), i64(seq_lens), i64(padded), query_start_loc,
                    seq_lens, block_size)
 
     @property

@@ -64,7 +64,9 @@ class PrefillPlan:
 
 @dataclass
 class AttentionPlan:
-    write_idx: torch.Tensor           # [Hkv * T]: where each head of each new token goes, cache viewed [Hkv*NB*bs, D]
+    # [Hkv * T]: where each head of each new token goes, cache viewed [Hkv*NB*bs, D]; None where the native
+    # kernel writes the cache (cache_kv_ reads the slot mapping itself)
+    write_idx: torch.Tensor | None
     kernel_rows: KernelRows | None   # query tokens for the native kernel (all but long prefills' ones)
     decode: list[DecodeGroup]        # torch path: sequences with one new token, grouped by context length
     prefills: list[PrefillPlan]      # torch path: sequences with several new tokens
@@ -77,7 +79,7 @@ def build_plan(batch: StepBatch, num_kv_heads: int, num_blocks: int, window: int
     dev = batch.slot_mapping.device
     bs = batch.block_size
     heads = torch.arange(num_kv_heads, device=dev)
-    write_idx = (heads[:, None] * (num_blocks * bs) + batch.slot_mapping[None, :]).flatten()
+    write_idx = None if kernel else (heads[:, None] * (num_blocks * bs) + batch.slot_mapping[None, :]).flatten()
 
     def cache_rows(tables: torch.Tensor) -> torch.Tensor:
         """[S, nb] block ids -> their (head, sequence, block) rows in the cache viewed [Hkv*NB, bs, D]."""
@@ -141,6 +143,8 @@ def _kernel_rows(batch: StepBatch, excluded: list[int]) -> KernelRows | None:
     """Every query token of the batch except those of the excluded sequences, as kernel rows."""
     dev, T = batch.slot_mapping.device, batch.query_start_loc_list[-1]
     token = torch.arange(T, device=dev)
+    if T == batch.num_seqs and not excluded:  # a decode-only step: row i is sequence i's one token
+        return KernelRows(token, token, batch.seq_lens)
     seq = torch.repeat_interleave(torch.arange(batch.num_seqs, device=dev), batch.query_start_loc.diff(),
                                   output_size=T)
     if excluded:

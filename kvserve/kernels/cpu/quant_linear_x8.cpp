@@ -129,44 +129,48 @@ inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, 
 // kLaneRow's inverse: the lane a row's result goes to.
 constexpr int kRowLane[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
-// Eight stored scales (lane order) -> sixteen floats [s(r0) x4, s(r0+1) x4, s(r0+2) x4, s(r0+3) x4] for the
-// four rows r0 .. r0 + 3 that a 512-bit vector holds, 32-bit lanes 4r .. 4r + 3 for row r0 + r.
-inline __m512 spread_scales(__m256 lanes, __m512i idx) {
+// The merged layout of a tile's eight rows in one vector of sixteen int32 / float lanes: 128-bit lane L holds
+// rows L and L + 4, two partial sums each, as [row L, row L + 4, row L, row L + 4].
+// merge(rows 0-3, rows 4-7), each with four partial sums per row in 128-bit lane L = row L (mod 4).
+inline __m512i merge_rows(__m512i lo4, __m512i hi4) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi32(lo4, hi4), _mm512_unpackhi_epi32(lo4, hi4));
+}
+// The eight stored scales (lane order) spread to the merged layout.
+inline __m512 spread_scales(__m256 lanes) {
+  const __m512i idx = _mm512_setr_epi32(kRowLane[0], kRowLane[4], kRowLane[0], kRowLane[4],
+                                        kRowLane[1], kRowLane[5], kRowLane[1], kRowLane[5],
+                                        kRowLane[2], kRowLane[6], kRowLane[2], kRowLane[6],
+                                        kRowLane[3], kRowLane[7], kRowLane[3], kRowLane[7]);
   return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(lanes));
 }
-inline __m512i spread_index(int r0) {
-  return _mm512_setr_epi32(kRowLane[r0], kRowLane[r0], kRowLane[r0], kRowLane[r0],
-                           kRowLane[r0 + 1], kRowLane[r0 + 1], kRowLane[r0 + 1], kRowLane[r0 + 1],
-                           kRowLane[r0 + 2], kRowLane[r0 + 2], kRowLane[r0 + 2], kRowLane[r0 + 2],
-                           kRowLane[r0 + 3], kRowLane[r0 + 3], kRowLane[r0 + 3], kRowLane[r0 + 3]);
-}
-
-// Sum of each 128-bit lane's four floats -> out[kRowLane[r0 + lane]].
-inline void store_row_sums(__m512 v, int r0, float* out) {
-  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
-  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+// Each row's two partial sums added into out (lane order).
+inline void add_row_sums(__m512 v, float* out) {
   alignas(64) float f[16];
   _mm512_store_ps(f, v);
-  for (int r = 0; r < 4; ++r) out[kRowLane[r0 + r]] += f[4 * r];
+  for (int l = 0; l < 4; ++l) {
+    out[kRowLane[l]] += f[4 * l] + f[4 * l + 2];
+    out[kRowLane[l + 4]] += f[4 * l + 1] + f[4 * l + 3];
+  }
 }
 
-// As tile() above, with AVX-512 VNNI. Each 512-bit product vector holds rows r0 .. r0 + 3 of the tile, four
-// int32 partial sums per row.
+// As tile() above, with AVX-512 VNNI.
 //   q4: a pair of pairs is 64 bytes, rows 4h .. 4h + 3 with 16 bytes each: low nibbles times activation
-//       values 0-15 and high nibbles times values 16-31, each half broadcast to the four row lanes.
+//       values 0-15 and high nibbles times values 16-31 (each half broadcast to the four row lanes), into
+//       four int32 partial sums per row.
 //   q8: vpdpbusd multiplies unsigned by signed bytes, so the activations enter as a + 128 (an xor of the
 //       sign bit) and 128 * sum(w) is subtracted: it starts the accumulator. A pair's 64 bytes hold two
 //       rows' values 0-15 then the same two rows' values 16-31; adding the upper to the lower halves of two
 //       pairs gives four rows.
+// The eight rows' sums are then merged into one vector (merge_rows) before they are converted and scaled:
+// the float work per block, which competes with vpdpbusd for the same two pipes, is one vector, not two.
 template <bool Q4, typename S, int R>
 inline void tile512(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, const S* mt, float (*out)[8]) {
   constexpr int64_t kTileBlockBytes = Q4 ? 128 : 256;
   constexpr int64_t kAhead = kPrefetchBytes / kTileBlockBytes;
-  const __m512i idx[2] = {spread_index(0), spread_index(4)};
-  __m512 acc[R][2];
+  __m512 acc[R];
   __m256 min_acc[R];
   for (int r = 0; r < R; ++r) {
-    acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    acc[r] = _mm512_setzero_ps();
     min_acc[r] = _mm256_setzero_ps();
   }
   for (int64_t b = 0; b < a.nb; ++b) {
@@ -175,8 +179,7 @@ inline void tile512(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* s
       _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kTileBlockBytes + l), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(st + (b + kAhead) * 8), _MM_HINT_T0);
     if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(mt + (b + kAhead) * 8), _MM_HINT_T0);
-    const __m256 scale8 = load_scales(st + b * 8);
-    const __m512 scale[2] = {spread_scales(scale8, idx[0]), spread_scales(scale8, idx[1])};
+    const __m512 scale = spread_scales(load_scales(st + b * 8));
     if constexpr (Q4) {
       const __m512i mask = _mm512_set1_epi8(0x0F);
       __m512i lo[2], hi[2];
@@ -191,11 +194,11 @@ inline void tile512(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* s
         const int8_t* q = a.q + blk * QK;
         const __m512i alo = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
         const __m512i ahi = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
-        const __m512 d = _mm512_set1_ps(a.d[blk]);
-        for (int h = 0; h < 2; ++h) {
-          const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[h], alo), hi[h], ahi);
-          acc[r][h] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), d), scale[h], acc[r][h]);
-        }
+        __m512i s[2];
+        for (int h = 0; h < 2; ++h)
+          s[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[h], alo), hi[h], ahi);
+        const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(merge_rows(s[0], s[1])), _mm512_set1_ps(a.d[blk]));
+        acc[r] = _mm512_fmadd_ps(dot, scale, acc[r]);
         min_acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.dsum[blk]), min_acc[r]);
       }
     } else {
@@ -212,19 +215,18 @@ inline void tile512(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* s
         const __m512i av = _mm512_xor_si512(_mm512_shuffle_i64x2(a2, a2, _MM_SHUFFLE(1, 1, 0, 0)), bias);
         __m512i s[4];
         for (int p = 0; p < 4; ++p) s[p] = _mm512_dpbusd_epi32(start[p], av, wv[p]);
-        const __m512 d = _mm512_set1_ps(a.d[blk]);
-        for (int h = 0; h < 2; ++h) {  // pairs 2h, 2h + 1 -> rows 4h .. 4h + 3
-          const __m512i rows = _mm512_add_epi32(_mm512_shuffle_i64x2(s[2 * h], s[2 * h + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                                _mm512_shuffle_i64x2(s[2 * h], s[2 * h + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-          acc[r][h] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(rows), d), scale[h], acc[r][h]);
-        }
+        __m512i four[2];
+        for (int h = 0; h < 2; ++h)  // pairs 2h, 2h + 1 -> rows 4h .. 4h + 3
+          four[h] = _mm512_add_epi32(_mm512_shuffle_i64x2(s[2 * h], s[2 * h + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_i64x2(s[2 * h], s[2 * h + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+        const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(merge_rows(four[0], four[1])), _mm512_set1_ps(a.d[blk]));
+        acc[r] = _mm512_fmadd_ps(dot, scale, acc[r]);
       }
     }
   }
   for (int r = 0; r < R; ++r) {
     _mm256_storeu_ps(out[r], min_acc[r]);  // zero for q8
-    store_row_sums(acc[r][0], 0, out[r]);
-    store_row_sums(acc[r][1], 4, out[r]);
+    add_row_sums(acc[r], out[r]);
   }
 }
 #endif
@@ -303,11 +305,68 @@ at::Tensor quant_linear_x8(const at::Tensor& x, const at::Tensor& wq, const at::
   return y;
 }
 
+// Rows ids of the weight in the layout above, dequantized: an embedding lookup (a tied LM head's table is
+// kept in this layout for the matmul). out [n, K] of dtype float32 or bfloat16, w = q * scale (+ min).
+at::Tensor quant_embedding_x8(const at::Tensor& ids, const at::Tensor& wq, const at::Tensor& scales,
+                              const std::optional<at::Tensor>& mins, at::ScalarType dtype) {
+  const bool q4 = mins.has_value() && mins->defined();
+  TORCH_CHECK(ids.scalar_type() == at::kLong && wq.is_contiguous() && scales.is_contiguous() &&
+              (!q4 || mins->is_contiguous()), "quant_embedding_x8: int64 ids, contiguous weights");
+  TORCH_CHECK(q4 ? (wq.scalar_type() == at::kByte && wq.dim() == 5) : (wq.scalar_type() == at::kChar && wq.dim() == 6),
+              "quant_embedding_x8: weight of shape ", wq.sizes(), " is not an interleaved q4 or q8 weight");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_embedding_x8: float32 or bfloat16 out");
+  const int64_t N = wq.size(0) * 8, nb = wq.size(1), K = nb * QK;
+  const at::Tensor idc = ids.contiguous();
+  const int64_t n = idc.numel();
+  const int64_t* idp = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(idp[i] >= 0 && idp[i] < N, "quant_embedding_x8: id ", idp[i], " out of range");
+  at::Tensor out = at::empty({n, K}, wq.options().dtype(dtype));
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(wq.data_ptr());
+  dispatch_scale(scales.scalar_type(), [&](auto scale_tag) {
+    using S = decltype(scale_tag);
+    const S* sp = scales.data_ptr<S>();
+    const S* mp = q4 ? mins->data_ptr<S>() : nullptr;
+    auto run = [&](auto out_tag) {
+      using T = decltype(out_tag);
+      T* op = out.data_ptr<T>();
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = idp[i] / 8, r = idp[i] % 8, p = r / 2, h = r % 2;
+        int lane = 0;
+        while (kLaneRow[lane] != r) ++lane;
+        for (int64_t b = 0; b < nb; ++b) {
+          const float d = to_float(sp, (t * nb + b) * 8 + lane);
+          T* dst = op + i * K + b * QK;
+          if (q4) {
+            const float mn = to_float(mp, (t * nb + b) * 8 + lane);
+            const uint8_t* q = w + ((t * nb + b) * 4 + p) * 32 + h * 16;  // [N/8, nb, 4, 2, 16]
+            for (int j = 0; j < 16; ++j) {
+              dst[j] = static_cast<T>(static_cast<float>(q[j] & 0x0F) * d + mn);
+              dst[j + 16] = static_cast<T>(static_cast<float>(q[j] >> 4) * d + mn);
+            }
+          } else {
+            const int8_t* q = reinterpret_cast<const int8_t*>(w) + ((t * nb + b) * 4 + p) * 64;  // [.., 4, 2, 2, 16]
+            for (int half = 0; half < 2; ++half)
+              for (int j = 0; j < 16; ++j)
+                dst[half * 16 + j] = static_cast<T>(static_cast<float>(q[half * 32 + h * 16 + j]) * d);
+          }
+        }
+      }
+    };
+    if (dtype == at::kFloat) run(float{});
+    else run(c10::BFloat16{});
+  });
+  return out;
+}
+
 }  // namespace KVSERVE_NS
 }  // namespace kvserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
   m.def("quant_linear_x8(Tensor x, Tensor wq, Tensor scales, Tensor? mins) -> Tensor");
+  m.def("quant_embedding_x8(Tensor ids, Tensor wq, Tensor scales, Tensor? mins, ScalarType dtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) { m.impl("quant_linear_x8", &kvserve_cpu::quant_linear_x8); }
+TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
+  m.impl("quant_linear_x8", &kvserve_cpu::quant_linear_x8);
+  m.impl("quant_embedding_x8", &kvserve_cpu::quant_embedding_x8);
+}

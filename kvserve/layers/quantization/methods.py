@@ -134,7 +134,11 @@ class BlockMethod:
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         (seg,) = layer.segments
-        return seg.dequantize(ids.flatten(), self.dtype).view(*ids.shape, -1)
+        if seg.interleaved and self.use_kernel:  # one native call: the Python row gather cost ~0.1 ms a step
+            rows = cpu_kernels.ops().quant_embedding_x8(ids.flatten(), seg.qs, seg.scales, seg.mins, self.dtype)
+        else:
+            rows = seg.dequantize(ids.flatten(), self.dtype)
+        return rows.view(*ids.shape, -1)
 
 
 def _matmul(ops: torch._ops._OpNamespace, x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
