@@ -20,9 +20,9 @@ kvserve kernels in use. The AVX2 comparison on an AVX-512 machine forces AVX2 ev
     KVSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
         python benchmarks/quantization.py --serving --dtype float32 --llama-build build-avx2
 
-(--dtype float32: what --dtype auto picks on a CPU without native bf16.) The read bandwidth is probed before
-every format; the bound uses the highest probe of the run, so a slow moment on a shared machine cannot make
-the bound look easy.
+(--dtype float32: what --dtype auto picks on a CPU without native bf16.) The read bandwidth is probed around
+every batch's steps (the host's bandwidth moves by up to 1.7x over minutes here); each bound uses the
+probes around its own steps, and the best-probe bound the highest probe of the run.
 """
 from __future__ import annotations
 
@@ -137,18 +137,23 @@ def measure_formats(args: argparse.Namespace) -> tuple[list[dict], list[float]]:
                "weight_bytes": weight_bytes(llm), "kv_bytes_per_token": kv_bytes_per_step(llm, 1) // CONTEXT,
                "ppl": perplexity(llm, tokens, args.ppl_window), "steps": {}}
         decode_step_ms(llm, 1, 4)  # warm-up: first-step costs stay out of the first format's figures
-        probes.append(read_bandwidth_gbs())
         for batch in args.batches:
-            row["steps"][batch] = {"step_ms": decode_step_ms(llm, batch, args.steps),
-                                   "bytes": row["weight_bytes"] + kv_bytes_per_step(llm, batch)}
+            # The machine's bandwidth moves (shared host): probed just before and after these steps.
+            before = read_bandwidth_gbs()
+            ms = decode_step_ms(llm, batch, args.steps)
+            after = read_bandwidth_gbs()
+            probes += [before, after]
+            row["steps"][batch] = {"step_ms": ms, "bytes": row["weight_bytes"] + kv_bytes_per_step(llm, batch),
+                                   "bandwidth_gbs": max(before, after)}
         print(row, flush=True)
         rows.append(row)
         del llm
-    bandwidth = max(probes)
+    best = max(probes)
     for row in rows:
         row["weight_mib"] = row["weight_bytes"] / 2**20
         for s in row["steps"].values():
-            s["bound_ms"] = s["bytes"] / (bandwidth * 1e9) * 1e3
+            s["bound_ms"] = s["bytes"] / (s["bandwidth_gbs"] * 1e9) * 1e3     # at the bandwidth of the moment
+            s["bound_best_ms"] = s["bytes"] / (best * 1e9) * 1e3               # at the best probe of the run
     return rows, probes
 
 
@@ -156,7 +161,7 @@ def format_table(rows: list[dict], batches: list[int]) -> str:
     base = next(r["ppl"] for r in rows if r["format"] == "float32")
     head = ["format", "weights MiB", "KV B/token", "load s", "perplexity", "vs float"]
     for b in batches:
-        head += [f"b{b} step ms", f"b{b} bound ms"] + (["b1 % of bound"] if b == 1 else [])
+        head += [f"b{b} step ms", f"b{b} bound ms"] + (["b1 % of bound", "b1 % of best-probe bound"] if b == 1 else [])
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in rows:
         cells = [r["format"], f"{r['weight_mib']:.0f}", f"{r['kv_bytes_per_token']}", f"{r['load_s']:.1f}", f"{r['ppl']:.3f}",
@@ -165,7 +170,7 @@ def format_table(rows: list[dict], batches: list[int]) -> str:
             s = r["steps"][b]
             cells += [f"{s['step_ms']:.1f}", f"{s['bound_ms']:.1f}"]
             if b == 1:
-                cells.append(f"{s['bound_ms'] / s['step_ms'] * 100:.0f}%")
+                cells += [f"{s['bound_ms'] / s['step_ms'] * 100:.0f}%", f"{s['bound_best_ms'] / s['step_ms'] * 100:.0f}%"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -217,8 +222,9 @@ def verdict(rows: list[dict], summary: list[dict] | None) -> str:
     out = []
     if default:
         share = default["bound_ms"] / default["step_ms"]
-        out.append(f"- batch-1 decode, default format: {share:.0%} of its bound "
-                   f"({default['step_ms']:.2f} ms vs {default['bound_ms']:.2f} ms; target 70%)")
+        out.append(f"- batch-1 decode, default format: {share:.0%} of its bound at the bandwidth probed around it "
+                   f"({default['step_ms']:.2f} ms vs {default['bound_ms']:.2f} ms), "
+                   f"{default['bound_best_ms'] / default['step_ms']:.0%} at the run's best probe (target 70%)")
     if summary:
         at = {(r["server"], r["value"]): r for r in summary}
         ks1, q1 = at.get(("kvserve", 1.0)), at.get(("llama.cpp-Q4_1", 1.0))
@@ -268,10 +274,11 @@ def main() -> None:
           f"Command: `{cmd}` (git {git_rev()})\n\n"
           f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, {args.threads} threads, kvserve "
           f"kernels: {isa}, compute dtype: {rows[0]['dtype']}, OpenMP wait policy: {info['omp_wait_policy']}, load "
-          f"average at the start: {info['load_average']}. Read bandwidth probes in this run (one per format): "
-          f"{', '.join(f'{b:.1f}' for b in probes)} GB/s; bounds use the highest, {max(probes):.1f} GB/s. Step: one "
-          f"engine.step() of decode at that batch, {CONTEXT} tokens of context each (median of {args.steps}); bound: "
-          f"weight bytes + KV bytes read per step / read bandwidth. Perplexity: {args.ppl_tokens} tokens of The "
+          f"average at the start: {info['load_average']}. Read bandwidth probes in this run (before and after each "
+          f"batch's steps): {min(probes):.1f} to {max(probes):.1f} GB/s. Step: one engine.step() of decode at that "
+          f"batch, {CONTEXT} tokens of context each (median of {args.steps}); bound: weight bytes + KV bytes read "
+          f"per step / the read bandwidth probed around those steps (the better of the two probes); the best-probe "
+          f"bound uses the run's highest probe instead. Perplexity: {args.ppl_tokens} tokens of The "
           f"Tempest in windows of {args.ppl_window}.\n\n{table}\n")
     results = {"isa": isa, "read_bandwidth_gbs": max(probes), "bandwidth_probes_gbs": probes, "formats": rows}
     summary = None
