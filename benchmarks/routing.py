@@ -14,6 +14,9 @@ both replicas, from /metrics), and how the requests split over the replicas.
 
     python benchmarks/routing.py            # G=8, P=512, 160 requests, C=4: ~15 min on 2 cores
     python benchmarks/routing.py --quick    # G=4, P=256, 32 requests: a few minutes; writes routing_quick.*
+
+The summary ends with the easy -> small table for `model: "auto"` (quality against the share sent to the
+large model), read from benchmarks/auto_routing.py's evaluation: that one measures answers, not time.
 """
 from __future__ import annotations
 
@@ -179,6 +182,28 @@ def run_policy(args: argparse.Namespace, policy: str) -> dict:
     }
 
 
+def auto_routing_section() -> str:
+    """The easy -> small table for `model: "auto"`, from benchmarks/auto_routing.py's committed evaluation (model
+    quality on held-out questions, which no timing here changes; re-made by that script)."""
+    path = Path(__file__).resolve().parent / "results" / "auto_routing.json"
+    if not path.exists():
+        return "No auto-routing evaluation found: run `python benchmarks/auto_routing.py`.\n"
+    r = json.loads(path.read_text())
+    h = r["held_out"]
+    lines = [f"## Easy -> small routing (`model: \"auto\"`): quality against cost\n",
+             f"From `{r['command']}` (git {r['git']}; results/auto_routing.md has the method): {h['n']} held-out "
+             f"questions with reference answers, small = {r['models']['small']}, large = {r['models']['large']}. "
+             f"Always-small {h['always_small_acc']:.3f}, always-large {h['always_large_acc']:.3f}; the router's "
+             f"accuracy over random routing at the same share to large, mean over shares 0.1-0.9: "
+             f"{h['router_mean_gain_over_random']:+.4f} (95% bootstrap interval "
+             f"{h['router_gain_over_random_ci95'][0]:+.4f} .. {h['router_gain_over_random_ci95'][1]:+.4f}).\n",
+             "| share to large (target) | router's share | router acc | random acc (same share) | oracle acc |",
+             "|---:|---:|---:|---:|---:|"]
+    lines += [f"| {t['target_share']:.1f} | {t['router_share']:.3f} | {t['router_acc']:.3f} | {t['random_acc']:.3f} | "
+              f"{t['oracle_acc']:.3f} |" for t in r["table"]]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     args = parse_args()
     load_before = os.getloadavg()
@@ -212,9 +237,11 @@ def main() -> None:
              f"question, {args.requests} requests, groups Zipf({args.zipf}), {args.concurrency} in flight (closed "
              f"loop), {args.max_tokens} output tokens each, greedy. Load average before/after: "
              f"{load_before[0]:.1f} / {load_after[0]:.1f} (2 cores{', shared with other work' if load_before[0] > 2.5 else ''}).")
+    auto = auto_routing_section()
+    print(auto)
     md = (f"# Routing across replicas: cache-aware vs least-loaded vs round-robin\n\nCommand: `{cmd}` "
           f"(git {git_rev()})\n\nMachine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}. {setup}\n\n"
-          f"{table}{verdict}")
+          f"{table}{verdict}\n{auto}")
     save(name, {"args": vars(args), "machine": info, "git": git_rev(), "load_average": [load_before, load_after],
                 "results": rows}, md)
 

@@ -16,6 +16,9 @@ Rounds alternate the methods and each figure is the minimum over rounds, so a bu
 them alike. Activations are float32 (the engine's compute dtype on AVX2).
 
     python benchmarks/torch_packed.py [--rows 1 4 16 64 256] [--rounds 5] [--threads 1]
+    KVSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 python benchmarks/torch_packed.py   # the AVX2 side on AVX-512
+
+Writes results/torch_packed_<isa>.{json,md}, <isa> being kvserve's kernels in use.
 """
 from __future__ import annotations
 
@@ -128,7 +131,8 @@ def main() -> None:
     data = {"command": cmd, "git": git_rev(), "machine": info, "isa": cpu_kernels.isa(), "threads": args.threads,
             "load_average_after": load, "layers": args.layers, "shapes": SHAPES,
             "ms_per_pass": {str(m): {n: best[m, n] * 1e3 for n in methods} for m in args.rows}}
-    (RESULTS / "torch_packed.json").write_text(json.dumps(data, indent=2) + "\n")
+    name = f"torch_packed_{cpu_kernels.isa()}"  # one file per instruction set: runs on both sit side by side
+    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
     md = [f"# kvserve's quantized matmul vs torch's packed CPU kernels\n",
           f"Command: `{cmd}` (git {git_rev()})\n",
           f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, {args.threads} thread(s), "
@@ -136,7 +140,7 @@ def main() -> None:
           f"One pass = the {4 * args.layers} matmuls of {args.layers} SmolLM2-135M layers, each layer its own weights; "
           f"float32 activations; minimum over {args.rounds} alternating rounds.\n",
           *lines, ""]
-    (RESULTS / "torch_packed.md").write_text("\n".join(md) + "\n")
+    (RESULTS / f"{name}.md").write_text("\n".join(md) + "\n")
 
 
 if __name__ == "__main__":
