@@ -81,7 +81,7 @@ def test_int4_is_groupwise_asymmetric_and_within_half_a_step(group: int) -> None
 
 def block_weights() -> dict[str, BlockWeight]:
     torch.manual_seed(0)
-    n, k = 40, 576  # k: the default model's hidden size, 18 blocks
+    n, k = 48, 576  # k: the default model's hidden size, 18 blocks; n: three tiles of 16, six of 8
     q4 = torch.randint(0, 16, (n, k))
     return {
         "q4_f16": BlockWeight(pack_q4(q4), torch.rand(n, k // 32).half() * 0.02,
@@ -118,24 +118,32 @@ def quantized_reference(x: torch.Tensor, bw: BlockWeight) -> torch.Tensor:
     return y
 
 
+def tiled_ops(isa: str, tile: int):
+    """The ISA's ops, where it has the kernel for this tile (x16: the AVX-512 VNNI variant only)."""
+    ops = native_ops(isa)
+    if tile == 16 and isa != "avx512":
+        pytest.skip("16-row tiles are the AVX-512 VNNI kernels' layout")
+    return ops
+
+
 @needs_kernel
 @pytest.mark.parametrize("isa", cpu_kernels.ISAS)
 @pytest.mark.parametrize("name", list(block_weights()))
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 64, 65, 130])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("interleaved", [False, True], ids=["rows", "x8"])
+@pytest.mark.parametrize("tile", [0, 8, 16], ids=["rows", "x8", "x16"])
 def test_quant_linear_kernel_matches_dequantized_reference(isa: str, name: str, rows: int, dtype: torch.dtype,
-                                                           interleaved: bool) -> None:
-    ops = native_ops(isa)
+                                                           tile: int) -> None:
+    ops = tiled_ops(isa, tile)
     bw = block_weights()[name]
     x = (torch.randn(rows, bw.shape[1]) * 2).to(dtype)
     ref = x.float() @ bw.dequantize().t()
     exact = quantized_reference(x, bw)
-    if interleaved:
-        if not bw.can_interleave():
+    if tile:
+        if not bw.can_interleave(tile):
             pytest.skip("groups of 16 stay row-major")
-        bw = bw.interleave8()
-        y = ops.quant_linear_x8(x, bw.qs, bw.scales, bw.mins)
+        bw = bw.interleave(tile)
+        y = (ops.quant_linear_x16 if tile == 16 else ops.quant_linear_x8)(x, bw.qs, bw.scales, bw.mins)
     else:
         y = ops.quant_linear(x, bw.qs, bw.scales, bw.mins, bw.group)
     assert y.dtype == dtype and y.shape == (rows, exact.shape[1])
@@ -149,30 +157,33 @@ def test_quant_linear_kernel_matches_dequantized_reference(isa: str, name: str, 
 
 
 @pytest.mark.parametrize("name", ["q4_f16", "q4_f32", "q8_g32"])
-def test_interleaved_blocks_hold_the_same_weights(name: str) -> None:
+@pytest.mark.parametrize("tile", [8, 16])
+def test_interleaved_blocks_hold_the_same_weights(name: str, tile: int) -> None:
     bw = block_weights()[name]
-    x8 = bw.interleave8()
-    assert x8.shape == bw.shape and x8.nbytes == bw.nbytes
-    assert torch.equal(x8.dequantize(), bw.dequantize())
-    rows = torch.tensor([39, 0, 7, 8, 13])
-    assert torch.equal(x8.values(rows), bw.values(rows))
-    assert torch.equal(x8.dequantize(rows), bw.dequantize(rows))
+    tiled = bw.interleave(tile)
+    assert tiled.tile == tile and tiled.shape == bw.shape and tiled.nbytes == bw.nbytes
+    assert torch.equal(tiled.dequantize(), bw.dequantize())
+    rows = torch.tensor([39, 0, 7, 8, 13, 15, 47])
+    assert torch.equal(tiled.values(rows), bw.values(rows))
+    assert torch.equal(tiled.dequantize(rows), bw.dequantize(rows))
 
 
 @needs_kernel
 @pytest.mark.parametrize("isa", cpu_kernels.ISAS)
 @pytest.mark.parametrize("name", ["q4_f16", "q4_f32", "q8_g32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_embedding_rows_from_interleaved_blocks(isa: str, name: str, dtype: torch.dtype) -> None:
-    ops = native_ops(isa)
-    bw = block_weights()[name].interleave8()
-    ids = torch.tensor([39, 0, 7, 8, 13, 13, 21])
-    rows = ops.quant_embedding_x8(ids, bw.qs, bw.scales, bw.mins, dtype)
+@pytest.mark.parametrize("tile", [8, 16])
+def test_embedding_rows_from_interleaved_blocks(isa: str, name: str, dtype: torch.dtype, tile: int) -> None:
+    ops = tiled_ops(isa, tile)
+    bw = block_weights()[name].interleave(tile)
+    embed = ops.quant_embedding_x16 if tile == 16 else ops.quant_embedding_x8
+    ids = torch.tensor([39, 0, 7, 8, 13, 13, 21, 47])
+    rows = embed(ids, bw.qs, bw.scales, bw.mins, dtype)
     ref = bw.dequantize(ids, dtype)
     # q * scale + min in one fused multiply-add or two roundings: a last-bit difference at most
     torch.testing.assert_close(rows, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.quant_embedding_x8(torch.tensor([40]), bw.qs, bw.scales, bw.mins, dtype)
+        embed(torch.tensor([48]), bw.qs, bw.scales, bw.mins, dtype)
 
 
 @needs_kernel

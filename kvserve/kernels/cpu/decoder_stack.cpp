@@ -11,8 +11,8 @@
 //   x, residual = add_rms_norm(x, residual); qkv = x W_qkv; rotary(q, k); cache k, v; a = attention(q)
 //   x = a W_o; x, residual = add_rms_norm(x, residual); x = down(silu(gate) * up)
 // which is what kvserve/models/llama.py's DecoderLayer does for a model without q/k norms or biases,
-// weights in the interleaved quantized layout (quant_linear_x8.cpp), and every attention row on the
-// paged kernel.
+// weights in an interleaved quantized layout (quant_linear_x8.cpp, or quant_linear_x16.cpp in AVX-512
+// builds), and every attention row on the paged kernel.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -61,7 +61,7 @@ void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::T
   residual.zero_();
   for (int64_t l = 0; l < L; ++l) {
     fused_add_rms_norm_(h, residual, w(l, kInputNorm), eps);
-    const at::Tensor qkv = quant_linear_x8(h, w(l, kQkvQs), w(l, kQkvScales), mins(l, kQkvMins));
+    const at::Tensor qkv = quant_linear_tiled(h, w(l, kQkvQs), w(l, kQkvScales), mins(l, kQkvMins));
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_stack_: layer ", l, " qkv width ", qkv.size(1),
                 " does not match ", num_heads, " + 2 x ", Hkv, " heads of ", D);
     // q's and k's heads sit side by side in the fused projection: one rotation pass over both.
@@ -73,10 +73,10 @@ void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::T
     const at::Tensor attn = at::empty({T, num_heads, D}, h.options());
     paged_attention_(q, attn, k_caches[l], v_caches[l], row_token, row_seq, row_len, block_tables, scale,
                      windows[l], k_scales[l], v_scales[l]);
-    h = quant_linear_x8(attn.view({T, q_size}), w(l, kOQs), w(l, kOScales), mins(l, kOMins));
+    h = quant_linear_tiled(attn.view({T, q_size}), w(l, kOQs), w(l, kOScales), mins(l, kOMins));
     fused_add_rms_norm_(h, residual, w(l, kPostNorm), eps);
-    const at::Tensor gate_up = quant_linear_x8(h, w(l, kGateUpQs), w(l, kGateUpScales), mins(l, kGateUpMins));
-    h = quant_linear_x8(silu_and_mul(gate_up), w(l, kDownQs), w(l, kDownScales), mins(l, kDownMins));
+    const at::Tensor gate_up = quant_linear_tiled(h, w(l, kGateUpQs), w(l, kGateUpScales), mins(l, kGateUpMins));
+    h = quant_linear_tiled(silu_and_mul(gate_up), w(l, kDownQs), w(l, kDownScales), mins(l, kDownMins));
   }
   x.copy_(h);
 }

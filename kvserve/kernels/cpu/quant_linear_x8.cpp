@@ -64,23 +64,30 @@ inline __m256i reduce_pairs(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
   return _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
 }
 
+// Weights stream from DRAM once per step; the hardware prefetcher alone left the two cores waiting about half
+// the time (layers at ~11 GB/s of a ~22 GB/s machine). Asking for the block kPrefetchBytes ahead of block b
+// (past the tile's end into the next tile), with its scales and mins, brings a step's matmuls to the read
+// bandwidth.
+template <bool Q4, typename S>
+inline void prefetch_ahead(const uint8_t* w, const S* st, const S* mt, int64_t b) {
+  constexpr int64_t kTileBlockBytes = Q4 ? 128 : 256;
+  constexpr int64_t kAhead = kPrefetchBytes / kTileBlockBytes;  // blocks ahead
+  for (int64_t l = 0; l < kTileBlockBytes; l += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kTileBlockBytes + l), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(st + (b + kAhead) * 8), _MM_HINT_T0);
+  if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(mt + (b + kAhead) * 8), _MM_HINT_T0);
+}
+
 // R activation rows x one tile of eight weight rows -> out[r][lane].
 template <bool Q4, typename S, int R>
 inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, const S* mt, float (*out)[8]) {
   constexpr int64_t kTileBlockBytes = Q4 ? 128 : 256;
-  constexpr int64_t kAhead = kPrefetchBytes / kTileBlockBytes;  // blocks ahead
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* w = wt + b * kTileBlockBytes;
-    // Weights stream from DRAM once per step; the hardware prefetcher alone left the two cores waiting
-    // about half the time (layers at ~11 GB/s of a ~22 GB/s machine). Asking for the block kAhead blocks
-    // on (4 KB, past the tile's end into the next tile) brings a step's matmuls to the read bandwidth.
-    for (int64_t l = 0; l < kTileBlockBytes; l += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kTileBlockBytes + l), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(st + (b + kAhead) * 8), _MM_HINT_T0);
-    if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(mt + (b + kAhead) * 8), _MM_HINT_T0);
+    prefetch_ahead<Q4>(w, st, mt, b);
     const __m256 scale = load_scales(st + b * 8);
     if constexpr (Q4) {
       const __m256i mask = _mm256_set1_epi8(0x0F);
@@ -166,7 +173,6 @@ inline void add_row_sums(__m512 v, float* out) {
 template <bool Q4, typename S, int R>
 inline void tile512(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, const S* mt, float (*out)[8]) {
   constexpr int64_t kTileBlockBytes = Q4 ? 128 : 256;
-  constexpr int64_t kAhead = kPrefetchBytes / kTileBlockBytes;
   __m512 acc[R];
   __m256 min_acc[R];
   for (int r = 0; r < R; ++r) {
@@ -175,10 +181,7 @@ inline void tile512(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* s
   }
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* w = wt + b * kTileBlockBytes;
-    for (int64_t l = 0; l < kTileBlockBytes; l += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kTileBlockBytes + l), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(st + (b + kAhead) * 8), _MM_HINT_T0);
-    if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(mt + (b + kAhead) * 8), _MM_HINT_T0);
+    prefetch_ahead<Q4>(w, st, mt, b);
     const __m512 scale = spread_scales(load_scales(st + b * 8));
     if constexpr (Q4) {
       const __m512i mask = _mm512_set1_epi8(0x0F);

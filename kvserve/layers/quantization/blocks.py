@@ -8,9 +8,10 @@
 Every GGUF type kvserve reads converts to one of them without rounding (kvserve/models/gguf_blocks.py), and
 so do kvserve's own int8 (per channel) and int4 (group-wise, asymmetric) quantizers below.
 
-Both are loaded row by row, then (groups of 32, N a multiple of 8) re-laid once with their rows interleaved
-in tiles of eight, the order the faster kernel reads (kvserve/kernels/cpu/quant_linear_x8.cpp): same bytes,
-another order.
+Both are loaded row by row, then (groups of 32) re-laid once with their rows interleaved in tiles, the
+order the faster kernels read: tiles of eight rows for the AVX2 kernel (quant_linear_x8.cpp, N a multiple of
+8), of sixteen for the AVX-512 VNNI one (quant_linear_x16.cpp, N a multiple of 16). Same values, another
+order (x16's q8 stores w + 128, unsigned: what vpdpbusd multiplies).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 QK = 32  # values per block along K
-TILE = 8  # rows per interleaved tile
+TILE = 8  # rows per x8 tile
+TILES = (8, 16)  # the interleaved layouts: quant_linear_x8 / quant_linear_x16
 # Lane of the kernel's result vector -> row within the tile, and back: its horizontal adds leave the rows
 # of a tile in this order, so scales and mins are stored in it.
 LANE_ROW = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -30,16 +32,16 @@ ROW_LANE = [LANE_ROW.index(r) for r in range(TILE)]
 @dataclass
 class BlockWeight:
     """One block-quantized matrix of logical shape [N, K]."""
-    qs: torch.Tensor                 # q8: int8 [N, K]; q4: uint8 [N, K / 2] (interleaved: see interleave8)
-    scales: torch.Tensor             # [N, K / group], float16 or float32 (interleaved: [N / 8, K / 32, 8])
+    qs: torch.Tensor                 # q8: int8 [N, K]; q4: uint8 [N, K / 2] (tiled: see interleave8 / 16)
+    scales: torch.Tensor             # [N, K / group], float16 or float32 (tiled: [N / tile, K / 32, tile])
     mins: torch.Tensor | None        # q4: like scales; q8: None
     group: int = QK                  # 32, or 16 (q8 only: GGUF Q6_K)
-    interleaved: bool = False        # rows in tiles of eight (interleave8)
+    tile: int = 0                    # rows per interleaved tile (8 or 16); 0: row-major
 
     def __post_init__(self) -> None:
         n, k = self.shape
-        if self.interleaved:
-            return  # built by interleave8 from a checked row-major weight
+        if self.tile:
+            return  # built by interleave8 / interleave16 from a checked row-major weight
         if self.scales.shape != (n, k // self.group) or k % QK:
             raise ValueError(f"block weight of shape {(n, k)} has scales {tuple(self.scales.shape)} "
                              f"(group {self.group}); K must be a multiple of {QK}")
@@ -51,21 +53,28 @@ class BlockWeight:
         return "q8" if self.mins is None else "q4"
 
     @property
+    def interleaved(self) -> bool:
+        return self.tile > 0
+
+    @property
     def shape(self) -> tuple[int, int]:
-        if self.interleaved:
-            return self.qs.shape[0] * TILE, self.qs.shape[1] * QK
+        if self.tile:
+            return self.qs.shape[0] * self.tile, self.qs.shape[1] * QK
         n, cols = self.qs.shape
         return n, cols * (2 if self.mins is not None else 1)
 
-    def can_interleave(self) -> bool:
-        return not self.interleaved and self.group == QK and self.shape[0] % TILE == 0
+    def can_interleave(self, tile: int = TILE) -> bool:
+        return not self.tile and self.group == QK and self.shape[0] % tile == 0
+
+    def interleave(self, tile: int) -> BlockWeight:
+        return self.interleave8() if tile == 8 else self.interleave16()
 
     def interleave8(self) -> BlockWeight:
         """The same weight with rows in tiles of eight, as quant_linear_x8 reads it. Within a tile, block b,
         pair p (rows 2p, 2p + 1): q4 keeps each row's 16 stored bytes, [N/8, nb, 4, 2, 16]; q8 puts values
         0-15 of both rows before values 16-31, [N/8, nb, 4, 2, 2, 16]. Scales / mins: [N/8, nb, 8] in
         LANE_ROW order."""
-        if not self.can_interleave():
+        if not self.can_interleave(8):
             raise ValueError("only row-major blocks of 32 with N a multiple of 8 can be interleaved")
         n, k = self.shape
         t, nb = n // TILE, k // QK
@@ -78,16 +87,44 @@ class BlockWeight:
             return v.view(t, TILE, nb)[:, LANE_ROW].permute(0, 2, 1).contiguous()
 
         return BlockWeight(qs.contiguous(), lanes(self.scales), None if self.mins is None else lanes(self.mins),
-                           self.group, interleaved=True)
+                           self.group, tile=8)
+
+    def interleave16(self) -> BlockWeight:
+        """The same weight with rows in tiles of sixteen, as quant_linear_x16 reads it: per tile and block,
+        groups of 64 bytes holding four bytes of each of the 16 rows, [N/16, nb, G, 16 * 4]. q4 (G = 4):
+        group g holds bytes 4g .. 4g + 3 of each row's 16 stored bytes (values 4g.. in the low nibbles,
+        16 + 4g.. in the high ones). q8 (G = 8): group g holds values 4g .. 4g + 3, stored as w + 128
+        (uint8). Scales / mins: [N/16, nb, 16] in row order."""
+        if not self.can_interleave(16):
+            raise ValueError("only row-major blocks of 32 with N a multiple of 16 can be interleaved in 16s")
+        n, k = self.shape
+        t, nb = n // 16, k // QK
+        if self.mins is not None:
+            qs = self.qs.view(t, 16, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(t, nb, 4, 64)
+        else:
+            unsigned = self.qs.view(torch.uint8) ^ 0x80
+            qs = unsigned.view(t, 16, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, nb, 8, 64)
+
+        def rows16(v: torch.Tensor) -> torch.Tensor:
+            return v.view(t, 16, nb).permute(0, 2, 1).contiguous()
+
+        return BlockWeight(qs.contiguous(), rows16(self.scales), None if self.mins is None else rows16(self.mins),
+                           self.group, tile=16)
 
     def _rows(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Row-major (qs, scales, mins) of the given rows (all rows if None)."""
-        if not self.interleaved:
+        if not self.tile:
             if rows is None:
                 return self.qs, self.scales, self.mins
             return self.qs[rows], self.scales[rows], None if self.mins is None else self.mins[rows]
         if rows is None:
             rows = torch.arange(self.shape[0])
+        if self.tile == 16:
+            t, r = rows // 16, rows % 16
+            q = self.qs.view(*self.qs.shape[:3], 16, 4)[t, :, :, r].reshape(rows.numel(), -1)  # [n, nb * G * 4]
+            if self.mins is None:
+                q = (q ^ 0x80).view(torch.int8)
+            return q, self.scales[t, :, r], None if self.mins is None else self.mins[t, :, r]
         t, r = rows // TILE, rows % TILE
         p, h, lane = r // 2, r % 2, torch.tensor(ROW_LANE)[r]
         n = rows.numel()

@@ -112,8 +112,10 @@ class BlockMethod:
                 segments[-1] = cat_rows([segments[-1], s])
             else:
                 segments.append(s)
-        if self.use_kernel:  # the tiled kernel's order where it applies (benchmarks/results/quantization.md)
-            segments = [s.interleave8() if s.can_interleave() else s for s in segments]
+        if self.use_kernel:  # a tiled kernel's order where one applies (benchmarks/results/quantization_<isa>.md)
+            tile = preferred_tile()
+            segments = [s.interleave(tile) if s.can_interleave(tile)
+                        else s.interleave8() if s.can_interleave(8) else s for s in segments]
         layer.segments = segments
         for i, seg in enumerate(segments):  # registered so memory accounting and .to() see them
             layer.register_buffer(f"qweight{i}", seg.qs, persistent=False)
@@ -135,14 +137,17 @@ class BlockMethod:
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         (seg,) = layer.segments
         if seg.interleaved and self.use_kernel:  # one native call: the Python row gather cost ~0.1 ms a step
-            rows = cpu_kernels.ops().quant_embedding_x8(ids.flatten(), seg.qs, seg.scales, seg.mins, self.dtype)
+            embed = cpu_kernels.ops().quant_embedding_x16 if seg.tile == 16 else cpu_kernels.ops().quant_embedding_x8
+            rows = embed(ids.flatten(), seg.qs, seg.scales, seg.mins, self.dtype)
         else:
             rows = seg.dequantize(ids.flatten(), self.dtype)
         return rows.view(*ids.shape, -1)
 
 
 def _matmul(ops: torch._ops._OpNamespace, x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
-    if w.interleaved:
+    if w.tile == 16:
+        return ops.quant_linear_x16(x, w.qs, w.scales, w.mins)
+    if w.tile == 8:
         return ops.quant_linear_x8(x, w.qs, w.scales, w.mins)
     return ops.quant_linear(x, w.qs, w.scales, w.mins, w.group)
 
@@ -195,6 +200,11 @@ class QuantConfig:
             self._warn_once("--quantization %s without kvserve's quantized kernel on this CPU/dtype: weights stay "
                        "quantized but each matmul dequantizes them (slow)", q)
         return BlockMethod("int8" if output_layer else q, self.dtype, self.group_size, use_kernel=kernel)
+
+
+def preferred_tile() -> int:
+    """Rows per tile for the kernels in use: 16 with AVX-512 VNNI (quant_linear_x16.cpp), else 8."""
+    return 16 if cpu_kernels.isa() == "avx512" else 8
 
 
 def kernel_available(dtype: torch.dtype) -> bool:

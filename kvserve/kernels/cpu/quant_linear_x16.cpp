@@ -1,0 +1,236 @@
+// Quantized linear layers for AVX-512 VNNI, weight rows interleaved in tiles of sixteen: one 64-byte group
+// holds four bytes of K for each of the tile's 16 rows, so each vpdpbusd multiplies them by four activation
+// bytes broadcast to every lane and adds into sixteen int32 lanes, one per row. A block's sums then need no
+// reduction across lanes, and its conversion, scaling and min term are one vector op each for 16 rows.
+//
+// Why a second layout: the 8-row tiles (quant_linear_x8.cpp) put four rows in a 512-bit vector with four
+// partial sums each; the merges and the per-8-rows float work competed with vpdpbusd for the same two
+// pipes and capped the kernel at ~28 multiply-adds a cycle a core, so from about three activation rows up
+// (batched decode, speculative verification, prefill) it was compute-bound. This layout does 1.2-2x the
+// work per second there (benchmarks/results/quantization_avx512.md), and the same at one row, where both
+// stream the weights at the read bandwidth. Built in the AVX-512 variant only; the AVX2 one keeps x8.
+//
+// Layout of tile t (rows 16t .. 16t + 15), block b (values 32b .. 32b + 31), group g, row r (0..15):
+//   q4: qs [N/16, nb, 4, 16, 4] uint8: bytes 4g .. 4g + 3 of row r's 16 block bytes (low nibbles: values
+//       4g .. 4g + 3, high nibbles: values 16 + 4g ..); w = q * scale + min
+//   q8: qs [N/16, nb, 8, 16, 4] uint8: values 4g .. 4g + 3 of row r, stored as w + 128; w = q * scale
+//   scales, mins [N/16, nb, 16] in row order (kvserve/layers/quantization/blocks.py: interleave16).
+// The tensors are viewed [N/16, nb, G, 64]. vpdpbusd takes unsigned bytes times signed ones: the weights
+// are the unsigned side (nibbles, or q8's w + 128) and the activations the signed one. q8's offset comes
+// back out as a min of -128 * scale, so both layouts share the min term: + min * d * sum(a) per block.
+#ifdef __AVX512VNNI__
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "ops.h"
+#include "quant_act.h"
+
+namespace {
+
+using namespace kvserve_quant;
+
+constexpr int64_t kRows = 16;                // weight rows per tile
+constexpr int64_t kMaxActRows = 4;           // activation rows per pass over a tile's block (measured: 6, 8 slower)
+constexpr int64_t kPrefetchBytes = 4096;     // as in quant_linear_x8.cpp
+
+inline __m512 load_scales16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Four activation bytes in every 32-bit lane (the compiler folds this into vpdpbusd's broadcast operand).
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+template <bool Q4>
+constexpr int64_t block_bytes() { return Q4 ? 256 : 512; }
+
+// R activation rows x one tile of sixteen weight rows -> out[r][row].
+template <bool Q4, typename S, int R>
+inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, const S* mt, float (*out)[kRows]) {
+  constexpr int64_t kBlockBytes = block_bytes<Q4>();
+  constexpr int64_t kAhead = kPrefetchBytes / kBlockBytes;
+  __m512 acc[R], min_acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = min_acc[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* w = wt + b * kBlockBytes;
+    for (int64_t l = 0; l < kBlockBytes; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kBlockBytes + l), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(st + (b + kAhead) * kRows), _MM_HINT_T0);
+    if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(mt + (b + kAhead) * kRows), _MM_HINT_T0);
+    const __m512 scale = load_scales16(st + b * kRows);
+    __m512 mins;
+    __m512i wv[8];  // q4: groups' low nibbles, then high nibbles; q8: the eight groups
+    if constexpr (Q4) {
+      mins = load_scales16(mt + b * kRows);
+      for (int g = 0; g < 4; ++g) {
+        const __m512i x = _mm512_loadu_si512(w + g * 64);
+        wv[g] = _mm512_and_si512(x, low4);
+        wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(x, 4), low4);
+      }
+    } else {
+      mins = _mm512_mul_ps(scale, _mm512_set1_ps(-128.f));
+      for (int g = 0; g < 8; ++g) wv[g] = _mm512_loadu_si512(w + g * 64);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t blk = (m0 + r) * a.nb + b;
+      const int8_t* q = a.q + blk * QK;
+      __m512i s = _mm512_setzero_si512();
+      if constexpr (Q4) {
+        for (int g = 0; g < 4; ++g) {
+          s = _mm512_dpbusd_epi32(s, wv[g], broadcast4(q + 4 * g));
+          s = _mm512_dpbusd_epi32(s, wv[g + 4], broadcast4(q + 16 + 4 * g));
+        }
+      } else {
+        for (int g = 0; g < 8; ++g) s = _mm512_dpbusd_epi32(s, wv[g], broadcast4(q + 4 * g));
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(a.d[blk])), acc[r]);
+      min_acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.dsum[blk]), min_acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], _mm512_add_ps(acc[r], min_acc[r]));
+}
+
+template <bool Q4, typename S, typename T>
+void gemm(const QuantAct& a, int64_t M, int64_t N, const uint8_t* wq, const S* ws, const S* wm, T* y) {
+  const int64_t tiles = N / kRows, tile_bytes = a.nb * block_bytes<Q4>(), tile_scales = a.nb * kRows;
+  // As in quant_linear_x8.cpp: threads split the tiles, each reads its share of the weights once.
+  at::parallel_for(0, tiles, 2, [&](int64_t t0, int64_t t1) {
+    float out[kMaxActRows][kRows];
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* wt = wq + t * tile_bytes;
+      const S* st = ws + t * tile_scales;
+      const S* mt = Q4 ? wm + t * tile_scales : nullptr;
+      for (int64_t m = 0; m < M; m += kMaxActRows) {
+        const int64_t rows = std::min(kMaxActRows, M - m);
+        switch (rows) {
+          case 1: tile<Q4, S, 1>(a, m, wt, st, mt, out); break;
+          case 2: tile<Q4, S, 2>(a, m, wt, st, mt, out); break;
+          case 3: tile<Q4, S, 3>(a, m, wt, st, mt, out); break;
+          default: tile<Q4, S, 4>(a, m, wt, st, mt, out); break;
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t l = 0; l < kRows; ++l) y[(m + r) * N + t * kRows + l] = static_cast<T>(out[r][l]);
+      }
+    }
+  });
+}
+
+void check_x16(const at::Tensor& wq, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+               int64_t K, const char* op) {
+  const bool q4 = mins.has_value() && mins->defined();
+  const int64_t nb = K / QK;
+  TORCH_CHECK(wq.is_contiguous() && scales.is_contiguous(), op, ": contiguous weights");
+  TORCH_CHECK(K % QK == 0 && wq.scalar_type() == at::kByte && wq.dim() == 4 && wq.size(1) == nb &&
+              wq.size(2) == (q4 ? 4 : 8) && wq.size(3) == 64,
+              op, ": weight of shape ", wq.sizes(), " and dtype ", wq.scalar_type(), " does not match in_features ", K);
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == wq.size(0) && scales.size(1) == nb && scales.size(2) == kRows,
+              op, ": scales shape ", scales.sizes());
+  if (q4) TORCH_CHECK(mins->is_contiguous() && mins->sizes() == scales.sizes() &&
+                      mins->scalar_type() == scales.scalar_type(), op, ": mins must match scales");
+}
+
+}  // namespace
+
+namespace kvserve_cpu {
+inline namespace KVSERVE_NS {
+
+// x [.., K] float32/bfloat16 -> y [.., N] of x's dtype, weights in the layout above (group 32).
+at::Tensor quant_linear_x16(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& mins) {
+  TORCH_CHECK(x.device().is_cpu(), "quant_linear_x16: CPU tensors");
+  const int64_t K = x.size(-1), N = wq.size(0) * kRows;
+  check_x16(wq, scales, mins, K, "quant_linear_x16");
+  const bool q4 = mins.has_value() && mins->defined();
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.numel() / K;
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  at::Tensor y = at::empty(out_sizes, x.options());
+  if (M == 0 || N == 0) return y;
+  const QuantAct act = quantize_activations(xc, M, K);
+  dispatch_act(x.scalar_type(), [&](auto act_tag) {
+    using T = decltype(act_tag);
+    dispatch_scale(scales.scalar_type(), [&](auto scale_tag) {
+      using S = decltype(scale_tag);
+      const uint8_t* w = wq.data_ptr<uint8_t>();
+      if (q4) gemm<true, S, T>(act, M, N, w, scales.data_ptr<S>(), mins->data_ptr<S>(), y.data_ptr<T>());
+      else gemm<false, S, T>(act, M, N, w, scales.data_ptr<S>(), nullptr, y.data_ptr<T>());
+    });
+  });
+  return y;
+}
+
+// Rows ids of the weight, dequantized (an embedding lookup; see quant_embedding_x8).
+at::Tensor quant_embedding_x16(const at::Tensor& ids, const at::Tensor& wq, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& mins, at::ScalarType dtype) {
+  const int64_t nb = wq.size(1), K = nb * QK, N = wq.size(0) * kRows;
+  check_x16(wq, scales, mins, K, "quant_embedding_x16");
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "quant_embedding_x16: int64 ids");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_embedding_x16: float32 or bfloat16 out");
+  const bool q4 = mins.has_value() && mins->defined();
+  const at::Tensor idc = ids.contiguous();
+  const int64_t n = idc.numel();
+  const int64_t* idp = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(idp[i] >= 0 && idp[i] < N, "quant_embedding_x16: id ", idp[i], " out of range");
+  at::Tensor out = at::empty({n, K}, wq.options().dtype(dtype));
+  const uint8_t* w = wq.data_ptr<uint8_t>();
+  dispatch_scale(scales.scalar_type(), [&](auto scale_tag) {
+    using S = decltype(scale_tag);
+    const S* sp = scales.data_ptr<S>();
+    const S* mp = q4 ? mins->data_ptr<S>() : nullptr;
+    auto run = [&](auto out_tag) {
+      using T = decltype(out_tag);
+      T* op = out.data_ptr<T>();
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = idp[i] / kRows, r = idp[i] % kRows;
+        for (int64_t b = 0; b < nb; ++b) {
+          const float d = to_float(sp, (t * nb + b) * kRows + r);
+          const uint8_t* blk = w + (t * nb + b) * (q4 ? 256 : 512) + r * 4;  // group g at + g * 64
+          T* dst = op + i * K + b * QK;
+          if (q4) {
+            const float mn = to_float(mp, (t * nb + b) * kRows + r);
+            for (int g = 0; g < 4; ++g)
+              for (int j = 0; j < 4; ++j) {
+                const uint8_t byte = blk[g * 64 + j];
+                dst[4 * g + j] = static_cast<T>(static_cast<float>(byte & 0x0F) * d + mn);
+                dst[16 + 4 * g + j] = static_cast<T>(static_cast<float>(byte >> 4) * d + mn);
+              }
+          } else {
+            for (int g = 0; g < 8; ++g)
+              for (int j = 0; j < 4; ++j)
+                dst[4 * g + j] = static_cast<T>(static_cast<float>(static_cast<int>(blk[g * 64 + j]) - 128) * d);
+          }
+        }
+      }
+    };
+    if (dtype == at::kFloat) run(float{});
+    else run(c10::BFloat16{});
+  });
+  return out;
+}
+
+}  // namespace KVSERVE_NS
+}  // namespace kvserve_cpu
+
+TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
+  m.def("quant_linear_x16(Tensor x, Tensor wq, Tensor scales, Tensor? mins) -> Tensor");
+  m.def("quant_embedding_x16(Tensor ids, Tensor wq, Tensor scales, Tensor? mins, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
+  m.impl("quant_linear_x16", &kvserve_cpu::quant_linear_x16);
+  m.impl("quant_embedding_x16", &kvserve_cpu::quant_embedding_x16);
+}
+#endif  // __AVX512VNNI__
