@@ -75,7 +75,7 @@ def method_config(method: str, args) -> dict | None:
         cfg = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
     if method.endswith("-always"):
-        cfg.update(disable_by_batch_size=None, min_acceptance_rate=0.0)
+        cfg.update(disable_by_batch_size=None, min_acceptance_rate=0.0, batched_min_acceptance_rate=0.0)
     return cfg
 
 
@@ -135,6 +135,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="bytes of KV per engine (all live at once)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="speculative", help="results/<name>.json and .md")
     args = ap.parse_args()
@@ -143,24 +144,29 @@ def main() -> None:
 
     results: dict = {}
     load_before = os.getloadavg()
-    for method in args.methods:
-        llm = LLM(dtype=args.dtype, quantization=args.quantization, num_threads=args.num_threads,
-                  speculative_config=method_config(method, args), max_num_seqs=max(args.concurrency))
-        tok = llm.get_tokenizer()
-        for workload in args.workloads:
-            for c in args.concurrency:
-                n = max(c, args.num_requests)
-                prompts = [tok.encode(tok.apply_chat_template(conv), add_special_tokens=False)
-                           for conv in make_prompts(workload, n, args.seed)]
-                params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                                        seed=args.seed if args.temperature > 0 else None)
+    # Every method's engine lives for the whole run and the methods take turns at each point: this host's
+    # memory bandwidth drifts by up to 2x over minutes, and method after method (the order before) had put
+    # that drift into the ratios (an engine that never drafted measured 1.15-1.18x `none`).
+    llms = {method: LLM(dtype=args.dtype, quantization=args.quantization, num_threads=args.num_threads,
+                        speculative_config=method_config(method, args), max_num_seqs=max(args.concurrency),
+                        kv_cache_memory=args.kv_cache_memory)
+            for method in args.methods}
+    tok = llms["none"].get_tokenizer()
+    for workload in args.workloads:
+        for c in args.concurrency:
+            n = max(c, args.num_requests)
+            prompts = [tok.encode(tok.apply_chat_template(conv), add_special_tokens=False)
+                       for conv in make_prompts(workload, n, args.seed)]
+            params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                                    seed=args.seed if args.temperature > 0 else None)
+            for method, llm in llms.items():
                 run_closed_loop(llm, prompts[:1], params, 1)  # warm-up
                 r = run_closed_loop(llm, prompts, params, c)
                 results.setdefault(workload, {}).setdefault(str(c), {})[method] = r
                 print(f"{workload:9s} c={c:<3d} {method:13s} {r['output_tok_s']:7.1f} tok/s "
                       f"TPOT {r['tpot_median_ms'] or 0:6.1f} ms  acceptance {r['acceptance_rate']}", flush=True)
-        del llm
-        gc.collect()
+    del llms
+    gc.collect()
 
     lines = ["| workload | concurrency | method | output tok/s | x none | TPOT median ms | acceptance rate | "
              "mean acceptance length | acceptance by position | same |",

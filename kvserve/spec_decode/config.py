@@ -46,6 +46,11 @@ class SpeculativeConfig:
     # min_acceptance_rate stops drafting for a while: 8 steps, doubling while it stays low. 0 disables it.
     min_acceptance_rate: float = 0.2
     acceptance_window: int = 16
+    # With more than one sequence decoding, a request drafts only while that recent acceptance is at least
+    # this: a verification row of 1 + k tokens costs more beside other rows than alone, and on 2 CPU cores
+    # n-gram drafts at ~0.3 acceptance (open chat) lost 11-19% at 2-4 sequences while ~0.6-0.7 (summaries,
+    # copies) gained 2-26% (benchmarks/results/speculative_c2_c3.md, speculative.md). 0 disables it.
+    batched_min_acceptance_rate: float = 0.5
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -84,6 +89,9 @@ class SpeculativeConfig:
         r = self.min_acceptance_rate
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
             raise bad("min_acceptance_rate", f"must be in [0, 1], got {r!r}")
+        r = self.batched_min_acceptance_rate
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise bad("batched_min_acceptance_rate", f"must be in [0, 1], got {r!r}")
         if not _is_int(self.acceptance_window) or self.acceptance_window < 1:
             raise bad("acceptance_window", f"must be an integer >= 1, got {self.acceptance_window!r}")
 

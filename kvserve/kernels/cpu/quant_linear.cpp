@@ -13,7 +13,7 @@
 // layouts are read as stored. Activations are quantized to int8 per block of 32 (scale = max|x| / 127)
 // once per call, and each block's dot product is integer arithmetic: AVX2's maddubs multiplies 32
 // unsigned by 32 signed bytes in one instruction. torch's own int4/int8 CPU kernels ran 5-10x slower
-// here with float32 activations (benchmarks/results/quantization.md).
+// here with float32 activations (benchmarks/results/torch_packed_<isa>.md).
 //
 // Only AVX2 + FMA + F16C intrinsics: the same code runs on AVX-512 CPUs.
 #include <ATen/ATen.h>

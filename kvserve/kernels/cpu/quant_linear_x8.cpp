@@ -15,10 +15,8 @@
 //   scales, mins [N/8, nb, 8] in lane order 0, 2, 4, 6, 1, 3, 5, 7 (the order the horizontal adds leave
 //   the rows in; kvserve/layers/quantization/blocks.py builds it).
 //
-// Two tile kernels read that one layout: AVX2 (maddubs, then madd to int32, three horizontal adds per block)
-// and, in the AVX-512 build, AVX-512 VNNI: one 64-byte load holds four rows' block, each vpdpbusd multiplies
-// 64 byte pairs and adds them into sixteen int32 lanes (four per row), and the four lanes of a row are
-// summed once per tile rather than per block.
+// AVX2 code (maddubs, then madd to int32, three horizontal adds per block). AVX-512 VNNI builds use their
+// own 16-row layout where N allows (quant_linear_x16.cpp) and this one for the rest (N a multiple of 8 only).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -36,13 +34,7 @@ namespace {
 using namespace kvserve_quant;
 
 constexpr int kLaneRow[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // lane -> row within the tile
-// Activation rows per pass over a tile's weights: AVX-512's 32 registers hold four rows' accumulators
-// beside the unpacked weights (measured: 5-15% faster than two from 4 to 64 rows), AVX2's 16 two.
-#ifdef __AVX512VNNI__
-constexpr int64_t kMaxRows = 4;
-#else
-constexpr int64_t kMaxRows = 2;
-#endif
+constexpr int64_t kMaxRows = 2;                        // activation rows per pass over a tile's weights
 constexpr int64_t kPrefetchBytes = 4096;               // how far ahead of the kernel weights are fetched
 
 inline __m256 load_scales(const float* p) { return _mm256_loadu_ps(p); }
@@ -132,116 +124,6 @@ inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, 
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out[r], acc[r]);
 }
 
-#ifdef __AVX512VNNI__
-// kLaneRow's inverse: the lane a row's result goes to.
-constexpr int kRowLane[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-
-// The merged layout of a tile's eight rows in one vector of sixteen int32 / float lanes: 128-bit lane L holds
-// rows L and L + 4, two partial sums each, as [row L, row L + 4, row L, row L + 4].
-// merge(rows 0-3, rows 4-7), each with four partial sums per row in 128-bit lane L = row L (mod 4).
-inline __m512i merge_rows(__m512i lo4, __m512i hi4) {
-  return _mm512_add_epi32(_mm512_unpacklo_epi32(lo4, hi4), _mm512_unpackhi_epi32(lo4, hi4));
-}
-// The eight stored scales (lane order) spread to the merged layout.
-inline __m512 spread_scales(__m256 lanes) {
-  const __m512i idx = _mm512_setr_epi32(kRowLane[0], kRowLane[4], kRowLane[0], kRowLane[4],
-                                        kRowLane[1], kRowLane[5], kRowLane[1], kRowLane[5],
-                                        kRowLane[2], kRowLane[6], kRowLane[2], kRowLane[6],
-                                        kRowLane[3], kRowLane[7], kRowLane[3], kRowLane[7]);
-  return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(lanes));
-}
-// Each row's two partial sums added into out (lane order).
-inline void add_row_sums(__m512 v, float* out) {
-  alignas(64) float f[16];
-  _mm512_store_ps(f, v);
-  for (int l = 0; l < 4; ++l) {
-    out[kRowLane[l]] += f[4 * l] + f[4 * l + 2];
-    out[kRowLane[l + 4]] += f[4 * l + 1] + f[4 * l + 3];
-  }
-}
-
-// As tile() above, with AVX-512 VNNI.
-//   q4: a pair of pairs is 64 bytes, rows 4h .. 4h + 3 with 16 bytes each: low nibbles times activation
-//       values 0-15 and high nibbles times values 16-31 (each half broadcast to the four row lanes), into
-//       four int32 partial sums per row.
-//   q8: vpdpbusd multiplies unsigned by signed bytes, so the activations enter as a + 128 (an xor of the
-//       sign bit) and 128 * sum(w) is subtracted: it starts the accumulator. A pair's 64 bytes hold two
-//       rows' values 0-15 then the same two rows' values 16-31; adding the upper to the lower halves of two
-//       pairs gives four rows.
-// The eight rows' sums are then merged into one vector (merge_rows) before they are converted and scaled:
-// the float work per block, which competes with vpdpbusd for the same two pipes, is one vector, not two.
-template <bool Q4, typename S, int R>
-inline void tile512(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, const S* mt, float (*out)[8]) {
-  constexpr int64_t kTileBlockBytes = Q4 ? 128 : 256;
-  __m512 acc[R];
-  __m256 min_acc[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm512_setzero_ps();
-    min_acc[r] = _mm256_setzero_ps();
-  }
-  for (int64_t b = 0; b < a.nb; ++b) {
-    const uint8_t* w = wt + b * kTileBlockBytes;
-    prefetch_ahead<Q4>(w, st, mt, b);
-    const __m512 scale = spread_scales(load_scales(st + b * 8));
-    if constexpr (Q4) {
-      const __m512i mask = _mm512_set1_epi8(0x0F);
-      __m512i lo[2], hi[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m512i x = _mm512_loadu_si512(w + h * 64);
-        lo[h] = _mm512_and_si512(x, mask);
-        hi[h] = _mm512_and_si512(_mm512_srli_epi16(x, 4), mask);
-      }
-      const __m256 mins = load_scales(mt + b * 8);
-      for (int r = 0; r < R; ++r) {
-        const int64_t blk = (m0 + r) * a.nb + b;
-        const int8_t* q = a.q + blk * QK;
-        const __m512i alo = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-        const __m512i ahi = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
-        __m512i s[2];
-        for (int h = 0; h < 2; ++h)
-          s[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[h], alo), hi[h], ahi);
-        const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(merge_rows(s[0], s[1])), _mm512_set1_ps(a.d[blk]));
-        acc[r] = _mm512_fmadd_ps(dot, scale, acc[r]);
-        min_acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.dsum[blk]), min_acc[r]);
-      }
-    } else {
-      const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
-      __m512i wv[4], start[4];
-      for (int p = 0; p < 4; ++p) {
-        wv[p] = _mm512_loadu_si512(w + p * 64);
-        start[p] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, wv[p]));
-      }
-      for (int r = 0; r < R; ++r) {
-        const int64_t blk = (m0 + r) * a.nb + b;
-        // [values 0-15, values 0-15, values 16-31, values 16-31] + 128
-        const __m512i a2 = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + blk * QK)));
-        const __m512i av = _mm512_xor_si512(_mm512_shuffle_i64x2(a2, a2, _MM_SHUFFLE(1, 1, 0, 0)), bias);
-        __m512i s[4];
-        for (int p = 0; p < 4; ++p) s[p] = _mm512_dpbusd_epi32(start[p], av, wv[p]);
-        __m512i four[2];
-        for (int h = 0; h < 2; ++h)  // pairs 2h, 2h + 1 -> rows 4h .. 4h + 3
-          four[h] = _mm512_add_epi32(_mm512_shuffle_i64x2(s[2 * h], s[2 * h + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_i64x2(s[2 * h], s[2 * h + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-        const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(merge_rows(four[0], four[1])), _mm512_set1_ps(a.d[blk]));
-        acc[r] = _mm512_fmadd_ps(dot, scale, acc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(out[r], min_acc[r]);  // zero for q8
-    add_row_sums(acc[r], out[r]);
-  }
-}
-#endif
-
-template <bool Q4, typename S, int R>
-inline void run_tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, const S* mt, float (*out)[8]) {
-#ifdef __AVX512VNNI__
-  tile512<Q4, S, R>(a, m0, wt, st, mt, out);
-#else
-  tile<Q4, S, R>(a, m0, wt, st, mt, out);
-#endif
-}
 
 template <bool Q4, typename S, typename T>
 void gemm(const QuantAct& a, int64_t M, int64_t N, const uint8_t* wq, const S* ws, const S* wm, T* y) {
@@ -256,12 +138,8 @@ void gemm(const QuantAct& a, int64_t M, int64_t N, const uint8_t* wq, const S* w
       const S* mt = Q4 ? wm + t * tile_scales : nullptr;
       for (int64_t m = 0; m < M; m += kMaxRows) {
         const int64_t rows = std::min(kMaxRows, M - m);
-        switch (rows) {
-          case 1: run_tile<Q4, S, 1>(a, m, wt, st, mt, out); break;
-          case 2: run_tile<Q4, S, 2>(a, m, wt, st, mt, out); break;
-          case 3: run_tile<Q4, S, (kMaxRows >= 3 ? 3 : 1)>(a, m, wt, st, mt, out); break;
-          default: run_tile<Q4, S, kMaxRows>(a, m, wt, st, mt, out); break;
-        }
+        if (rows == 2) tile<Q4, S, 2>(a, m, wt, st, mt, out);
+        else tile<Q4, S, 1>(a, m, wt, st, mt, out);
         for (int64_t r = 0; r < rows; ++r)
           for (int l = 0; l < 8; ++l) y[(m + r) * N + t * 8 + kLaneRow[l]] = static_cast<T>(out[r][l]);
       }
