@@ -75,7 +75,7 @@ def method_config(method: str, args) -> dict | None:
         cfg = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
     if method.endswith("-always"):
-        cfg.update(disable_by_batch_size=None, min_acceptance_rate=0.0, batched_min_acceptance_rate=0.0)
+        cfg.update(disable_by_batch_size=None, min_acceptance_rate=0.0)
     return cfg
 
 

@@ -1,6 +1,5 @@
-"""Adaptive speculation: no drafting in a step with more running sequences than disable_by_batch_size, a
-request whose drafts keep failing stops drafting for a while, and one whose acceptance is below
-batched_min_acceptance_rate drafts only when it runs alone; outputs stay those without speculation."""
+"""Adaptive speculation: no drafting in a step with more running sequences than disable_by_batch_size, and a
+request whose drafts keep failing stops drafting for a while; outputs stay those without speculation."""
 import random
 
 from kvserve.config import EngineConfig
@@ -72,52 +71,3 @@ def test_a_request_with_failing_drafts_pauses_drafting(tiny_model_dirs):
     assert bad.spec_num_accepted_tokens == 0 and bad.spec_num_drafts <= 6
     # Always right: never paused, every step drafts as far as max_tokens allows.
     assert good.spec_num_accepted_tokens == good.spec_num_draft_tokens and good.spec_num_drafts >= 59 // 5
-
-
-class PerPromptProposer:
-    """A ScriptedProposer per prompt: drafts of a quality set per request."""
-
-    def __init__(self, proposers: dict[tuple[int, ...], ScriptedProposer]) -> None:
-        self.proposers = proposers
-
-    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
-        for prompt, proposer in self.proposers.items():
-            if tuple(token_ids[:len(prompt)]) == prompt:
-                return proposer.propose(token_ids, max_tokens)
-        return []
-
-
-def test_poor_drafts_stop_beside_other_sequences_and_resume_alone(tiny_model_dirs):
-    path, _ = tiny_model_dirs["llama"]
-    rng = random.Random(2)
-    good_p, poor_p = ([rng.randrange(256) for _ in range(6)] for _ in range(2))
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 80)]
-    conts, ref = continuations(path, [good_p, poor_p], params)
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None,
-            "min_acceptance_rate": 0.0, "acceptance_window": 6, "batched_min_acceptance_rate": 0.5}
-    engine = engine_for(path, spec)
-    engine.speculator.proposer = PerPromptProposer({
-        tuple(good_p): ScriptedProposer({tuple(good_p): conts[tuple(good_p)]}, wrong=0.0),
-        tuple(poor_p): ScriptedProposer({tuple(poor_p): conts[tuple(poor_p)]}, wrong=0.8, seed=3)})
-    engine.add_request("good", good_p, params[0])
-    engine.add_request("poor", poor_p, params[1])
-    done, log = {}, []  # log: (running requests, whether the poor one verified drafts this step)
-    while engine.has_unfinished_requests():
-        running = {engine.requests[s.request_id].request_id for s in engine.scheduler.running}
-        poor = next((s for s in engine.scheduler.running if s.request_id == "poor"), None)
-        before = poor.spec_state.num_verified if poor is not None and poor.spec_state else 0
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        after = poor.spec_state.num_verified if poor is not None and poor.spec_state else 0
-        log.append((frozenset(running), after > before))
-    assert_no_leaks(engine)
-    for rid, i in (("good", "0"), ("poor", "1")):
-        assert done[rid].outputs[0].token_ids == ref[i].outputs[0].token_ids
-    together = [drafted for running, drafted in log if len(running) == 2]
-    alone = [drafted for running, drafted in log if running == {"poor"}]
-    # Beside the good request, the poor one drafts until its window shows its acceptance, then stops;
-    # alone, it drafts again (the batch-1 rule, min_acceptance_rate, is off here).
-    assert any(together) and not any(together[-8:]), together
-    assert sum(alone) >= len(alone) // 2, alone
-    assert engine.get_stats().spec_num_drafts > 0

@@ -15,12 +15,15 @@ from typing import Any
 METHODS = ("ngram", "draft")
 
 # Above this many sequences decoding in a step, nobody drafts (vLLM's disable_by_batch_size); per method,
-# from benchmarks/results/speculative_draft.md (2-core AVX2 machine shared with other jobs, load average
-# ~8-10, so the figures are noisy; re-measure on a quiet machine with the command given there):
-# - ngram: drafting in every step against none, copy-heavy prompts (acceptance 0.71-0.79), output tok/s
-#   1.63x at concurrency 1, 1.12x at 4, 0.86x at 16: it stops paying between 4 and 16, so 4.
-# - draft (the shipped draft, acceptance 0.07-0.11): 0.64-1.02x at concurrency 1 and below 1x at 4 and 16,
-#   so it drafts only for a lone sequence, where the per-request pause bounds the loss.
+# measured on a quiet 2-core AVX-512 machine with every method's engine taking turns at each point
+# (benchmarks/results/speculative.md, speculative_c2_c3.md; drafting in every step against none):
+# - ngram, output tok/s: copies (acceptance ~0.72) 1.83x at 1 sequence, 1.26x at 2, 1.15x at 3, 1.25x at 4,
+#   0.95x at 32; summaries (~0.58) 1.29x, 1.18x, 1.07x, 1.04x, 0.87x; open chat (~0.30) 1.13x at 1 but
+#   0.79-0.89x from 2 up. Good drafts pay up to 4 sequences and not at 32, so 4; chat's loss at 2-4 is what
+#   that costs (a per-request acceptance threshold for batched steps was tried and did not recover it: a
+#   request's first drafts, before its acceptance is known, are most of a short answer's).
+# - draft (the shipped draft, acceptance 0.07-0.15): 0.69-0.74x at 1 and far below at 4 and 32, so it drafts
+#   only for a lone sequence, where the per-request pause bounds the loss (0.91-0.99x).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 DRAFT_DEFAULT_DISABLE_BY_BATCH_SIZE = 1
 _METHOD_DEFAULT = -1  # disable_by_batch_size not given: the method's default above
@@ -46,11 +49,6 @@ class SpeculativeConfig:
     # min_acceptance_rate stops drafting for a while: 8 steps, doubling while it stays low. 0 disables it.
     min_acceptance_rate: float = 0.2
     acceptance_window: int = 16
-    # With more than one sequence decoding, a request drafts only while that recent acceptance is at least
-    # this: a verification row of 1 + k tokens costs more beside other rows than alone, and on 2 CPU cores
-    # n-gram drafts at ~0.3 acceptance (open chat) lost 11-19% at 2-4 sequences while ~0.6-0.7 (summaries,
-    # copies) gained 2-26% (benchmarks/results/speculative_c2_c3.md, speculative.md). 0 disables it.
-    batched_min_acceptance_rate: float = 0.5
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -89,9 +87,6 @@ class SpeculativeConfig:
         r = self.min_acceptance_rate
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
             raise bad("min_acceptance_rate", f"must be in [0, 1], got {r!r}")
-        r = self.batched_min_acceptance_rate
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
-            raise bad("batched_min_acceptance_rate", f"must be in [0, 1], got {r!r}")
         if not _is_int(self.acceptance_window) or self.acceptance_window < 1:
             raise bad("acceptance_window", f"must be an integer >= 1, got {self.acceptance_window!r}")
 

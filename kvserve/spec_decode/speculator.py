@@ -47,17 +47,14 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         off = limit is not None and len(running) > limit
         for seq in running:
-            seq.spec_token_ids = [] if off else self._propose_one(seq, batched=len(running) > 1)
+            seq.spec_token_ids = [] if off else self._propose_one(seq)
 
-    def _propose_one(self, seq: Sequence, batched: bool) -> list[int]:
+    def _propose_one(self, seq: Sequence) -> list[int]:
         if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.prefill_done:
             return []  # still in prefill
         state = seq.spec_state
         if state is not None and self._step < state.paused_until:
             return []
-        if (batched and state is not None and state.num_verified >= self.config.acceptance_window
-                and state.acceptance < self.config.batched_min_acceptance_rate):
-            return []  # drafts this poor pay alone, not beside other rows (config.py)
         # Never draft past what the request may still emit: the step emits up to len(drafts) + 1 tokens,
         # and positions must stay inside max_model_len.
         max_new = min(self.config.num_speculative_tokens,
@@ -89,14 +86,14 @@ class Speculator:
             s.accepted_per_pos[i] += 1
 
         cfg = self.config
-        if cfg.min_acceptance_rate <= 0 and cfg.batched_min_acceptance_rate <= 0:
+        if cfg.min_acceptance_rate <= 0:
             return
         state = spec_state(seq)
         # Each verified draft token moves the average by 1/window of the way to this draft's rate.
         weight = min(1.0, num_drafted / cfg.acceptance_window)
         state.acceptance += weight * (num_accepted / num_drafted - state.acceptance)
         state.num_verified += num_drafted
-        if state.num_verified < cfg.acceptance_window or cfg.min_acceptance_rate <= 0:
+        if state.num_verified < cfg.acceptance_window:
             return
         if state.acceptance < cfg.min_acceptance_rate:
             state.paused_until = self._step + state.pause_steps
