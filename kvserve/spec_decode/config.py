@@ -16,14 +16,15 @@ METHODS = ("ngram", "draft")
 
 # Above this many sequences decoding in a step, nobody drafts (vLLM's disable_by_batch_size); per method,
 # measured on a quiet 2-core AVX-512 machine with every method's engine taking turns at each point
-# (benchmarks/results/speculative.md, speculative_c2_c3.md; drafting in every step against none):
-# - ngram, output tok/s: copies (acceptance ~0.72) 1.83x at 1 sequence, 1.26x at 2, 1.15x at 3, 1.25x at 4,
-#   0.95x at 32; summaries (~0.58) 1.29x, 1.18x, 1.07x, 1.04x, 0.87x; open chat (~0.30) 1.13x at 1 but
-#   0.79-0.89x from 2 up. Good drafts pay up to 4 sequences and not at 32, so 4; chat's loss at 2-4 is what
-#   that costs (a per-request acceptance threshold for batched steps was tried and did not recover it: a
-#   request's first drafts, before its acceptance is known, are most of a short answer's).
-# - draft (the shipped draft, acceptance 0.07-0.15): 0.69-0.74x at 1 and far below at 4 and 32, so it drafts
-#   only for a lone sequence, where the per-request pause bounds the loss (0.91-0.99x).
+# (benchmarks/results/speculative.md, speculative_c2_c3.md; drafting in every step against none; runs of
+# identical work differ by up to ~20% on this host, so read the trend, not single cells):
+# - ngram, output tok/s: copies (acceptance ~0.72) 1.65x at 1 sequence, 1.26x at 2, 1.15x at 3, 1.04x at 4,
+#   0.92x at 32; summaries (~0.58) 1.27x, 1.18x, 1.07x, 1.06x, 1.02x; open chat (~0.30) 1.04x at 1, 0.81-0.89x
+#   at 2-4, 0.64x at 32. Good drafts pay up to about 4 sequences, none at 32, so 4; chat's loss at 2-4 is
+#   what that costs (a per-request acceptance threshold for batched steps was tried and did not recover it:
+#   a short answer's first drafts come before its acceptance is known).
+# - draft (the shipped draft, acceptance 0.07-0.15): 0.64-0.73x at 1 and about 0.5x at 4 and 32, so it
+#   drafts only for a lone sequence, where the per-request pause bounds the loss (0.86-0.95x).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 DRAFT_DEFAULT_DISABLE_BY_BATCH_SIZE = 1
 _METHOD_DEFAULT = -1  # disable_by_batch_size not given: the method's default above
