@@ -278,8 +278,9 @@ def test_model_markup_is_shown_as_text(server, browser, http):
     set_value(browser, "temperature", "0")
     set_value(browser, "max-tokens", "40")
     js(browser, "window.__alerts = []; window.alert = (m) => window.__alerts.push(String(m));")
-    prompt = f"Echo back this text verbatim: {XSS}"
-    # The model repeats it (greedy); check with the API first so a failure says which side changed.
+    prompt = f"Repeat exactly: {XSS}"
+    # The model repeats it (greedy; checked with both kernel variants and compute dtypes: AVX-512 bf16,
+    # AVX2 fp32 and bf16); check with the API first so a failure says which side changed.
     reply = http.post("/v1/chat/completions", json={
         "model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 40,
         "temperature": 0}).json()["choices"][0]["message"]["content"]
