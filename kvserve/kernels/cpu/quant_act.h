@@ -121,5 +121,44 @@ void dispatch_scale(at::ScalarType t, F&& f) {
   else TORCH_CHECK(false, "quantized linear: scales must be float16 or float32, got ", t);
 }
 
+// What every quantized linear op shares once its weights are checked: y [.., N] of x's dtype, x quantized
+// once, then gemm(act, M, y, scale_tag) with y a float* or c10::BFloat16* and scale_tag a float or at::Half.
+template <typename Gemm>
+at::Tensor quantized_linear(const at::Tensor& x, int64_t N, at::ScalarType scale_type, Gemm&& gemm) {
+  const int64_t K = x.size(-1);
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = K ? xc.numel() / K : 0;
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  at::Tensor y = at::empty(out_sizes, x.options());
+  if (M == 0 || N == 0) return y;
+  const QuantAct act = quantize_activations(xc, M, K);
+  dispatch_act(x.scalar_type(), [&](auto act_tag) {
+    using T = decltype(act_tag);
+    dispatch_scale(scale_type, [&](auto scale_tag) { gemm(act, M, y.data_ptr<T>(), scale_tag); });
+  });
+  return y;
+}
+
+// An embedding lookup in a tiled weight [N, K]: rows ids, dequantized, as [n, K] float32 or bfloat16.
+// write(id, dst) fills one row (dst: float* or c10::BFloat16*). The layouts' kernels supply write.
+template <typename Write>
+at::Tensor gather_rows(const at::Tensor& ids, int64_t N, int64_t K, at::ScalarType dtype, const char* op,
+                       Write&& write) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong, op, ": int64 ids");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": float32 or bfloat16 out");
+  const at::Tensor idc = ids.contiguous();
+  const int64_t n = idc.numel();
+  const int64_t* idp = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(idp[i] >= 0 && idp[i] < N, op, ": id ", idp[i], " out of range");
+  at::Tensor out = at::empty({n, K}, ids.options().dtype(dtype));
+  auto run = [&](auto* rows) {
+    for (int64_t i = 0; i < n; ++i) write(idp[i], rows + i * K);
+  };
+  if (dtype == at::kFloat) run(out.data_ptr<float>());
+  else run(out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
 }  // namespace KVSERVE_NS
 }  // namespace kvserve_quant

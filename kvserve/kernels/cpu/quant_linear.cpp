@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "quant_act.h"
 
@@ -154,27 +155,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& wq, const at::Ten
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group, "quant_linear: scales shape");
   if (q4) TORCH_CHECK(mins->is_contiguous() && mins->sizes() == scales.sizes() &&
                       mins->scalar_type() == scales.scalar_type(), "quant_linear: mins must match scales");
-  const at::Tensor xc = x.contiguous();
-  const int64_t M = K ? xc.numel() / K : 0;
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = N;
-  at::Tensor y = at::empty(out_sizes, x.options());
-  if (M == 0 || N == 0) return y;
-
-  const QuantAct act = quantize_activations(xc, M, K);
-
-  dispatch_act(x.scalar_type(), [&](auto act_tag) {
-    using T = decltype(act_tag);
-    dispatch_scale(scales.scalar_type(), [&](auto scale_tag) {
-      using S = decltype(scale_tag);
-      const S* sp = scales.data_ptr<S>();
-      T* yp = y.data_ptr<T>();
-      if (q4) gemm<Layout::kQ4, S, T>(act, M, N, wq.data_ptr<uint8_t>(), sp, mins->data_ptr<S>(), yp);
-      else if (group == 16) gemm<Layout::kQ8G16, S, T>(act, M, N, reinterpret_cast<const uint8_t*>(wq.data_ptr<int8_t>()), sp, nullptr, yp);
-      else gemm<Layout::kQ8G32, S, T>(act, M, N, reinterpret_cast<const uint8_t*>(wq.data_ptr<int8_t>()), sp, nullptr, yp);
-    });
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(wq.data_ptr());
+  return quantized_linear(x, N, scales.scalar_type(), [&](const QuantAct& act, int64_t M, auto* y, auto scale_tag) {
+    using S = decltype(scale_tag);
+    using T = std::remove_pointer_t<decltype(y)>;
+    const S* sp = scales.data_ptr<S>();
+    if (q4) gemm<Layout::kQ4, S, T>(act, M, N, w, sp, mins->data_ptr<S>(), y);
+    else if (group == 16) gemm<Layout::kQ8G16, S, T>(act, M, N, w, sp, nullptr, y);
+    else gemm<Layout::kQ8G32, S, T>(act, M, N, w, sp, nullptr, y);
   });
-  return y;
 }
 
 }  // namespace

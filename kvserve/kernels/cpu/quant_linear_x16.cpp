@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "ops.h"
 #include "quant_act.h"
@@ -153,70 +154,49 @@ at::Tensor quant_linear_x16(const at::Tensor& x, const at::Tensor& wq, const at:
   const int64_t K = x.size(-1), N = wq.size(0) * kRows;
   check_x16(wq, scales, mins, K, "quant_linear_x16");
   const bool q4 = mins.has_value() && mins->defined();
-  const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.numel() / K;
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = N;
-  at::Tensor y = at::empty(out_sizes, x.options());
-  if (M == 0 || N == 0) return y;
-  const QuantAct act = quantize_activations(xc, M, K);
-  dispatch_act(x.scalar_type(), [&](auto act_tag) {
-    using T = decltype(act_tag);
-    dispatch_scale(scales.scalar_type(), [&](auto scale_tag) {
-      using S = decltype(scale_tag);
-      const uint8_t* w = wq.data_ptr<uint8_t>();
-      if (q4) gemm<true, S, T>(act, M, N, w, scales.data_ptr<S>(), mins->data_ptr<S>(), y.data_ptr<T>());
-      else gemm<false, S, T>(act, M, N, w, scales.data_ptr<S>(), nullptr, y.data_ptr<T>());
-    });
+  const uint8_t* w = wq.data_ptr<uint8_t>();
+  return quantized_linear(x, N, scales.scalar_type(), [&](const QuantAct& act, int64_t M, auto* y, auto scale_tag) {
+    using S = decltype(scale_tag);
+    using T = std::remove_pointer_t<decltype(y)>;
+    if (q4) gemm<true, S, T>(act, M, N, w, scales.data_ptr<S>(), mins->data_ptr<S>(), y);
+    else gemm<false, S, T>(act, M, N, w, scales.data_ptr<S>(), nullptr, y);
   });
-  return y;
 }
 
 // Rows ids of the weight, dequantized (an embedding lookup; see quant_embedding_x8).
 at::Tensor quant_embedding_x16(const at::Tensor& ids, const at::Tensor& wq, const at::Tensor& scales,
                                const std::optional<at::Tensor>& mins, at::ScalarType dtype) {
-  const int64_t nb = wq.size(1), K = nb * QK, N = wq.size(0) * kRows;
-  check_x16(wq, scales, mins, K, "quant_embedding_x16");
-  TORCH_CHECK(ids.scalar_type() == at::kLong, "quant_embedding_x16: int64 ids");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_embedding_x16: float32 or bfloat16 out");
+  const int64_t nb = wq.size(1);
+  check_x16(wq, scales, mins, nb * QK, "quant_embedding_x16");
   const bool q4 = mins.has_value() && mins->defined();
-  const at::Tensor idc = ids.contiguous();
-  const int64_t n = idc.numel();
-  const int64_t* idp = idc.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(idp[i] >= 0 && idp[i] < N, "quant_embedding_x16: id ", idp[i], " out of range");
-  at::Tensor out = at::empty({n, K}, wq.options().dtype(dtype));
   const uint8_t* w = wq.data_ptr<uint8_t>();
+  at::Tensor out;
   dispatch_scale(scales.scalar_type(), [&](auto scale_tag) {
     using S = decltype(scale_tag);
     const S* sp = scales.data_ptr<S>();
     const S* mp = q4 ? mins->data_ptr<S>() : nullptr;
-    auto run = [&](auto out_tag) {
-      using T = decltype(out_tag);
-      T* op = out.data_ptr<T>();
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = idp[i] / kRows, r = idp[i] % kRows;
-        for (int64_t b = 0; b < nb; ++b) {
-          const float d = to_float(sp, (t * nb + b) * kRows + r);
-          const uint8_t* blk = w + (t * nb + b) * (q4 ? 256 : 512) + r * 4;  // group g at + g * 64
-          T* dst = op + i * K + b * QK;
-          if (q4) {
-            const float mn = to_float(mp, (t * nb + b) * kRows + r);
-            for (int g = 0; g < 4; ++g)
-              for (int j = 0; j < 4; ++j) {
-                const uint8_t byte = blk[g * 64 + j];
-                dst[4 * g + j] = static_cast<T>(static_cast<float>(byte & 0x0F) * d + mn);
-                dst[16 + 4 * g + j] = static_cast<T>(static_cast<float>(byte >> 4) * d + mn);
-              }
-          } else {
-            for (int g = 0; g < 8; ++g)
-              for (int j = 0; j < 4; ++j)
-                dst[4 * g + j] = static_cast<T>(static_cast<float>(static_cast<int>(blk[g * 64 + j]) - 128) * d);
-          }
+    out = gather_rows(ids, wq.size(0) * kRows, nb * QK, dtype, "quant_embedding_x16", [&](int64_t id, auto* row) {
+      using T = std::remove_pointer_t<decltype(row)>;
+      const int64_t t = id / kRows, r = id % kRows;
+      for (int64_t b = 0; b < nb; ++b) {
+        const float d = to_float(sp, (t * nb + b) * kRows + r);
+        const uint8_t* blk = w + (t * nb + b) * (q4 ? 256 : 512) + r * 4;  // group g at + g * 64
+        T* dst = row + b * QK;
+        if (q4) {
+          const float mn = to_float(mp, (t * nb + b) * kRows + r);
+          for (int g = 0; g < 4; ++g)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = blk[g * 64 + j];
+              dst[4 * g + j] = static_cast<T>(static_cast<float>(byte & 0x0F) * d + mn);
+              dst[16 + 4 * g + j] = static_cast<T>(static_cast<float>(byte >> 4) * d + mn);
+            }
+        } else {
+          for (int g = 0; g < 8; ++g)
+            for (int j = 0; j < 4; ++j)
+              dst[4 * g + j] = static_cast<T>(static_cast<float>(static_cast<int>(blk[g * 64 + j]) - 128) * d);
         }
       }
-    };
-    if (dtype == at::kFloat) run(float{});
-    else run(c10::BFloat16{});
+    });
   });
   return out;
 }

@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "ops.h"
 #include "quant_act.h"
@@ -167,23 +168,13 @@ at::Tensor quant_linear_x8(const at::Tensor& x, const at::Tensor& wq, const at::
               "quant_linear_x8: scales shape ", scales.sizes());
   if (q4) TORCH_CHECK(mins->is_contiguous() && mins->sizes() == scales.sizes() &&
                       mins->scalar_type() == scales.scalar_type(), "quant_linear_x8: mins must match scales");
-  const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.numel() / K;
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = N;
-  at::Tensor y = at::empty(out_sizes, x.options());
-  if (M == 0 || N == 0) return y;
-  const QuantAct act = quantize_activations(xc, M, K);
-  dispatch_act(x.scalar_type(), [&](auto act_tag) {
-    using T = decltype(act_tag);
-    dispatch_scale(scales.scalar_type(), [&](auto scale_tag) {
-      using S = decltype(scale_tag);
-      const uint8_t* w = reinterpret_cast<const uint8_t*>(wq.data_ptr());
-      if (q4) gemm<true, S, T>(act, M, N, w, scales.data_ptr<S>(), mins->data_ptr<S>(), y.data_ptr<T>());
-      else gemm<false, S, T>(act, M, N, w, scales.data_ptr<S>(), nullptr, y.data_ptr<T>());
-    });
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(wq.data_ptr());
+  return quantized_linear(x, N, scales.scalar_type(), [&](const QuantAct& act, int64_t M, auto* y, auto scale_tag) {
+    using S = decltype(scale_tag);
+    using T = std::remove_pointer_t<decltype(y)>;
+    if (q4) gemm<true, S, T>(act, M, N, w, scales.data_ptr<S>(), mins->data_ptr<S>(), y);
+    else gemm<false, S, T>(act, M, N, w, scales.data_ptr<S>(), nullptr, y);
   });
-  return y;
 }
 
 // Rows ids of the weight in the layout above, dequantized: an embedding lookup (a tied LM head's table is
@@ -191,50 +182,40 @@ at::Tensor quant_linear_x8(const at::Tensor& x, const at::Tensor& wq, const at::
 at::Tensor quant_embedding_x8(const at::Tensor& ids, const at::Tensor& wq, const at::Tensor& scales,
                               const std::optional<at::Tensor>& mins, at::ScalarType dtype) {
   const bool q4 = mins.has_value() && mins->defined();
-  TORCH_CHECK(ids.scalar_type() == at::kLong && wq.is_contiguous() && scales.is_contiguous() &&
-              (!q4 || mins->is_contiguous()), "quant_embedding_x8: int64 ids, contiguous weights");
+  TORCH_CHECK(wq.is_contiguous() && scales.is_contiguous() && (!q4 || mins->is_contiguous()),
+              "quant_embedding_x8: contiguous weights");
   TORCH_CHECK(q4 ? (wq.scalar_type() == at::kByte && wq.dim() == 5) : (wq.scalar_type() == at::kChar && wq.dim() == 6),
               "quant_embedding_x8: weight of shape ", wq.sizes(), " is not an interleaved q4 or q8 weight");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_embedding_x8: float32 or bfloat16 out");
-  const int64_t N = wq.size(0) * 8, nb = wq.size(1), K = nb * QK;
-  const at::Tensor idc = ids.contiguous();
-  const int64_t n = idc.numel();
-  const int64_t* idp = idc.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(idp[i] >= 0 && idp[i] < N, "quant_embedding_x8: id ", idp[i], " out of range");
-  at::Tensor out = at::empty({n, K}, wq.options().dtype(dtype));
+  const int64_t nb = wq.size(1);
   const uint8_t* w = reinterpret_cast<const uint8_t*>(wq.data_ptr());
+  at::Tensor out;
   dispatch_scale(scales.scalar_type(), [&](auto scale_tag) {
     using S = decltype(scale_tag);
     const S* sp = scales.data_ptr<S>();
     const S* mp = q4 ? mins->data_ptr<S>() : nullptr;
-    auto run = [&](auto out_tag) {
-      using T = decltype(out_tag);
-      T* op = out.data_ptr<T>();
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = idp[i] / 8, r = idp[i] % 8, p = r / 2, h = r % 2;
-        int lane = 0;
-        while (kLaneRow[lane] != r) ++lane;
-        for (int64_t b = 0; b < nb; ++b) {
-          const float d = to_float(sp, (t * nb + b) * 8 + lane);
-          T* dst = op + i * K + b * QK;
-          if (q4) {
-            const float mn = to_float(mp, (t * nb + b) * 8 + lane);
-            const uint8_t* q = w + ((t * nb + b) * 4 + p) * 32 + h * 16;  // [N/8, nb, 4, 2, 16]
-            for (int j = 0; j < 16; ++j) {
-              dst[j] = static_cast<T>(static_cast<float>(q[j] & 0x0F) * d + mn);
-              dst[j + 16] = static_cast<T>(static_cast<float>(q[j] >> 4) * d + mn);
-            }
-          } else {
-            const int8_t* q = reinterpret_cast<const int8_t*>(w) + ((t * nb + b) * 4 + p) * 64;  // [.., 4, 2, 2, 16]
-            for (int half = 0; half < 2; ++half)
-              for (int j = 0; j < 16; ++j)
-                dst[half * 16 + j] = static_cast<T>(static_cast<float>(q[half * 32 + h * 16 + j]) * d);
+    out = gather_rows(ids, wq.size(0) * 8, nb * QK, dtype, "quant_embedding_x8", [&](int64_t id, auto* row) {
+      using T = std::remove_pointer_t<decltype(row)>;
+      const int64_t t = id / 8, r = id % 8, p = r / 2, h = r % 2;
+      int lane = 0;
+      while (kLaneRow[lane] != r) ++lane;
+      for (int64_t b = 0; b < nb; ++b) {
+        const float d = to_float(sp, (t * nb + b) * 8 + lane);
+        T* dst = row + b * QK;
+        if (q4) {
+          const float mn = to_float(mp, (t * nb + b) * 8 + lane);
+          const uint8_t* q = w + ((t * nb + b) * 4 + p) * 32 + h * 16;  // [N/8, nb, 4, 2, 16]
+          for (int j = 0; j < 16; ++j) {
+            dst[j] = static_cast<T>(static_cast<float>(q[j] & 0x0F) * d + mn);
+            dst[j + 16] = static_cast<T>(static_cast<float>(q[j] >> 4) * d + mn);
           }
+        } else {
+          const int8_t* q = reinterpret_cast<const int8_t*>(w) + ((t * nb + b) * 4 + p) * 64;  // [.., 4, 2, 2, 16]
+          for (int half = 0; half < 2; ++half)
+            for (int j = 0; j < 16; ++j)
+              dst[half * 16 + j] = static_cast<T>(static_cast<float>(q[half * 32 + h * 16 + j]) * d);
         }
       }
-    };
-    if (dtype == at::kFloat) run(float{});
-    else run(c10::BFloat16{});
+    });
   });
   return out;
 }
