@@ -378,12 +378,13 @@ def test_dashboard_follows_load_and_agrees_with_metrics(server, browser, http):
              10, "the dashboard to show the current totals")
     shown_before = tiles()
 
-    # Three streams at once, long enough for the dashboard's once-a-second poll to see them running.
+    # Three streams at once, long enough for the dashboard's once-a-second poll to see them running: 400
+    # tokens take ~2 s on the fastest CPU path here (64 had finished within one poll there).
     usage: list[dict] = []
 
     def stream(i: int) -> None:
         body = {"model": MODEL, "messages": [{"role": "user", "content": f"Tell me a story about cache {i}."}],
-                "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": True,
+                "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         with http.stream("POST", "/v1/chat/completions", json=body) as r:
             for line in r.iter_lines():
@@ -413,7 +414,7 @@ def test_dashboard_follows_load_and_agrees_with_metrics(server, browser, http):
                           "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total",
                           "kvserve:num_preemptions_total"}
     assert shown["kvserve:generation_tokens_total"] - shown_before["kvserve:generation_tokens_total"] == \
-        sum(u["completion_tokens"] for u in usage) == 3 * 64
+        sum(u["completion_tokens"] for u in usage) == 3 * 400
     assert shown["kvserve:request_success_total"] - shown_before["kvserve:request_success_total"] == 3
     # The charts of what exists are shown, each with its current value as text; the rest stay hidden.
     charts = js(browser, """
