@@ -39,7 +39,6 @@ using namespace kvserve_quant;
 
 constexpr int64_t kRows = 16;                // weight rows per tile
 constexpr int64_t kMaxActRows = 4;           // activation rows per pass over a tile's block (measured: 6, 8 slower)
-constexpr int64_t kPrefetchBytes = 4096;     // as in quant_linear_x8.cpp
 
 inline __m512 load_scales16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_scales16(const at::Half* p) {
@@ -60,16 +59,12 @@ constexpr int64_t block_bytes() { return Q4 ? 256 : 512; }
 template <bool Q4, typename S, int R>
 inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, const S* mt, float (*out)[kRows]) {
   constexpr int64_t kBlockBytes = block_bytes<Q4>();
-  constexpr int64_t kAhead = kPrefetchBytes / kBlockBytes;
   __m512 acc[R], min_acc[R];
   for (int r = 0; r < R; ++r) acc[r] = min_acc[r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* w = wt + b * kBlockBytes;
-    for (int64_t l = 0; l < kBlockBytes; l += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kBlockBytes + l), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(st + (b + kAhead) * kRows), _MM_HINT_T0);
-    if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(mt + (b + kAhead) * kRows), _MM_HINT_T0);
+    prefetch_ahead<kBlockBytes, kRows, Q4>(w, st, mt, b);
     const __m512 scale = load_scales16(st + b * kRows);
     __m512 mins;
     __m512i wv[8];  // q4: groups' low nibbles, then high nibbles; q8: the eight groups

@@ -36,7 +36,6 @@ using namespace kvserve_quant;
 
 constexpr int kLaneRow[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // lane -> row within the tile
 constexpr int64_t kMaxRows = 2;                        // activation rows per pass over a tile's weights
-constexpr int64_t kPrefetchBytes = 4096;               // how far ahead of the kernel weights are fetched
 
 inline __m256 load_scales(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load_scales(const at::Half* p) {
@@ -57,20 +56,6 @@ inline __m256i reduce_pairs(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
   return _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
 }
 
-// Weights stream from DRAM once per step; the hardware prefetcher alone left the two cores waiting about half
-// the time (layers at ~11 GB/s of a ~22 GB/s machine). Asking for the block kPrefetchBytes ahead of block b
-// (past the tile's end into the next tile), with its scales and mins, brings a step's matmuls to the read
-// bandwidth.
-template <bool Q4, typename S>
-inline void prefetch_ahead(const uint8_t* w, const S* st, const S* mt, int64_t b) {
-  constexpr int64_t kTileBlockBytes = Q4 ? 128 : 256;
-  constexpr int64_t kAhead = kPrefetchBytes / kTileBlockBytes;  // blocks ahead
-  for (int64_t l = 0; l < kTileBlockBytes; l += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kTileBlockBytes + l), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(st + (b + kAhead) * 8), _MM_HINT_T0);
-  if constexpr (Q4) _mm_prefetch(reinterpret_cast<const char*>(mt + (b + kAhead) * 8), _MM_HINT_T0);
-}
-
 // R activation rows x one tile of eight weight rows -> out[r][lane].
 template <bool Q4, typename S, int R>
 inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, const S* mt, float (*out)[8]) {
@@ -80,7 +65,7 @@ inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, 
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* w = wt + b * kTileBlockBytes;
-    prefetch_ahead<Q4>(w, st, mt, b);
+    prefetch_ahead<kTileBlockBytes, 8, Q4>(w, st, mt, b);
     const __m256 scale = load_scales(st + b * 8);
     if constexpr (Q4) {
       const __m256i mask = _mm256_set1_epi8(0x0F);
@@ -124,7 +109,6 @@ inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, 
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out[r], acc[r]);
 }
-
 
 template <bool Q4, typename S, typename T>
 void gemm(const QuantAct& a, int64_t M, int64_t N, const uint8_t* wq, const S* ws, const S* wm, T* y) {

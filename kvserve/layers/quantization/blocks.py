@@ -22,7 +22,6 @@ import torch.nn.functional as F
 
 QK = 32  # values per block along K
 TILE = 8  # rows per x8 tile
-TILES = (8, 16)  # the interleaved layouts: quant_linear_x8 / quant_linear_x16
 # Lane of the kernel's result vector -> row within the tile, and back: its horizontal adds leave the rows
 # of a tile in this order, so scales and mins are stored in it.
 LANE_ROW = [0, 2, 4, 6, 1, 3, 5, 7]

@@ -125,8 +125,8 @@ class BlockMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # kvserve's kernel at every row count: torch's packed kernels (aten._weight_int4pack_mm_for_cpu,
-        # _weight_int8pack_mm) ran 25-100x slower on AVX2, and dequantize + F.linear lost up to 256 rows
-        # (benchmarks/results/torch_packed_avx2.md, torch_packed_avx512.md).
+        # _weight_int8pack_mm) ran 11-160x slower on AVX2 and AVX-512, and dequantize + F.linear lost up to
+        # 256 rows (benchmarks/results/torch_packed_avx2.md, torch_packed_avx512.md).
         if not self.use_kernel:
             return torch.cat([F.linear(x, s.dequantize(dtype=x.dtype)) for s in layer.segments], dim=-1)
         ops = cpu_kernels.ops()
