@@ -34,7 +34,8 @@ def reference(q, k_cache, v_cache, tables, row_seq, row_len, scale, window):
 @pytest.mark.parametrize("D,H,Hkv,bs,window", [(64, 9, 3, 16, 0), (128, 8, 1, 16, 0), (16, 4, 2, 4, 0),
                                                 (32, 6, 6, 8, 20), (64, 16, 1, 16, 37)])
 @pytest.mark.parametrize("qkv_view", [False, True], ids=["q_contiguous", "q_in_qkv"])
-def test_kernel_matches_float64_reference(isa, dtype, cache_dtype, D, H, Hkv, bs, window, qkv_view) -> None:
+@pytest.mark.parametrize("spread", [2, 1], ids=["rows_apart", "rows_adjacent"])
+def test_kernel_matches_float64_reference(isa, dtype, cache_dtype, D, H, Hkv, bs, window, qkv_view, spread) -> None:
     ops = native_ops(isa)
     g = torch.Generator().manual_seed(D * H + bs)
     lens = [1, bs, bs + 1, 3 * bs - 1, 5 * bs, 300, 77, 2]
@@ -53,15 +54,18 @@ def test_kernel_matches_float64_reference(isa, dtype, cache_dtype, D, H, Hkv, bs
     # One decode-like row per sequence, plus the last 40 positions of sequence 5 as causal prefill rows.
     row_seq = list(range(len(lens))) + [5] * 40
     row_len = lens + list(range(lens[5] - 39, lens[5] + 1))
-    # The rows sit at odd rows of a batch twice as long; the even rows hold a marker the kernel must keep.
+    # rows_apart: the rows sit at odd rows of a batch twice as long. rows_adjacent: at rows 1..R, so that
+    # the prefill rows are adjacent tokens, which the kernel takes together in runs of up to 16 / G rows.
+    # The other rows of the batch hold a marker the kernel must keep.
     R = len(row_seq)
-    q = torch.randn(2 * R, H, D, generator=g).to(dtype)
+    T = spread * R + 1
+    q = torch.randn(T, H, D, generator=g).to(dtype)
     if qkv_view:  # as the model passes it: the q columns of a fused [T, (H + 2 Hkv) D] projection
-        qkv = torch.randn(2 * R, (H + 2 * Hkv) * D, generator=g).to(dtype)
+        qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)
         qkv[:, :H * D] = q.flatten(1)
-        q = qkv[:, :H * D].view(2 * R, H, D)
-    out = torch.full((2 * R, H, D), 7.0, dtype=dtype)
-    row_token = torch.arange(1, 2 * R, 2)
+        q = qkv[:, :H * D].view(T, H, D)
+    out = torch.full((T, H, D), 7.0, dtype=dtype)
+    row_token = torch.arange(1, spread * R + 1, spread)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     scale = D ** -0.5
     ops.paged_attention_(q, out, k_cache, v_cache, row_token, torch.tensor(row_seq), torch.tensor(row_len),
@@ -70,7 +74,9 @@ def test_kernel_matches_float64_reference(isa, dtype, cache_dtype, D, H, Hkv, bs
                      row_len, scale, window)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output's own rounding (8 bits)
     torch.testing.assert_close(out[row_token].double(), want, atol=tol, rtol=tol)
-    assert torch.all(out[0::2] == 7.0)
+    kept = torch.ones(T, dtype=torch.bool)
+    kept[row_token] = False
+    assert torch.all(out[kept] == 7.0)
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -7,7 +7,6 @@ what comes next. Free to compute: no model, one vectorised scan of the sequence 
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -25,14 +24,25 @@ class NgramProposer:
         num = len(token_ids)
         if max_tokens <= 0 or num < self.min_n + 1:
             return []
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, num - 1), self.min_n - 1, -1):
-            # Windows start at 0 .. num - n - 1: every n-gram except the suffix itself, each with at least
-            # one token after it.
-            windows = sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[num - n:]).all(axis=1))
-            if hits.size:
-                full = hits[hits + n + max_tokens <= num]
-                start = int(full[-1] if full.size else hits[0]) + n
-                return tokens[start:start + max_tokens].tolist()
-        return []
+        tokens = np.array(token_ids, dtype=np.int64)
+        # Candidates are the earlier occurrences of the last token (each with a token after it); their
+        # matches are extended backwards one position at a time, all at once. A handful of array ops a step
+        # (a scan of every n-gram size took ~150 us at 700 tokens: a few % of a decode step).
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        if ends.size == 0:
+            return []
+        length = np.ones(ends.size, dtype=np.int64)  # matched suffix length ending at each candidate
+        for k in range(1, min(self.max_n, num - 1)):
+            before = ends - k
+            grow = (length == k) & (before >= 0)
+            grow[grow] = tokens[before[grow]] == tokens[num - 1 - k]
+            if not grow.any():
+                break
+            length += grow
+        n = int(length.max())
+        if n < self.min_n:
+            return []
+        starts = ends[length == n] + 1  # where each best match's continuation begins
+        full = starts[starts + max_tokens <= num]
+        start = int(full[-1] if full.size else starts[0])
+        return tokens[start:start + max_tokens].tolist()
