@@ -14,7 +14,8 @@ find the crossover batch size that disable_by_batch_size should sit at); draft a
 with the draft model (--draft-model, default: the draft shipped for the default model, k = --draft-k).
 
 Each (workload, concurrency) runs a closed loop: `concurrency` requests in flight, a new one added when one
-finishes, until --num-requests (at least `concurrency`) are done. TPOT per request is (last token time -
+finishes, until --num-requests (at least `concurrency`) are done; --rounds times, the methods taking turns,
+and the table gives medians over the rounds. TPOT per request is (last token time -
 first token time) / (output tokens - 1); the table gives the median. "same" says whether every greedy
 output equals that of `none` (it must; a "no" is a bug).
 """
@@ -136,6 +137,8 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="bytes of KV per engine (all live at once)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="runs of every method at each point, taking turns; the table gives medians")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="speculative", help="results/<name>.json and .md")
     args = ap.parse_args()
@@ -159,32 +162,48 @@ def main() -> None:
                        for conv in make_prompts(workload, n, args.seed)]
             params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                                     seed=args.seed if args.temperature > 0 else None)
-            for method, llm in llms.items():
+            for llm in llms.values():
                 run_closed_loop(llm, prompts[:1], params, 1)  # warm-up
-                r = run_closed_loop(llm, prompts, params, c)
+            # Rounds: every method once per round, the order rotated each round; a method's ratio to `none`
+            # is taken within a round, then the median over rounds (a point's single run at 32 had moved
+            # +-15% between identical engines).
+            rounds: dict[str, list[dict]] = {m: [] for m in llms}
+            for k in range(args.rounds):
+                order = list(llms)[k % len(llms):] + list(llms)[:k % len(llms)]
+                for method in order:
+                    r = run_closed_loop(llms[method], prompts, params, c)
+                    rounds[method].append(r)
+                    print(f"{workload:9s} c={c:<3d} round {k} {method:13s} {r['output_tok_s']:7.1f} tok/s "
+                          f"TPOT {r['tpot_median_ms'] or 0:6.1f} ms  acceptance {r['acceptance_rate']}", flush=True)
+            for method, runs in rounds.items():
+                r = dict(runs[0])
+                r["output_tok_s_rounds"] = [x["output_tok_s"] for x in runs]
+                r["output_tok_s"] = statistics.median(r["output_tok_s_rounds"])
+                r["x_none_rounds"] = [x["output_tok_s"] / b["output_tok_s"] for x, b in zip(runs, rounds["none"])]
+                r["x_none"] = statistics.median(r["x_none_rounds"])
+                tpots = [x["tpot_median_ms"] for x in runs if x["tpot_median_ms"] is not None]
+                r["tpot_median_ms"] = statistics.median(tpots) if tpots else None
+                r["same"] = all(x["token_ids"] == b["token_ids"] for x, b in zip(runs, rounds["none"]))
                 results.setdefault(workload, {}).setdefault(str(c), {})[method] = r
-                print(f"{workload:9s} c={c:<3d} {method:13s} {r['output_tok_s']:7.1f} tok/s "
-                      f"TPOT {r['tpot_median_ms'] or 0:6.1f} ms  acceptance {r['acceptance_rate']}", flush=True)
     del llms
     gc.collect()
 
-    lines = ["| workload | concurrency | method | output tok/s | x none | TPOT median ms | acceptance rate | "
-             "mean acceptance length | acceptance by position | same |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---|---|"]
+    lines = ["| workload | concurrency | method | output tok/s | x none | x none per round | TPOT median ms | "
+             "acceptance rate | mean acceptance length | acceptance by position | same |",
+             "|---|---:|---|---:|---:|---|---:|---:|---:|---|---|"]
     for workload, by_c in results.items():
         for c, by_m in by_c.items():
-            base = by_m["none"]
             for method, r in by_m.items():
-                same = "yes" if r["token_ids"] == base["token_ids"] else "no"
+                same = "yes" if r["same"] else "no"
                 if args.temperature > 0 and method != "none":
                     same = "(sampled)"
                 rate = "" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%"
                 length = "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
                 pos = " / ".join(f"{100 * a:.0f}%" for a in r["acceptance_per_position"])
                 tpot = "" if r["tpot_median_ms"] is None else f"{r['tpot_median_ms']:.1f}"
-                lines.append(f"| {workload} | {c} | {method} | {r['output_tok_s']:.1f} | "
-                             f"{r['output_tok_s'] / base['output_tok_s']:.2f} | {tpot} | {rate} | {length} | "
-                             f"{pos} | {same} |")
+                per_round = " / ".join(f"{x:.2f}" for x in r["x_none_rounds"])
+                lines.append(f"| {workload} | {c} | {method} | {r['output_tok_s']:.1f} | {r['x_none']:.2f} | "
+                             f"{per_round} | {tpot} | {rate} | {length} | {pos} | {same} |")
     for by_c in results.values():
         for by_m in by_c.values():
             for r in by_m.values():
@@ -193,7 +212,8 @@ def main() -> None:
              f"n-gram k={args.num_speculative_tokens}, lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}; "
              f"draft k={args.draft_k} ({args.draft_model or 'the shipped draft'}); "
              f"{args.max_tokens} output tokens per request, temperature {args.temperature}; closed loop, "
-             f"max(concurrency, {args.num_requests}) requests per run. Load average (1 min) "
+             f"max(concurrency, {args.num_requests}) requests per run, {args.rounds} rounds (medians; "
+             "\"x none\" is the median of the per-round ratios). Load average (1 min) "
              f"{load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 cores; above ~2 the "
              "machine was shared and the figures are noisy).")
     report(args.name, "Speculative decoding", args, setup, "\n".join(lines), results)
