@@ -3,7 +3,7 @@ row reading K/V in place) against the torch path (gather + one SDPA call per seq
 Both include the KV write. This is the measurement behind _KERNEL_MAX_PREFILL_CONTEXT in
 kvserve/attention/torch_plan.py (longer prefills stay with SDPA).
 
-    python benchmarks/prefill_attention.py
+    python benchmarks/prefill_attention.py     # results/prefill_attention_<isa>.*
 """
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ from kvserve.layers.attention import PagedAttention
 from kvserve.models.kv_cache import KVCacheSpec
 
 H, HKV, D, BS = 9, 3, 64, 16  # SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64
-# (sequences, new tokens each, cached prefix): a 2048-token step budget filled different ways.
-SHAPES = [(32, 64, 0), (8, 256, 0), (4, 512, 0), (2, 256, 768), (2, 1024, 0), (1, 2048, 0)]
+# (sequences, new tokens each, cached prefix): a 2048-token step budget filled different ways, then chunks of
+# a long prompt (chunked prefill) over long cached prefixes.
+SHAPES = [(32, 64, 0), (8, 256, 0), (4, 512, 0), (2, 256, 768), (2, 1024, 0), (1, 2048, 0), (1, 2048, 2048),
+          (1, 2048, 6144)]
 
 
 def make_step(nseq: int, new: int, prefix: int, num_blocks: int, dtype: torch.dtype):
@@ -75,7 +77,7 @@ def main() -> None:
     report("prefill_attention", "Prefill attention, one layer", args,
            f"Geometry of SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64), block size {BS}, {args.dtype}, "
            f"blocks scattered through the pool; median of {args.repeat} calls, each including the KV write.",
-           "\n".join(lines), rows)
+           "\n".join(lines), rows, isa=cpu_kernels.isa())
 
 
 if __name__ == "__main__":

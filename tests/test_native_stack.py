@@ -71,7 +71,7 @@ def test_stack_matches_the_layers_bit_for_bit(tiny_dirs, arch: str, quantization
 def test_steps_it_does_not_cover_go_to_the_layers(tiny_dirs, monkeypatch) -> None:
     """A prefill long enough for SDPA puts its step on the layers; the other steps stay native, and the
     result is still the layers' own."""
-    monkeypatch.setattr(torch_plan, "_KERNEL_MAX_PREFILL_CONTEXT", 20)
+    monkeypatch.setattr(torch_plan, "_KERNEL_MAX_PREFILL_CONTEXT", {"avx512": 20, "avx2": 20})
     llm = make_llm(tiny_dirs["llama"], quantization="int8")
     counts = count_native_steps(llm)
     native = run(llm)

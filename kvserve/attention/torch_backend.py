@@ -5,14 +5,15 @@ K/V back from the cache through its block table: the cache is the only copy kept
 Gathers made here are transient.
 
 Native kernel (CPU with AVX-512 or AVX2, bfloat16 or float32; kvserve/kernels/cpu): every query token is a
-row that reads its sequence's K/V in place; prefills longer than ~1k tokens of context still go to SDPA.
+row that reads its sequence's K/V in place; prefills longer than 4k tokens of context (1k with AVX2) still
+go to SDPA.
 
 Torch path (the reference, and the fallback on any device): the cache is head-major
 ([Hkv, num_blocks, block_size, D]), so one index_select over whole (head, block) rows yields
 [Hkv * B, L, D], contiguous, which batched matmuls read as they are (with the cache block-major, every
 matmul first copied the gather into shape: 2-3x slower a layer at batch 64,
-benchmarks/results/decode_attention.md). Decode rows (q_len == 1) go through a pair of batched matmuls
-per group of similar context lengths, each padded to its group's longest context with a -inf bias.
+benchmarks/results/decode_attention_avx512.md). Decode rows (q_len == 1) go through a pair of batched
+matmuls per group of similar context lengths, each padded to its group's longest context with a -inf bias.
 Prefill / chunked-prefill rows go one SDPA call per sequence with a causal mask offset by the cached
 prefix.
 """

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.attention.backend import StepBatch
+from kvserve.kernels import cpu as cpu_kernels
 
 
 # Decode rows are gathered padded to the longest context of their group. One group per step pads short
@@ -20,7 +21,10 @@ from kvserve.attention.backend import StepBatch
 # against a fixed cost per group (a handful of ops per layer), expressed here in gathered blocks per row.
 _GROUP_COST_BLOCKS = 64
 _GROUP_STRIDE = 4  # candidate group boundaries every this many rows, which keeps the split's search tiny
-_KERNEL_MAX_PREFILL_CONTEXT = 1024  # longer prefills go to SDPA even where the native kernel runs
+# Prefills with more context than this go to SDPA even where the native kernel runs: the kernel re-reads a
+# sequence's K/V for each run of its rows. Measured per layer (benchmarks/results/prefill_attention_*.md):
+# AVX-512 1.47x SDPA's speed at 4k tokens of context, 1.01x at 8k; AVX2 1.28x at 1k, 0.91x at 2k.
+_KERNEL_MAX_PREFILL_CONTEXT = {"avx512": 4096, "avx2": 1024}
 _KERNEL_ALWAYS_MAX_QUERY = 16       # rows this short (decodes, speculative verification) stay on the kernel
 
 
@@ -75,7 +79,7 @@ class AttentionPlan:
 def build_plan(batch: StepBatch, num_kv_heads: int, num_blocks: int, window: int | None, kernel: bool
                ) -> AttentionPlan:
     """kernel: query tokens go to the native kernel instead of gathered groups and SDPA, except those of
-    prefills with more than _KERNEL_MAX_PREFILL_CONTEXT tokens of context."""
+    prefills with more than _KERNEL_MAX_PREFILL_CONTEXT (for the kernels' ISA) tokens of context."""
     dev = batch.slot_mapping.device
     bs = batch.block_size
     heads = torch.arange(num_kv_heads, device=dev)
@@ -88,12 +92,11 @@ def build_plan(batch: StepBatch, num_kv_heads: int, num_blocks: int, window: int
     starts, lens = batch.query_start_loc_list, batch.seq_lens_list
     kernel_rows, torch_seqs = None, range(batch.num_seqs)
     if kernel:
-        # Long prefills stay with SDPA: the kernel reads a sequence's K/V once per query row, which
-        # stops paying at about 1k tokens of context (benchmarks/results/prefill_attention.md). A
-        # handful of rows (speculative verification) reads it a handful of times, still far cheaper
-        # than SDPA's gather of the whole context.
+        # Long prefills stay with SDPA (see _KERNEL_MAX_PREFILL_CONTEXT). A handful of rows (speculative
+        # verification) reads the context once, far cheaper than SDPA's gather of all of it.
+        longest = _KERNEL_MAX_PREFILL_CONTEXT[cpu_kernels.isa()]
         torch_seqs = [i for i in range(batch.num_seqs)
-                      if batch.query_len(i) > _KERNEL_ALWAYS_MAX_QUERY and lens[i] > _KERNEL_MAX_PREFILL_CONTEXT]
+                      if batch.query_len(i) > _KERNEL_ALWAYS_MAX_QUERY and lens[i] > longest]
         kernel_rows = _kernel_rows(batch, torch_seqs)
 
     decode_rows = sorted((i for i in torch_seqs if batch.query_len(i) == 1), key=lambda i: lens[i])
