@@ -54,9 +54,9 @@ def test_kernel_matches_float64_reference(isa, dtype, cache_dtype, D, H, Hkv, bs
     # One decode-like row per sequence, plus the last 40 positions of sequence 5 as causal prefill rows.
     row_seq = list(range(len(lens))) + [5] * 40
     row_len = lens + list(range(lens[5] - 39, lens[5] + 1))
-    # rows_apart: the rows sit at odd rows of a batch twice as long. rows_adjacent: at rows 1..R, so that
-    # the prefill rows are adjacent tokens, which the kernel takes together in runs of up to 16 / G rows.
-    # The other rows of the batch hold a marker the kernel must keep.
+    # rows_apart: the rows sit at odd rows of a batch twice as long. rows_adjacent: at rows 1..R, the
+    # prefill rows adjacent tokens as in a real step. The other rows of the batch hold a marker the kernel
+    # must keep.
     R = len(row_seq)
     T = spread * R + 1
     q = torch.randn(T, H, D, generator=g).to(dtype)

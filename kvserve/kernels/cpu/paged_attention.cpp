@@ -7,10 +7,11 @@
 //
 // Why a kernel: the torch path gathers every decode row's K/V into a padded copy and runs two batched
 // matmuls over it (~45% of a decode step at batch 64), and torch's CPU flash attention ran prefill at
-// ~35 GFLOP/s. Here each (row, KV head) reads its K and V in place, with no copy and no padding, and the
-// G query heads sharing the KV head reuse each converted K/V row. Adjacent rows of one sequence (a
-// verification step's drafts, a prefill chunk) are taken together in runs (attend_rows); a long prefill's
-// K/V is re-read by each run, but from cache (64 KB per head for 256 bfloat16 tokens).
+// ~35 GFLOP/s. Here each (row, KV head) reads its K and V once, with no copy and no padding, and the G
+// query heads sharing the KV head reuse each converted K/V row from registers. A prefill sequence's
+// K/V is re-read by each of its rows, but from cache (64 KB per head for 256 bfloat16 tokens).
+// (Taking a sequence's adjacent rows together, to share those reads, measured slower for a verification
+// step's 5 rows: 3 items on 2 threads instead of 15; the kernel is bound by multiply-adds per query.)
 //
 // Registered as torch.ops.<KVSERVE_NS>.paged_attention_ (in place on `out`). Scores and softmax are float32
 // whatever the cache dtype (bfloat16 or float32).
@@ -62,107 +63,106 @@ struct RowCursor {
   }
 };
 
-// out_i = inv_sum_i * sum_t p[i][t] v_t for kN queries i0 .. i0 + kN - 1 (query i: row i / G, head i % G) over
+// s[h][t] = q_h . k_(first + t) for kN heads (q: their kC vectors each, already scaled) over the keys
+// [first, first + n), sixteen keys at a time; s holds their kN rows of n scores.
+template <typename C, int kC, int kN>
+void score_keys(const Vec16 (*q)[kC], const C* k_cache, const int64_t* table, int64_t head_base, int64_t bs,
+                int64_t first, int64_t n, float* s) {
+  constexpr int64_t D = kC * 16;
+  Vec16 qr[kN][kC];  // copied in so that they live in registers
+  for (int h = 0; h < kN; ++h)
+    for (int c = 0; c < kC; ++c) qr[h][c] = q[h][c];
+  RowCursor<C, D> k(k_cache, table, head_base, bs, first, first + n);
+  Vec16 part[kN][kChunk];
+  for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
+    const int64_t m = std::min(kChunk, n - t0);
+    for (int64_t j = 0; j < m; ++j, k.advance()) {
+      k.prefetch_next_block();
+      Vec16 kv[kC];
+      for (int c = 0; c < kC; ++c) kv[c] = load16(k.row + c * 16);
+      for (int h = 0; h < kN; ++h) {
+        Vec16 acc = qr[h][0] * kv[0];
+        for (int c = 1; c < kC; ++c) acc = fmadd(qr[h][c], kv[c], acc);
+        part[h][j] = acc;
+      }
+    }
+    for (int h = 0; h < kN; ++h) {
+      for (int64_t j = m; j < kChunk; ++j) part[h][j] = zero();
+      store(s + h * n + t0, sum_each16(part[h]), m);
+    }
+  }
+}
+
+// out[h] = inv_sum[h] * sum_t p[h][t] v_(first + t) for kN heads (out: their D-wide rows, contiguous) over
 // the keys [first, first + n); p holds their kN rows of n weights.
 template <typename T, typename C, int kC, int kN>
 void accumulate_pv(const C* v_cache, const int64_t* table, int64_t head_base, int64_t bs, int64_t first, int64_t n,
-                   const float* p, T* out, int64_t i0, int64_t G, int64_t out_row_stride, const float* inv_sum) {
+                   const float* p, T* out, const float* inv_sum) {
   constexpr int64_t D = kC * 16;
   Vec16 acc[kN][kC];
-  for (int ii = 0; ii < kN; ++ii)
-    for (int c = 0; c < kC; ++c) acc[ii][c] = zero();
+  for (int h = 0; h < kN; ++h)
+    for (int c = 0; c < kC; ++c) acc[h][c] = zero();
   RowCursor<C, D> v(v_cache, table, head_base, bs, first, first + n);
   for (int64_t t = 0; t < n; ++t, v.advance()) {
     v.prefetch_next_block();
     Vec16 vv[kC];
     for (int c = 0; c < kC; ++c) vv[c] = load16(v.row + c * 16);
-    for (int ii = 0; ii < kN; ++ii) {
-      const Vec16 w = broadcast(p[ii * n + t]);
-      for (int c = 0; c < kC; ++c) acc[ii][c] = fmadd(w, vv[c], acc[ii][c]);
+    for (int h = 0; h < kN; ++h) {
+      const Vec16 w = broadcast(p[h * n + t]);
+      for (int c = 0; c < kC; ++c) acc[h][c] = fmadd(w, vv[c], acc[h][c]);
     }
   }
-  for (int ii = 0; ii < kN; ++ii) {
-    const int64_t i = i0 + ii;
-    for (int c = 0; c < kC; ++c)
-      store(out + (i / G) * out_row_stride + (i % G) * D + c * 16, acc[ii][c] * broadcast(inv_sum[ii]), 16);
-  }
+  for (int h = 0; h < kN; ++h)
+    for (int c = 0; c < kC; ++c) store(out + h * D + c * 16, acc[h][c] * broadcast(inv_sum[h]), 16);
 }
 
-// One (run of rows, KV head): R rows of one sequence at consecutive positions (a speculative verification's
-// tokens, a stretch of a prefill chunk; R = 1 for a decode) with G query heads each. Row r sees the keys
-// [lo_r, len0 + r), lo_r = max(0, len0 + r - window) with a window, else 0. Pass 1 scores all R * G
-// queries against each K row as it is loaded and converted; pass 2 walks the V rows once per block of
-// queries (kBlock). Interleaved timings (5 rows, bfloat16, AVX-512): 10-20% below a walk per row.
+// One (row, KV head): scores for the G query heads over the visible keys [first, len), softmax, then P @ V.
+// Heads are taken kBlock at a time, a count known at compile time: indexed by a run-time count, queries
+// and accumulators stayed in memory, a load (and in pass 2 a store) around every multiply-add.
 // kC = D / 16 vectors per K/V row, fixed at compile time so a row lives in registers.
 // The cache (C) holds q's dtype, or float8 e4m3 holding K / k_scale and V / v_scale.
 template <typename T, typename C, int kC>
-void attend_rows(const T* q, int64_t q_row_stride, T* out, int64_t out_row_stride, int64_t R, int64_t G,
-                 const C* k_cache, const C* v_cache, const int64_t* table, int64_t len0, int64_t window,
-                 int64_t head_base, int64_t bs, float scale, float v_scale, std::vector<float>& scores) {
+void attend_row(const T* q, T* out, const C* k_cache, const C* v_cache, const int64_t* table, int64_t first,
+                int64_t len, int64_t head_base, int64_t bs, int64_t G, float scale, float v_scale,
+                std::vector<float>& scores) {
   constexpr int64_t D = kC * 16;
-  const int64_t Q = R * G;  // query i is row i / G, head i % G
-  const auto lo = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, len0 + r - window) : int64_t{0}; };
-  const int64_t first = lo(0), n = len0 + R - 1 - first;
-  scores.resize(static_cast<size_t>(Q * n));
+  constexpr int64_t kBlock = kC <= 4 ? 12 / kC : 1;
+  const int64_t n = len - first;
+  scores.resize(static_cast<size_t>(G * n));
   Vec16 qv[kMaxGroup][kC];
-  for (int64_t i = 0; i < Q; ++i)
-    for (int c = 0; c < kC; ++c) qv[i][c] = load16(q + (i / G) * q_row_stride + (i % G) * D + c * 16) * broadcast(scale);
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < kC; ++c) qv[g][c] = load16(q + g * D + c * 16) * broadcast(scale);
 
-  // Pass 1: scores[i][t - first] = q_i . k_t, sixteen keys at a time (keys a row cannot see are scored
-  // too, and dropped by the softmax).
-  {
-    RowCursor<C, D> k(k_cache, table, head_base, bs, first, first + n);
-    Vec16 part[kMaxGroup][kChunk];
-    for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
-      const int64_t m = std::min(kChunk, n - t0);
-      for (int64_t j = 0; j < m; ++j, k.advance()) {
-        k.prefetch_next_block();
-        Vec16 kv[kC];
-        for (int c = 0; c < kC; ++c) kv[c] = load16(k.row + c * 16);
-        for (int64_t i = 0; i < Q; ++i) {
-          Vec16 acc = qv[i][0] * kv[0];
-          for (int c = 1; c < kC; ++c) acc = fmadd(qv[i][c], kv[c], acc);
-          part[i][j] = acc;
-        }
-      }
-      for (int64_t i = 0; i < Q; ++i) {
-        for (int64_t j = m; j < kChunk; ++j) part[i][j] = zero();
-        store(scores.data() + i * n + t0, sum_each16(part[i]), m);
-      }
-    }
-  }
+  // Pass 1: scores[g][t - first] = q_g . k_t.
+  int64_t g0 = 0;
+  for (; g0 + kBlock <= G; g0 += kBlock)
+    score_keys<C, kC, kBlock>(qv + g0, k_cache, table, head_base, bs, first, n, scores.data() + g0 * n);
+  for (; g0 < G; ++g0)
+    score_keys<C, kC, 1>(qv + g0, k_cache, table, head_base, bs, first, n, scores.data() + g0 * n);
 
-  // Softmax of each query over its visible keys [b, e), in place; 0 outside them, so that pass 2 can walk
-  // all queries over the same keys. inv_sum[i] is applied to the output at the end.
+  // Softmax over each head's scores, in place; inv_sum[g] is applied to the output at the end.
   float inv_sum[kMaxGroup];
-  for (int64_t i = 0; i < Q; ++i) {
-    const int64_t r = i / G, b = lo(r) - first, e = len0 + r - first;
-    float* s = scores.data() + i * n;
-    std::fill(s, s + b, 0.f);
-    std::fill(s + e, s + n, 0.f);
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores.data() + g * n;
     Vec16 mx = broadcast(-3.0e38f);
-    for (int64_t t = b; t < e; t += 16) mx = max_first(mx, load(s + t, e - t), e - t);
+    for (int64_t i = 0; i < n; i += 16) mx = max_first(mx, load(s + i, n - i), n - i);
     const Vec16 mv = broadcast(reduce_max(mx));
     Vec16 sum = zero();
-    for (int64_t t = b; t < e; t += 16) {
-      const Vec16 x = keep_first(exp_ps(load(s + t, e - t) - mv), e - t);
-      store(s + t, x, e - t);
-      sum = sum + x;
+    for (int64_t i = 0; i < n; i += 16) {
+      const Vec16 e = keep_first(exp_ps(load(s + i, n - i) - mv), n - i);
+      store(s + i, e, n - i);
+      sum = sum + e;
     }
-    inv_sum[i] = v_scale / reduce_add(sum);
+    inv_sum[g] = v_scale / reduce_add(sum);
   }
 
-  // Pass 2: out_i = sum_t p[i][t] v_t, in blocks of queries whose accumulators fit in registers (a block
-  // size known at compile time; indexing them by a run-time count kept them in memory, a load and a
-  // store around every multiply-add), each block walking the V rows once.
-  constexpr int64_t kBlock = kC <= 4 ? 12 / kC : 1;
-  int64_t i0 = 0;
-  for (; i0 + kBlock <= Q; i0 += kBlock)
-    accumulate_pv<T, C, kC, kBlock>(v_cache, table, head_base, bs, first, n, scores.data() + i0 * n, out, i0, G,
-                                    out_row_stride, inv_sum + i0);
-  for (; i0 < Q; ++i0)
-    accumulate_pv<T, C, kC, 1>(v_cache, table, head_base, bs, first, n, scores.data() + i0 * n, out, i0, G,
-                               out_row_stride, inv_sum + i0);
+  // Pass 2: out_g = inv_sum[g] * sum_t p[g][t] v_t.
+  for (g0 = 0; g0 + kBlock <= G; g0 += kBlock)
+    accumulate_pv<T, C, kC, kBlock>(v_cache, table, head_base, bs, first, n, scores.data() + g0 * n,
+                                    out + g0 * D, inv_sum + g0);
+  for (; g0 < G; ++g0)
+    accumulate_pv<T, C, kC, 1>(v_cache, table, head_base, bs, first, n, scores.data() + g0 * n, out + g0 * D,
+                               inv_sum + g0);
 }
 
 struct Rows {
@@ -171,21 +171,6 @@ struct Rows {
   const int64_t* len;    // keys [len - window, len) are visible
   int64_t count;
 };
-
-// Splits the rows into runs that attend_rows takes together: consecutive rows of one sequence whose
-// tokens and lengths both step by one, at most max_run rows each. Returns each run's first row, then
-// rows.count.
-std::vector<int64_t> row_runs(const Rows& rows, int64_t max_run) {
-  std::vector<int64_t> starts;
-  for (int64_t r = 0; r < rows.count; ++r) {
-    const int64_t s = starts.empty() ? -1 : starts.back();
-    const bool extends = s >= 0 && r - s < max_run && rows.seq[r] == rows.seq[s] &&
-                         rows.token[r] == rows.token[s] + (r - s) && rows.len[r] == rows.len[s] + (r - s);
-    if (!extends) starts.push_back(r);
-  }
-  starts.push_back(rows.count);
-  return starts;
-}
 
 template <typename T, typename C, int kC>
 void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
@@ -198,11 +183,11 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
   const C* kp = static_cast<const C*>(k_cache.data_ptr());
   const C* vp = static_cast<const C*>(v_cache.data_ptr());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const std::vector<int64_t> runs = row_runs(rows, kMaxGroup / G);
-  const int64_t items = static_cast<int64_t>(runs.size() - 1) * Hkv;
-  // Items are (run, KV head) pairs of very different cost (a prefill's rows grow along its prompt), so
+  constexpr int64_t D = kC * 16;
+  const int64_t items = rows.count * Hkv;
+  // Items are (row, KV head) pairs of very different cost (a prefill's rows grow along its prompt), so
   // threads take them dynamically rather than in the equal contiguous ranges of at::parallel_for. Chunks
-  // of 4 keep the hand-out cheap in big steps; a step of a few items takes them one at a time, else the
+  // of 4 keep the hand-out cheap in big steps; a step of a few rows takes items one at a time, else the
   // first thread takes a whole decode row's 3-4 heads and the others wait.
   const int64_t threads = at::get_num_threads();
   const int chunk = items >= 16 * threads ? 4 : 1;
@@ -211,10 +196,11 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
     std::vector<float> scores;
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t i = 0; i < items; ++i) {
-      const int64_t u = i / Hkv, h = i % Hkv, r = runs[u], tok = rows.token[r];
-      attend_rows<T, C, kC>(qp + tok * q_stride + h * G * (kC * 16), q_stride, op + (tok * H + h * G) * (kC * 16),
-                            H * (kC * 16), runs[u + 1] - r, G, kp, vp, tables + rows.seq[r] * W, rows.len[r], window,
-                            h * NB, bs, static_cast<float>(scale * k_scale), static_cast<float>(v_scale), scores);
+      const int64_t r = i / Hkv, h = i % Hkv, len = rows.len[r];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t q_base = rows.token[r] * q_stride + h * G * D, out_base = (rows.token[r] * H + h * G) * D;
+      attend_row<T, C, kC>(qp + q_base, op + out_base, kp, vp, tables + rows.seq[r] * W, first, len, h * NB, bs,
+                           G, static_cast<float>(scale * k_scale), static_cast<float>(v_scale), scores);
     }
   }
 }
