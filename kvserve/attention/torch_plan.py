@@ -22,7 +22,7 @@ from kvserve.kernels import cpu as cpu_kernels
 _GROUP_COST_BLOCKS = 64
 _GROUP_STRIDE = 4  # candidate group boundaries every this many rows, which keeps the split's search tiny
 # Prefills with more context than this go to SDPA even where the native kernel runs: the kernel re-reads a
-# sequence's K/V for each run of its rows. Measured per layer (benchmarks/results/prefill_attention_*.md):
+# sequence's K/V for each of its rows. Measured per layer (benchmarks/results/prefill_attention_*.md):
 # AVX-512 1.34x SDPA's speed at 4k tokens of context, 0.86x at 8k; AVX2 1.13x at 1k, 0.93x at 2k.
 _KERNEL_MAX_PREFILL_CONTEXT = {"avx512": 4096, "avx2": 1024}
 _KERNEL_ALWAYS_MAX_QUERY = 16       # rows this short (decodes, speculative verification) stay on the kernel
