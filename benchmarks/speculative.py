@@ -11,7 +11,8 @@ Workloads (prompts cut from offline text, chat template applied, greedy unless -
 Methods: none; ngram (the configured adaptive defaults: no drafting above disable_by_batch_size running
 sequences, per-request pauses on low acceptance); ngram-always (drafting in every step, no pauses: to
 find the crossover batch size that disable_by_batch_size should sit at); draft and draft-always, the same
-with the draft model (--draft-model, default: the draft shipped for the default model, k = --draft-k).
+with the draft model (--draft-model, default: the draft shipped for the default model, k = --draft-k);
+eagle and eagle-always, the same with the eagle head (--eagle-model, default: the shipped head, k = --eagle-k).
 
 Each (workload, concurrency) runs a closed loop: `concurrency` requests in flight, a new one added when one
 finishes, until --num-requests (at least `concurrency`) are done; --rounds times, the methods taking turns,
@@ -72,6 +73,8 @@ def method_config(method: str, args) -> dict | None:
         return None
     if method.startswith("draft"):
         cfg = {"method": "draft", "num_speculative_tokens": args.draft_k, "model": args.draft_model}
+    elif method.startswith("eagle"):
+        cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_k, "model": args.eagle_model}
     else:
         cfg = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
@@ -123,8 +126,8 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["repeat", "summarise", "chat"],
                     choices=["repeat", "summarise", "chat"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
-    ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-always", "draft", "draft-always"],
-                    choices=["none", "ngram", "ngram-always", "draft", "draft-always"])
+    ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-always", "eagle", "eagle-always"],
+                    choices=["none", "ngram", "ngram-always", "draft", "draft-always", "eagle", "eagle-always"])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -133,6 +136,8 @@ def main() -> None:
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--draft-k", type=int, default=3, help="num_speculative_tokens of the draft methods")
     ap.add_argument("--draft-model", default=None, help="the draft methods' model (default: the shipped draft)")
+    ap.add_argument("--eagle-k", type=int, default=3, help="num_speculative_tokens of the eagle methods")
+    ap.add_argument("--eagle-model", default=None, help="the eagle methods' head (default: the shipped head)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--num-threads", type=int, default=None)
@@ -211,6 +216,7 @@ def main() -> None:
     setup = (f"Model: the default SmolLM2-135M-Instruct (dtype {args.dtype}, quantization {args.quantization}); "
              f"n-gram k={args.num_speculative_tokens}, lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}; "
              f"draft k={args.draft_k} ({args.draft_model or 'the shipped draft'}); "
+             f"eagle k={args.eagle_k} ({args.eagle_model or 'the shipped head'}); "
              f"{args.max_tokens} output tokens per request, temperature {args.temperature}; closed loop, "
              f"max(concurrency, {args.num_requests}) requests per run, {args.rounds} rounds (medians; "
              "\"x none\" is the median of the per-round ratios). Load average (1 min) "

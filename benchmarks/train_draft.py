@@ -67,12 +67,34 @@ SUBJECTS = """the moon|coffee|a volcano|the internet|democracy|a library|chess|p
 |a mountain village|an election|the metric system|a campfire|fungi|a submarine|poetry|a clock""".replace("\n", "")
 
 
+# More ways to ask, for --chat-subjects vocab (train_eagle.py): questions the target answers in other shapes.
+MORE_TEMPLATES = ["Why do people care about {}?", "How would you explain {} to a friend?", "What is a common mistake about {}?",
+                  "Tell me something surprising about {}.", "What should a beginner know about {}?", "Is {} good or bad? Why?",
+                  "List five words related to {}.", "Write a haiku about {}.", "How has {} changed over time?",
+                  "What would the world be like without {}?", "Give an example of {} in everyday life.",
+                  "Describe {} to someone who has never seen it.", "What questions do scientists ask about {}?",
+                  "Write a short dialogue about {}.", "Summarise what you know about {} in two sentences.",
+                  "How do I get better at {}?", "What is the opposite of {}?", "Write a riddle about {}."]
+
+
+def vocabulary_subjects() -> list[str]:
+    """Lower-case words of 5-12 letters that are single tokens of the target's vocabulary: thousands of
+    subjects, offline, in the target's own domain."""
+    import re
+    tokens = read_gguf(default_model_path()).metadata["tokenizer.ggml.tokens"]
+    return sorted({t[1:] for t in tokens if re.fullmatch(r"\u0120[a-z]{5,12}", t)})  # \u0120: byte-level BPE's space
+
+
 def make_prompts(args) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """(kind, user message) for training and held out."""
     rng = random.Random(args.seed)
     corpus = load_corpus()
-    subjects = SUBJECTS.split("|")
-    chats = [t.format(s) for t in TEMPLATES for s in subjects]
+    if getattr(args, "chat_subjects", "list") == "vocab":
+        subjects = vocabulary_subjects()
+        templates = TEMPLATES + MORE_TEMPLATES
+        chats = [rng.choice(templates).format(rng.choice(subjects)) for _ in range(args.num_prompts)]
+    else:
+        chats = [t.format(s) for t in TEMPLATES for s in SUBJECTS.split("|")]
     rng.shuffle(chats)
     code_files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kvserve").rglob("*.py")
                         if str(p.relative_to(ROOT)) not in BENCH_CODE_FILES and p.stat().st_size > 2000)

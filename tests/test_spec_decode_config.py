@@ -21,7 +21,7 @@ def test_vllm_fields_and_lookup_defaults():
 
 
 @pytest.mark.parametrize("value,message", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of 'ngram'"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of 'ngram', 'draft', 'eagle'"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"num_speculative_tokens": 2}, "method is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),

@@ -232,5 +232,5 @@ def test_bad_draft_models_are_refused_clearly(tiny_model_dirs, tmp_path):
     # No model: the shipped draft is the default model's, and this target is not.
     with pytest.raises((ValueError, FileNotFoundError), match="model"):
         make_engine(path, {"method": "draft", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="applies only to method 'draft'"):
+    with pytest.raises(ValueError, match="applies only to methods 'draft' and 'eagle'"):
         EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "model": str(path)})

@@ -33,8 +33,10 @@ from kvserve.models.loader import load_model
 from kvserve.outputs import PositionLogprobs, RequestDelta, RequestMetrics, RequestOutput, RequestOutputAccumulator
 from kvserve.sampling.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.draft_model import load_draft
+from kvserve.spec_decode.draft_model import draft_quantization, load_draft
 from kvserve.spec_decode.draft_proposer import DraftProposer
+from kvserve.spec_decode.eagle_head import load_eagle_head
+from kvserve.spec_decode.eagle_proposer import EagleProposer
 from kvserve.spec_decode.speculator import Speculator
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
 from kvserve.utils.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
@@ -92,6 +94,11 @@ class LLMEngine:
                                   config.attention_backend)
         draft = (DraftProposer(draft_model, draft_kv_spec, num_blocks, self.device, self.eos_token_ids, self.dtype,
                                config.attention_backend) if draft_model is not None else None)
+        if spec is not None and spec.method == "eagle":
+            head = load_eagle_head(spec.model, loaded, self.dtype, self.device,
+                                   draft_quantization(config.quantization, self.device))
+            draft = EagleProposer(head, self.device, self.eos_token_ids)
+            self.runner.keep_hidden = True
         if self.kv_cache_dtype == FP8:  # before graph capture: the graphs take the scales as constants
             self._calibrate_kv_scales(self.runner, draft)
         if self.device.type == "cuda" and not config.enforce_eager and self.runner.attn_backend.name == "triton":
@@ -306,6 +313,9 @@ class LLMEngine:
                 if finished:
                     break
             self._num_generation_tokens += appended
+            hidden = result.hidden.get(seq.seq_id)
+            if hidden is not None and not finished:
+                self.speculator.observe(seq, hidden)
             # The K/V written for rejected drafts (and for drafts after a stop) stay in the blocks as
             # garbage that the tokens computed there later overwrite; only the kept positions count.
             seq.num_computed_tokens = start + n - len(drafts) + appended - 1

@@ -3,11 +3,14 @@
 config.py          SpeculativeConfig (vLLM's field names), parsed and validated
 ngram.py           the prompt-lookup proposer
 speculator.py      per step and per request: who drafts, and the acceptance counters
-state.py           a sequence's speculative state (acceptance, what the draft has cached)
+state.py           a sequence's speculative state (acceptance, what the draft has cached, the head's input)
 draft_model.py     method "draft": loading the draft (a draft checkpoint over the target's embedding, or any model)
 draft_proposer.py  running the draft over its own KV pool, sampling drafts with the target's noise
 draft_format.py    the draft checkpoint file that benchmarks/train_draft.py writes
 draft_reference.py the draft's forward in plain torch (training, and the tests' reference)
-drafts/            the draft shipped for the default model
+eagle_head.py      method "eagle": a head that drafts from the target's hidden state (file, plain-torch
+                   reference for training and tests, the engine's module, loading)
+eagle_proposer.py  running the head on the hidden states the runner hands back
+drafts/            the draft and the eagle head shipped for the default model
 verify.py          which drafts a step's sampled tokens accept (exact for greedy and sampling)
 """

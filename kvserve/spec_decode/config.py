@@ -3,6 +3,7 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"method": "draft", "num_speculative_tokens": 3}                   # the shipped draft of the default model
     {"method": "draft", "num_speculative_tokens": 3, "model": PATH}    # any draft sharing the target's tokenizer
+    {"method": "eagle", "num_speculative_tokens": 3}                   # the head shipped for the default model
 
 given as `LLM(..., speculative_config={...})` or `kvserve serve --speculative-config '{...}'`.
 """
@@ -12,7 +13,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "eagle")
 
 # Above this many sequences decoding in a step, nobody drafts (vLLM's disable_by_batch_size); per method,
 # measured on a quiet 2-core AVX-512 machine with every method's engine taking turns at each point
@@ -77,8 +78,8 @@ class SpeculativeConfig:
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 if getattr(self, name) is not None:
                     raise bad(name, f"applies only to method 'ngram', not {self.method!r}")
-        if self.model is not None and (self.method != "draft" or not isinstance(self.model, str) or not self.model):
-            raise bad("model", "must be a path (a string), and applies only to method 'draft'")
+        if self.model is not None and (self.method == "ngram" or not isinstance(self.model, str) or not self.model):
+            raise bad("model", "must be a path (a string), and applies only to methods 'draft' and 'eagle'")
         if self.disable_by_batch_size == _METHOD_DEFAULT:
             self.disable_by_batch_size = (DRAFT_DEFAULT_DISABLE_BY_BATCH_SIZE if self.method == "draft"
                                           else DEFAULT_DISABLE_BY_BATCH_SIZE)

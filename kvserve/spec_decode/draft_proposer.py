@@ -50,6 +50,9 @@ class DraftProposer:
         self.kv_caches = self.attn_backend.allocate_kv_caches()
         self.sampler = Sampler()
 
+    def can_draft(self, seq: Sequence) -> bool:
+        return True  # the draft catches up on whatever it has not seen
+
     @torch.inference_mode()
     def fill(self, sched: SchedulerOutput) -> None:
         """Replace the placeholder drafts in sched.spec_token_ids by the draft model's tokens."""
@@ -61,13 +64,11 @@ class DraftProposer:
             if state.draft_preemptions != seq.num_preemptions:  # new blocks: nothing of the draft's is there
                 state.draft_computed, state.draft_preemptions = 0, seq.num_preemptions
             state.draft_computed = min(state.draft_computed, seq.num_computed_tokens)
-            if state.draft_params is None:
-                state.draft_params = dataclasses.replace(seq.params, logprobs=None, prompt_logprobs=None)
             jobs.append((seq, state, len(placeholders)))
         if not jobs:
             return
         drafts: dict[int, list[int]] = {seq.seq_id: [] for seq, _, _ in jobs}
-        generators = {seq.seq_id: _clone(seq.generator) for seq, _, _ in jobs
+        generators = {seq.seq_id: clone_generator(seq.generator) for seq, _, _ in jobs
                       if seq.generator is not None and not seq.params.greedy}
         for j in range(max(k for _, _, k in jobs)):
             active = [(seq, state) for seq, state, k in jobs if k > j]
@@ -79,13 +80,7 @@ class DraftProposer:
                 else:
                     rows.append((seq, seq.num_tokens + j - 1, [drafts[seq.seq_id][-1]]))
             logits = self._forward(rows)
-            inputs = SamplingInputs(
-                params=[state.draft_params for _, state in active],
-                generators=[generators.get(seq.seq_id) for seq, _ in active],
-                prompt_token_ids=[seq.prompt_token_ids for seq, _ in active],
-                output_token_ids=[seq.output_token_ids + drafts[seq.seq_id] for seq, _ in active],
-                eos_token_ids=self.eos_token_ids,
-            )
+            inputs = draft_sampling_inputs([seq for seq, _ in active], drafts, generators, self.eos_token_ids)
             for (seq, _), token in zip(active, self.sampler(logits, inputs).token_ids):
                 drafts[seq.seq_id].append(token)
         for seq, state, k in jobs:
@@ -117,7 +112,26 @@ class DraftProposer:
         return self.model.compute_logits(hidden[last])
 
 
-def _clone(g: torch.Generator) -> torch.Generator:
+def draft_sampling_inputs(seqs: list[Sequence], drafts: dict[int, list[int]],
+                          generators: dict[int, torch.Generator], eos_token_ids: list[int]) -> SamplingInputs:
+    """Sampling one more draft token for each of seqs: the request's parameters without logprobs, with its
+    drafts so far counted as output (penalties), and its cloned generator (the noise the target will use)."""
+    params = []
+    for seq in seqs:
+        state = spec_state(seq)
+        if state.draft_params is None:
+            state.draft_params = dataclasses.replace(seq.params, logprobs=None, prompt_logprobs=None)
+        params.append(state.draft_params)
+    return SamplingInputs(
+        params=params,
+        generators=[generators.get(seq.seq_id) for seq in seqs],
+        prompt_token_ids=[seq.prompt_token_ids for seq in seqs],
+        output_token_ids=[seq.output_token_ids + drafts[seq.seq_id] for seq in seqs],
+        eos_token_ids=eos_token_ids,
+    )
+
+
+def clone_generator(g: torch.Generator) -> torch.Generator:
     c = torch.Generator(device=g.device)
     c.set_state(g.get_state())
     return c

@@ -47,6 +47,10 @@ class DraftReference(nn.Module):
         return out
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.hidden(ids), self.p("lm_head.weight"))
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] -> [B, T, hidden]: the last layer's output after the final norm (what the head reads)."""
         cfg = self.cfg
         B, T = ids.shape
         H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -66,4 +70,4 @@ class DraftReference(nn.Module):
             gate = F.linear(h, self.p(pre + "mlp.gate_proj.weight"))
             up = F.linear(h, self.p(pre + "mlp.up_proj.weight"))
             x = x + F.linear(F.silu(gate) * up, self.p(pre + "mlp.down_proj.weight"))
-        return F.linear(_rms(x, self.p("model.norm.weight"), cfg.rms_norm_eps), self.p("lm_head.weight"))
+        return _rms(x, self.p("model.norm.weight"), cfg.rms_norm_eps)

@@ -2,7 +2,9 @@
 
 Before each schedule the engine asks the Speculator to fill `seq.spec_token_ids` for the running
 sequences that decode; the scheduler budgets 1 + len(drafts) tokens for them, the runner verifies the
-drafts, and the engine reports back how many were accepted (`record`). Drafting pays only while the step
+drafts, and the engine reports back how many were accepted (`record`). The model-based proposers (method
+"draft", "eagle") draft after the schedule, into the rows it sized (`fill_drafts`); the eagle head also
+gets the target's hidden state after each step (`observe`). Drafting pays only while the step
 is memory-bound and the drafts are good, so it is switched off for a whole step above
 `disable_by_batch_size` sequences, and per request while that request's acceptance stays low.
 """
@@ -10,10 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.draft_proposer import DraftProposer
+from kvserve.spec_decode.eagle_proposer import EagleProposer
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.state import FIRST_PAUSE_STEPS, spec_state
 
@@ -31,10 +36,11 @@ class SpecDecodeStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: DraftProposer | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 draft: DraftProposer | EagleProposer | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        assert (config.method == "draft") == (draft is not None)
+        assert (config.method != "ngram") == (draft is not None)
         self.draft = draft
         if draft is None:
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -63,8 +69,12 @@ class Speculator:
         if max_new <= 0:
             return []
         if self.draft is not None:  # the scheduler sizes the row; fill_drafts() runs the draft model
-            return [PLACEHOLDER] * max_new
+            return [PLACEHOLDER] * max_new if self.draft.can_draft(seq) else []
         return self.proposer.propose(seq.token_ids, max_new)
+
+    def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """The target's hidden state that produced seq's last token (method "eagle")."""
+        self.draft.observe(seq, hidden)
 
     @property
     def couples_noise(self) -> bool:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kvserve.engine.sequence import Sequence
 from kvserve.sampling_params import SamplingParams
 
@@ -20,6 +22,10 @@ class SpecState:
     draft_computed: int = 0
     draft_preemptions: int = 0
     draft_params: SamplingParams | None = None   # the request's parameters without logprobs
+    # Eagle head (method "eagle"): the target's hidden state that produced the sequence's last token, while
+    # the sequence has feature_num_tokens tokens.
+    feature: torch.Tensor | None = None
+    feature_num_tokens: int = 0
 
 
 def spec_state(seq: Sequence) -> SpecState:

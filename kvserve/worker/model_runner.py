@@ -5,7 +5,7 @@ its drafts, like a chunk of prefill; every one of those positions is sampled, an
 while they equal the samples (kvserve/spec_decode/verify.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,9 @@ class ModelRunnerOutput:
     sampled: dict[int, tuple[list[int], list[PositionLogprobs | None]]]
     # For sequences that asked for prompt logprobs: this step's chunk of them, in prompt order.
     prompt_logprobs: dict[int, list[PositionLogprobs]]
+    # With keep_hidden (method "eagle"), for each sequence in `sampled`: the model's final hidden state at the
+    # row that produced its last kept token.
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -44,6 +47,8 @@ class ModelRunner:
         self.kv_caches = self.attn_backend.allocate_kv_caches()
         self.sampler = Sampler()
         self.graphs = None  # DecodeGraphs once capture_decode_graphs ran (CUDA, Triton backend)
+        self.keep_hidden = False  # return the sampled rows' hidden states (the eagle head reads them)
+        self._sampled_hidden: torch.Tensor | None = None
         if device.type == "cpu":
             cpu_kernels.available()  # build (or load) the native kernel now, not in a first request's step
 
@@ -114,7 +119,7 @@ class ModelRunner:
 
         result = ModelRunnerOutput(sampled={}, prompt_logprobs={})
         graphs = self.graphs
-        if (graphs is not None and graphs.can_run(len(seq_lens))
+        if (graphs is not None and not self.keep_hidden and graphs.can_run(len(seq_lens))
                 and is_pure_decode([n for _, n in sched.scheduled], len(sample_rows), bool(prompt_lp))):
             logits = graphs.run(DecodeInputs(input_ids, positions, slot_mapping, seq_lens,
                                              [seq.block_table for seq, _ in sched.scheduled]))
@@ -142,6 +147,8 @@ class ModelRunner:
                 tokens = sampled.token_ids[row:row + len(drafts) + 1]
                 keep = num_accepted(tokens, list(drafts)) + 1 if drafts else 1
                 result.sampled[seq.seq_id] = (tokens[:keep], sampled.logprobs[row:row + keep])
+                if self.keep_hidden:
+                    result.hidden[seq.seq_id] = self._sampled_hidden[row + keep - 1]
                 state = seeded.get(seq.seq_id)
                 if state is not None and keep < len(tokens):
                     rewind_generator(seq.generator, state, keep, logits.shape[1], logits.device, torch.float32)
@@ -169,4 +176,9 @@ class ModelRunner:
             targets = seq.token_ids[start + 1:start + 1 + count]
             result.prompt_logprobs[seq.seq_id] = compute_prompt_logprobs(
                 logits, targets, seq.params.prompt_logprobs)
-        return self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
+        if not sample_rows:
+            return None
+        hidden = hidden[sample_rows]
+        if self.keep_hidden:
+            self._sampled_hidden = hidden
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,240 @@
+"""Train the eagle head shipped for the default model (speculative decoding, method "eagle").
+
+    nice -n 10 python benchmarks/train_eagle.py          # the shipped head (see results/train_eagle.md for its times)
+    python benchmarks/train_eagle.py --num-prompts 40 --num-texts 10 --steps 20 --out /tmp/h.safetensors   # smoke
+
+Data: train_draft.py's (the target, SmolLM2-135M-Instruct Q4_1, answers offline chat, summarise and
+repeat prompts greedily; its top-1 choice at every position is the label; same prompts, same held-out
+split, same cache). Features: the target's final hidden state (after the last norm) at every position,
+from a forward of its dequantized weights in plain torch under bfloat16 autocast (draft_reference.py with
+all 30 layers). Cached in --feature-cache.
+
+Training (kvserve/spec_decode/eagle_head.py, EagleHeadReference.training_loss): from each position's
+feature and the next token, the head predicts the next feature and the target's next choice, then drafts
+on from its own prediction, --unroll steps, as at inference; cross-entropy on the choice plus
+--feature-weight x smooth-L1 on the feature. fc starts as "copy the feature", the LM head as the target's
+tied embedding restricted to the --vocab tokens most frequent in the labels.
+
+Acceptance is measured teacher-forced on the held-out answers: from every answer position, the head
+drafts k tokens from the target's feature and its own predictions after it, and a draft token counts while
+it and all before it equal the target's choices (what greedy verification accepts).
+Writes the head file and benchmarks/results/train_eagle.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from common import report
+from train_draft import make_prompts, generate, target_tensors
+from kvserve.spec_decode.draft_reference import DraftReference
+from kvserve.spec_decode.eagle_head import SHIPPED_HEAD, EagleHeadConfig, EagleHeadReference, save_head
+
+NUM_TARGET_LAYERS = 30
+
+
+def load_data(args) -> tuple[list[dict], list[dict], float]:
+    """train_draft.py's data (generated once, then read from --data-cache)."""
+    t0 = time.monotonic()
+    train_items, held_items = make_prompts(args)
+    key = {"seed": args.seed, "num_prompts": args.num_prompts, "num_texts": args.num_texts,
+           "held_out": args.held_out, "max_tokens": args.max_tokens, "chat_subjects": args.chat_subjects}
+    cache = Path(args.data_cache)
+    cached = torch.load(cache) if cache.exists() else None
+    if cached is not None and cached["key"] == key:
+        return cached["train"], cached["held"], 0.0
+    data = generate(args, train_items + held_items)
+    train, held = data[:len(train_items)], data[len(train_items):]
+    torch.save({"key": key, "train": train, "held": held}, cache)
+    return train, held, time.monotonic() - t0
+
+
+@torch.no_grad()
+def target_features(args, rows: list[dict], key: dict) -> tuple[list[torch.Tensor], float]:
+    """Per row: the target's final hidden states [T, hidden] (bfloat16), for its last --max-len tokens."""
+    cache = Path(args.feature_cache)
+    cached = torch.load(cache) if cache.exists() else None
+    if cached is not None and cached["key"] == key:
+        return cached["features"], 0.0
+    t0 = time.monotonic()
+    fcfg, embedding, tensors, _ = target_tensors(list(range(NUM_TARGET_LAYERS)))
+    tensors["vocab_ids"] = torch.arange(fcfg.vocab_size)
+    tensors["lm_head.weight"] = embedding
+    target = DraftReference(fcfg, embedding, tensors).eval()
+    feats: list[torch.Tensor | None] = [None] * len(rows)
+    # Rows of similar length together, right-padded (causal attention: padding changes no earlier position).
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["ids"]))
+    for b in range(0, len(order), 8):
+        batch = [rows[i]["ids"][-args.max_len:] for i in order[b:b + 8]]
+        ids = torch.zeros((len(batch), max(map(len, batch))), dtype=torch.int64)
+        for j, r in enumerate(batch):
+            ids[j, :len(r)] = torch.tensor(r)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = target.hidden(ids)
+        for j, i in enumerate(order[b:b + 8]):
+            feats[i] = h[j, :len(batch[j])].to(torch.bfloat16)
+        if b % 400 == 0:
+            print(f"features: {b}/{len(rows)} rows ({time.monotonic() - t0:.0f} s)", flush=True)
+    torch.save({"key": key, "features": feats}, cache)
+    return feats, time.monotonic() - t0
+
+
+def examples(rows: list[dict], feats: list[torch.Tensor], index_of: torch.Tensor) -> list[tuple]:
+    """Per row, aligned to its features: ids [T], labels as head indices [T] (-100: none or outside the
+    head's vocabulary; labels[t] is the choice after position t), where its answer starts, its kind."""
+    out = []
+    for r, f in zip(rows, feats):
+        n = f.shape[0]
+        cut = len(r["ids"]) - n
+        ids = torch.tensor(r["ids"][cut:])
+        labels = torch.full((n,), -100, dtype=torch.int64)
+        lab = torch.tensor(r["labels"][cut:])
+        labels[:len(lab)] = torch.where(index_of[lab] >= 0, index_of[lab], -100)
+        out.append((ids, labels, f, max(0, r["answer_start"] - cut), r["kind"]))
+    return out
+
+
+@torch.no_grad()
+def acceptance(head: EagleHeadReference, rows: list[tuple], k: int) -> dict:
+    """Teacher-forced greedy acceptance on answers: per draft position the fraction of k-token drafts whose
+    first i + 1 tokens are accepted (vLLM's per-position counter over drafts), and their sum."""
+    per_pos, num_drafts = [0] * k, 0
+    for ids, labels, feats, answer_start, _ in rows:
+        # A draft from position t: the feature at t and token t + 1 (both the target's); tokens t + 2.. drafted.
+        starts = torch.arange(max(answer_start - 1, 0), ids.shape[0] - k - 1)
+        if len(starts) == 0:
+            continue
+        f, tok = feats[starts].float(), ids[starts + 1]
+        alive = torch.ones(len(starts), dtype=torch.bool)
+        for j in range(k):
+            f = head.step(f, tok)
+            pred = head.logits(f).argmax(-1)
+            alive &= pred == labels[starts + 1 + j]
+            per_pos[j] += int(alive.sum())
+            tok = head.vocab_ids[pred]
+        num_drafts += len(starts)
+    rates = [c / max(1, num_drafts) for c in per_pos]
+    return {"num_drafts": num_drafts, "accepted_per_pos": rates, "mean_accepted": sum(rates)}
+
+
+def initial_head(hcfg: EagleHeadConfig, embedding: torch.Tensor, vocab_ids: torch.Tensor, seed: int) -> EagleHeadReference:
+    d, inter = hcfg.hidden_size, hcfg.intermediate_size
+    g = torch.Generator().manual_seed(seed)
+    fc = torch.zeros(d, 2 * d)
+    fc[:, :d] = torch.eye(d)                      # start by copying the feature,
+    fc[:, d:] = 0.01 * torch.randn(d, d, generator=g)   # barely reading the token
+    tensors = {"fc.weight": fc, "mlp_norm.weight": torch.ones(d),
+               "mlp.gate_proj.weight": torch.randn(inter, d, generator=g) / d ** 0.5,
+               "mlp.up_proj.weight": torch.randn(inter, d, generator=g) / d ** 0.5,
+               "mlp.down_proj.weight": 0.1 * torch.randn(d, inter, generator=g) / inter ** 0.5,
+               "norm.weight": torch.ones(d), "lm_head.weight": embedding[vocab_ids].clone(), "vocab_ids": vocab_ids}
+    return EagleHeadReference(hcfg, embedding, tensors)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-prompts", type=int, default=2000, help="prompts the target answers")
+    ap.add_argument("--num-texts", type=int, default=100, help="passages the target only reads (prefill)")
+    ap.add_argument("--chat-subjects", choices=["vocab", "list"], default="vocab",
+                    help="chat questions about words of the target's vocabulary (vocab) or train_draft.py's list")
+    ap.add_argument("--held-out", type=float, default=0.1)
+    ap.add_argument("--max-tokens", type=int, default=128, help="length of the target's answers")
+    ap.add_argument("--gen-batch", type=int, default=64)
+    ap.add_argument("--max-len", type=int, default=512, help="tokens of each row the head trains on (its end)")
+    ap.add_argument("--vocab", type=int, default=4096, help="tokens the head predicts")
+    ap.add_argument("--intermediate", type=int, default=1536, help="the head's MLP width")
+    ap.add_argument("--unroll", type=int, default=3, help="drafting steps trained per position")
+    ap.add_argument("--feature-weight", type=float, default=0.5)
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--tokens-per-step", type=int, default=4096)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--k", type=int, default=4, help="draft length for the held-out acceptance")
+    ap.add_argument("--data-cache", type=str, default="/tmp/kvserve-eagle-data.pt")
+    ap.add_argument("--feature-cache", type=str, default="/tmp/kvserve-eagle-features.pt")
+    ap.add_argument("--out", type=str, default=str(SHIPPED_HEAD))
+    ap.add_argument("--data-only", action="store_true", help="generate the data and features, then stop")
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+
+    train_rows, held_rows, t_data = load_data(args)
+    key = {"data": [args.seed, args.num_prompts, args.num_texts, args.held_out, args.max_tokens, args.chat_subjects],
+           "max_len": args.max_len}
+    feats, t_feat = target_features(args, train_rows + held_rows, key)
+    if args.data_only:
+        return
+    fcfg, embedding, _, eos_ids = target_tensors([])
+
+    counts = torch.bincount(torch.tensor([t for r in train_rows for t in r["labels"]]), minlength=fcfg.vocab_size)
+    rank = counts.clone()
+    rank[eos_ids] = rank.max() + 1  # always predictable
+    vocab_ids = rank.argsort(descending=True)[:args.vocab].sort().values
+    coverage = counts[vocab_ids].sum().item() / max(1, counts.sum().item())
+    index_of = torch.full((fcfg.vocab_size,), -100, dtype=torch.int64)
+    index_of[vocab_ids] = torch.arange(len(vocab_ids))
+    train = examples(train_rows, feats[:len(train_rows)], index_of)
+    held = examples(held_rows, feats[len(train_rows):], index_of)
+    num_positions = sum(int((x[1] >= 0).sum()) for x in train)
+
+    hcfg = EagleHeadConfig(hidden_size=fcfg.hidden_size, intermediate_size=args.intermediate,
+                           vocab_size=fcfg.vocab_size, rms_norm_eps=fcfg.rms_norm_eps, target="SmolLM2-135M-Instruct")
+    head = initial_head(hcfg, embedding, vocab_ids, args.seed)
+    before = acceptance(head, held, args.k)
+    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
+    rng = random.Random(args.seed)
+    order: list[int] = []
+    t0 = time.monotonic()
+    for step in range(1, args.steps + 1):
+        loss, n = 0.0, 0
+        while n < args.tokens_per_step:
+            if not order:
+                order = list(range(len(train)))
+                rng.shuffle(order)
+            ids, labels, f, _, _ = train[order.pop()]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss + head.training_loss(ids, labels, f.float(), args.unroll, args.feature_weight) * len(ids)
+            n += len(ids)
+        loss = loss / n
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 50 == 0 or step == 1:
+            print(f"step {step}/{args.steps} loss {loss.item():.3f} ({time.monotonic() - t0:.0f} s)", flush=True)
+    t_train = time.monotonic() - t0
+
+    after = acceptance(head, held, args.k)
+    by_kind = {kind: acceptance(head, [x for x in held if x[4] == kind], args.k)
+               for kind in sorted({x[4] for x in held})}
+    training = {"args": vars(args), "train_rows": len(train), "train_labelled_positions": num_positions,
+                "vocab_coverage": coverage, "held_out": after, "held_out_by_kind": by_kind,
+                "before_training": before, "data_seconds": round(t_data), "feature_seconds": round(t_feat),
+                "train_seconds": round(t_train)}
+    stored = {k: v if k == "vocab_ids" else v.to(torch.bfloat16) for k, v in head.state_tensors().items()}
+    save_head(args.out, hcfg, stored, training)
+    size = Path(args.out).stat().st_size / 2**20
+    print(f"wrote {args.out} ({size:.1f} MiB)")
+
+    table = ("| held out | answers | mean accepted of k | " + " | ".join(f"pos {i}" for i in range(args.k))
+             + " |\n|---|---|---|" + "---|" * args.k + "\n")
+    for kind, r in [("all", after)] + list(by_kind.items()):
+        n = len(held) if kind == "all" else sum(1 for x in held if x[4] == kind)
+        table += f"| {kind} | {n} | {r['mean_accepted']:.2f} | " + " | ".join(f"{a:.2f}" for a in r["accepted_per_pos"]) + " |\n"
+    setup = (f"Head: fc + one MLP of width {args.intermediate}, reduced LM head over {len(vocab_ids)} tokens "
+             f"({coverage:.1%} of label tokens), {size:.1f} MiB. Data: train_draft.py's, {len(train)} rows, "
+             f"{num_positions} labelled positions (generated in {t_data:.0f} s; 0: from the cache); target "
+             f"features {t_feat:.0f} s (0: cached); training {args.steps} steps of ~{args.tokens_per_step} positions "
+             f"x {args.unroll} drafting steps, {t_train:.0f} s. Acceptance teacher-forced on {len(held)} held-out "
+             f"answers, greedy, k = {args.k}, per position: the fraction of drafts whose first i + 1 tokens are "
+             f"accepted (before training: {before['mean_accepted']:.2f} accepted of {args.k}).")
+    report("train_eagle", "Eagle head for SmolLM2-135M-Instruct: held-out acceptance", args, setup, table, training)
+
+
+if __name__ == "__main__":
+    main()

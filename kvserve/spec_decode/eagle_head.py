@@ -1,0 +1,217 @@
+"""The head of method "eagle": drafts from the target's own last hidden state, not from tokens alone.
+
+A standalone draft must rebuild the context from tokens with a few layers; the target's final hidden state
+already holds it. The head (after EAGLE, Li et al. 2024) maps (the target's hidden state at position t,
+the embedding of token t + 1) to a prediction of the target's hidden state at t + 1, and reads a token off
+it with a reduced LM head; fed its own prediction and token, it drafts the next one, and so on:
+
+    f' = fc([f ; embed(token)]);  f' = f' + mlp(rms(f'));  logits = lm_head(rms(f'))
+
+EAGLE's head has a decoder layer (attention over earlier positions, with a KV cache of its own); this one
+has only the MLP. Measured on the default model (benchmarks/train_eagle.py) it drafts far better than the
+2-layer standalone draft, and it needs no cache: a sequence's whole drafting state is one hidden vector.
+
+File: one safetensors file, tensors fc.weight [hidden, 2 * hidden], mlp_norm.weight,
+mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight [len(vocab_ids), hidden], vocab_ids; the
+metadata key "kvserve_eagle" holds EagleHeadConfig as JSON (and "training", what made it). The token
+embedding is the target's (not stored).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from kvserve.config import ModelConfig
+from kvserve.layers.linear import ColumnLinear, VocabEmbedding, pack_float_weights
+from kvserve.layers.norm import RMSNorm
+from kvserve.layers.quantization import QuantConfig
+from kvserve.models.llama import MLP
+from kvserve.models.loader import LoadedModel
+
+METADATA_KEY = "kvserve_eagle"
+SHIPPED_HEAD = Path(__file__).parent / "drafts" / "smollm2-135m-eagle.safetensors"
+TENSORS = ("fc.weight", "mlp_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+           "norm.weight", "lm_head.weight")
+
+
+@dataclass
+class EagleHeadConfig:
+    hidden_size: int                 # the target's
+    intermediate_size: int
+    vocab_size: int                  # the target's full vocabulary (vocab_ids index into it)
+    rms_norm_eps: float
+    target: str                      # the model it was trained for, for messages
+
+
+def is_head_file(path: str | Path) -> bool:
+    p = Path(path)
+    if not (p.is_file() and p.suffix == ".safetensors"):
+        return False
+    with safe_open(str(p), "pt") as f:
+        return METADATA_KEY in (f.metadata() or {})
+
+
+def save_head(path: str | Path, cfg: EagleHeadConfig, tensors: dict[str, torch.Tensor],
+              training: dict[str, Any] | None = None) -> None:
+    meta = {METADATA_KEY: json.dumps(asdict(cfg)), "training": json.dumps(training or {})}
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
+
+
+def read_head(path: str | Path) -> tuple[EagleHeadConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        if METADATA_KEY not in meta:
+            raise ValueError(f"{path} is not a kvserve eagle head (no {METADATA_KEY!r} metadata)")
+        raw = json.loads(meta[METADATA_KEY])
+        cfg = EagleHeadConfig(**{f.name: raw[f.name] for f in fields(EagleHeadConfig)})
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        training = json.loads(meta.get("training", "{}"))
+    return cfg, tensors, training
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+class EagleHeadReference(nn.Module):
+    """The head in plain float torch: what train_eagle.py trains, and the tests' reference for EagleHead."""
+
+    def __init__(self, cfg: EagleHeadConfig, embedding: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("embedding", embedding.float(), persistent=False)
+        self.register_buffer("vocab_ids", tensors["vocab_ids"].to(torch.int64), persistent=False)
+        self.params = nn.ParameterDict({k.replace(".", "__"): nn.Parameter(tensors[k].float().clone())
+                                        for k in TENSORS})
+
+    def p(self, name: str) -> torch.Tensor:
+        return self.params[name.replace(".", "__")]
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {k.replace("__", "."): v.detach() for k, v in self.params.items()}
+        out["vocab_ids"] = self.vocab_ids
+        return out
+
+    def step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] features and [...] next tokens -> [..., hidden] predicted next features."""
+        eps = self.cfg.rms_norm_eps
+        x = F.linear(torch.cat([feature, self.embedding[token_ids]], -1), self.p("fc.weight"))
+        h = _rms(x, self.p("mlp_norm.weight"), eps)
+        gate, up = F.linear(h, self.p("mlp.gate_proj.weight")), F.linear(h, self.p("mlp.up_proj.weight"))
+        return x + F.linear(F.silu(gate) * up, self.p("mlp.down_proj.weight"))
+
+    def logits(self, feature: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., len(vocab_ids)] logits over the reduced vocabulary."""
+        return F.linear(_rms(feature, self.p("norm.weight"), self.cfg.rms_norm_eps), self.p("lm_head.weight"))
+
+    def training_loss(self, ids: torch.Tensor, labels: torch.Tensor, features: torch.Tensor, unroll: int,
+                      feature_weight: float) -> torch.Tensor:
+        """One sequence, teacher-forced: ids [T], labels [T] (labels[t]: the target's choice after position
+        t, as an index into vocab_ids, -100 where none), the target's features [T, hidden]. Drafting step j
+        (1..unroll) starts from the target's feature at t and the head's own predictions after it, as at
+        inference, and is scored on the target's token and feature at t + j; later steps weigh less."""
+        f = features[:-1]
+        total = features.new_zeros(())
+        for j in range(1, unroll + 1):
+            if f.shape[0] == 0:
+                break
+            f = self.step(f, ids[j:])
+            y = labels[j:]
+            valid = y >= 0
+            ce = F.cross_entropy(self.logits(f[valid]), y[valid]) if valid.any() else total
+            reg = F.smooth_l1_loss(f, features[j:])
+            total = total + 0.8 ** (j - 1) * (ce + feature_weight * reg)
+            f = f[:-1]
+        return total
+
+
+class EagleHead(nn.Module):
+    """The head in kvserve's layers (the engine's weight formats), next to the target it reads."""
+
+    def __init__(self, cfg: ModelConfig, head: EagleHeadConfig, embed: VocabEmbedding, vocab_ids: torch.Tensor,
+                 quant: QuantConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.config = cfg
+        self._embed = (embed,)  # the target's module: a tuple keeps it out of this module's parameters
+        self.fc = ColumnLinear(2 * d, d, quant.method(["fc.weight"]), "fc.weight")
+        self.mlp_norm = RMSNorm(d, head.rms_norm_eps)
+        self.mlp = MLP(cfg, quant, "mlp")
+        self.norm = RMSNorm(d, head.rms_norm_eps)
+        self.lm_head = ColumnLinear(d, len(vocab_ids), quant.method(["lm_head.weight"]), "lm_head.weight")
+        self.register_buffer("vocab_ids", vocab_ids.to(torch.int64), persistent=False)
+
+    def step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        x = self.fc(torch.cat([feature.to(self.norm.weight.dtype),
+                               self._embed[0].embed(token_ids).to(self.norm.weight.dtype)], -1))
+        return x + self.mlp(self.mlp_norm(x))
+
+    def compute_logits(self, feature: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits over the full vocabulary, -inf outside vocab_ids."""
+        out = torch.full((feature.shape[0], self.config.vocab_size), float("-inf"), device=feature.device)
+        out[:, self.vocab_ids] = self.lm_head(self.norm(feature)).float()
+        return out
+
+    def greedy_tokens(self, feature: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N] the head's most likely tokens (ids of the full vocabulary)."""
+        return self.vocab_ids[self.lm_head(self.norm(feature)).argmax(-1)]
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.fc.weight_loader(0, tensors["fc.weight"])
+        self.lm_head.weight_loader(0, tensors["lm_head.weight"])
+        self.mlp.gate_up_proj.weight_loader(0, tensors["mlp.gate_proj.weight"])
+        self.mlp.gate_up_proj.weight_loader(1, tensors["mlp.up_proj.weight"])
+        self.mlp.down_proj.weight_loader(0, tensors["mlp.down_proj.weight"])
+        self.mlp_norm.weight.copy_(tensors["mlp_norm.weight"].float())
+        self.norm.weight.copy_(tensors["norm.weight"].float())
+        for layer in (self.fc, self.lm_head, self.mlp.gate_up_proj, self.mlp.down_proj):
+            layer.finalize()
+
+
+def load_eagle_head(path: str | Path | None, target: LoadedModel, dtype: torch.dtype, device: torch.device,
+                    quantization: str) -> EagleHead:
+    """The head at path (None: the one shipped for the default model), in the given weight format."""
+    if path is None:
+        if not SHIPPED_HEAD.exists():
+            raise FileNotFoundError(f"speculative_config: the shipped eagle head {SHIPPED_HEAD} is missing; "
+                                    "make it with benchmarks/train_eagle.py or pass 'model'")
+        try:
+            return load_eagle_head(SHIPPED_HEAD, target, dtype, device, quantization)
+        except ValueError as e:
+            raise ValueError(f"{e}. Method 'eagle' without 'model' uses the head shipped for the default model; "
+                             "for another target pass 'model': a head trained for it") from None
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"speculative_config: model {str(path)!r} does not exist (method 'eagle' takes "
+                                "a head .safetensors made by benchmarks/train_eagle.py)")
+    if not is_head_file(p):
+        raise ValueError(f"speculative_config: {str(path)!r} is not a kvserve eagle head (method 'eagle' takes "
+                         "a head .safetensors made by benchmarks/train_eagle.py)")
+    hcfg, tensors, _ = read_head(p)
+    tcfg = target.config
+    if (hcfg.hidden_size, hcfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
+        raise ValueError(f"speculative_config: eagle head {str(path)!r} was made for {hcfg.target} (hidden size "
+                         f"{hcfg.hidden_size}, vocabulary {hcfg.vocab_size}); the target has hidden size "
+                         f"{tcfg.hidden_size} and vocabulary {tcfg.vocab_size}")
+    embed = getattr(target.model, "embed_tokens", None)
+    if not isinstance(embed, VocabEmbedding):
+        raise ValueError(f"speculative_config: method 'eagle' needs a target with a token embedding "
+                         f"(architecture {tcfg.architecture!r} has none kvserve can share)")
+    cfg = dataclasses.replace(tcfg, intermediate_size=hcfg.intermediate_size)
+    quant = QuantConfig(quantization, 32, dtype, device)
+    with torch.device(device):
+        model = EagleHead(cfg, hcfg, embed, tensors["vocab_ids"], quant).to(dtype)
+    model.load_weights(tensors)
+    pack_float_weights(model)
+    return model.eval().requires_grad_(False)
+

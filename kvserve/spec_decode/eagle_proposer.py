@@ -1,0 +1,84 @@
+"""Runs the eagle head (eagle_head.py): k cheap steps after the schedule, before the target verifies.
+
+The head's input is the target's hidden state at the position that produced a sequence's last token. The
+runner hands it over with every sampled token (ModelRunnerOutput.hidden; the one at the last kept row when
+drafts were verified) and the engine stores it in the sequence's SpecState (`observe`), with the token
+count it belongs to: a sequence drafts only while that is still its count, so the head never reads a
+stale state (after a preemption the recomputed prompt's last row gives a fresh one).
+
+Sampling is draft_proposer.py's: draft j is sampled from the head's logits under the request's parameters
+with the very noise the target will use at that position, so greedy and seeded requests reproduce and the
+target's verification (verify.py) keeps every output exactly what non-speculative decoding gives.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.engine.sequence import Sequence
+from kvserve.sampling.sampler import Sampler
+from kvserve.spec_decode.draft_proposer import clone_generator, draft_sampling_inputs
+from kvserve.spec_decode.eagle_head import EagleHead
+from kvserve.spec_decode.state import spec_state
+
+
+class EagleProposer:
+    wants_hidden = True  # the runner returns the target's hidden state with each sampled token
+
+    def __init__(self, head: EagleHead, device: torch.device, eos_token_ids: list[int]) -> None:
+        self.model = head
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler()
+
+    def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """After the engine appended this step's tokens: the target's state that produced the last one."""
+        state = spec_state(seq)
+        state.feature, state.feature_num_tokens = hidden, seq.num_tokens
+
+    def can_draft(self, seq: Sequence) -> bool:
+        state = seq.spec_state
+        return state is not None and state.feature is not None and state.feature_num_tokens == seq.num_tokens
+
+    @torch.inference_mode()
+    def fill(self, sched: SchedulerOutput) -> None:
+        """Replace the placeholder drafts in sched.spec_token_ids by the head's tokens."""
+        seqs = {seq.seq_id: seq for seq, _ in sched.scheduled}
+        jobs = [(seqs[seq_id], len(placeholders)) for seq_id, placeholders in sched.spec_token_ids.items()]
+        if not jobs:
+            return
+        drafts: dict[int, list[int]] = {seq.seq_id: [] for seq, _ in jobs}
+        generators = {seq.seq_id: clone_generator(seq.generator) for seq, _ in jobs
+                      if seq.generator is not None and not seq.params.greedy}
+        feature = torch.stack([seq.spec_state.feature for seq, _ in jobs])
+        tokens = torch.tensor([seq.token_ids[-1] for seq, _ in jobs], dtype=torch.int64, device=self.device)
+        greedy = [seq.params.greedy for seq, _ in jobs]
+        rows = list(range(len(jobs)))  # which jobs are still drafting, as rows of feature/tokens
+        for j in range(max(k for _, k in jobs)):
+            keep = [i for i, r in enumerate(rows) if jobs[r][1] > j]
+            if len(keep) < len(rows):
+                feature, tokens, rows = feature[keep], tokens[keep], [rows[i] for i in keep]
+            feature = self.model.step(feature, tokens)
+            tokens = self._draft_tokens(feature, [jobs[r][0] for r in rows], [greedy[r] for r in rows],
+                                        drafts, generators)
+            for r, token in zip(rows, tokens.tolist()):
+                drafts[jobs[r][0].seq_id].append(token)
+        for seq, _ in jobs:
+            sched.spec_token_ids[seq.seq_id] = drafts[seq.seq_id]
+
+    def _draft_tokens(self, feature: torch.Tensor, seqs: list[Sequence], greedy: list[bool],
+                      drafts: dict[int, list[int]], generators: dict[int, torch.Generator]) -> torch.Tensor:
+        """One draft token per row. Greedy requests take the head's argmax (no sampler: a third of a
+        drafting step's time, and a draft needs none of its guarantees, since verification keeps the
+        output exact); the others are sampled with the request's parameters and the target's noise."""
+        if all(greedy):
+            return self.model.greedy_tokens(feature)
+        out = torch.empty(len(seqs), dtype=torch.int64, device=feature.device)
+        g = [i for i, x in enumerate(greedy) if x]
+        s = [i for i, x in enumerate(greedy) if not x]
+        if g:
+            out[g] = self.model.greedy_tokens(feature[g])
+        sampled = self.sampler(self.model.compute_logits(feature[s]), draft_sampling_inputs(
+            [seqs[i] for i in s], drafts, generators, self.eos_token_ids)).token_ids
+        out[s] = torch.tensor(sampled, dtype=torch.int64, device=feature.device)
+        return out

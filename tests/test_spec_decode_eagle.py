@@ -1,0 +1,268 @@
+"""Speculative decoding with an eagle head (method "eagle") on a tiny transformers-built target.
+
+Three heads: two trained here for a few seconds on the target's own greedy continuations of the tests'
+prompts, 40 tokens of them ("right": every greedy draft right, so any stale input to the head would show
+as a rejection) or 10 ("partial"), and one that can only propose a banned token ("wrong"). The outputs must be those of
+non-speculative decoding: greedy token for token with logprobs, seeded sampling token for token, unseeded
+sampling in distribution; with chunked prefill, preemptions, prefix-cache hits, n > 1 and aborts. The
+head's input is checked against transformers' own hidden states after every step."""
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from kvserve.config import EngineConfig
+from kvserve.models.loader import load_model
+from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.eagle_head import (EagleHead, EagleHeadConfig, EagleHeadReference, load_eagle_head,
+                                            read_head, save_head)
+from engine_helpers import assert_no_leaks, drain
+from spec_helpers import check_kv_bookkeeping, make_draft_file, make_engine, num_tokens_now, prompts, run_waves
+from test_spec_decode_distribution import BANNED, NUM_TOKENS, PRESENCE, TEMPERATURE, TOP_K, target
+from test_spec_decode_draft import assert_same
+
+K = 3
+CPU = torch.device("cpu")
+
+
+def spec(head, **kw) -> dict:
+    return {"method": "eagle", "num_speculative_tokens": K, "model": str(head), "disable_by_batch_size": None,
+            "min_acceptance_rate": 0.0, **kw}
+
+
+def random_head(hf, vocab_ids: list[int], seed: int = 0, inter: int = 96) -> EagleHeadReference:
+    d = hf.config.hidden_size
+    cfg = EagleHeadConfig(hidden_size=d, intermediate_size=inter, vocab_size=hf.config.vocab_size,
+                          rms_norm_eps=1e-6, target="a tiny test model")
+    g = torch.Generator().manual_seed(seed)
+    vocab = torch.tensor(sorted(vocab_ids))
+    tensors = {"fc.weight": 0.15 * torch.randn(d, 2 * d, generator=g), "mlp_norm.weight": 1 + 0.1 * torch.randn(d, generator=g),
+               "mlp.gate_proj.weight": 0.15 * torch.randn(inter, d, generator=g),
+               "mlp.up_proj.weight": 0.15 * torch.randn(inter, d, generator=g),
+               "mlp.down_proj.weight": 0.15 * torch.randn(d, inter, generator=g),
+               "norm.weight": 1 + 0.1 * torch.randn(d, generator=g),
+               "lm_head.weight": hf.model.embed_tokens.weight.detach()[vocab].clone(), "vocab_ids": vocab}
+    return EagleHeadReference(cfg, hf.model.embed_tokens.weight.detach(), tensors)
+
+
+# The prompts of the tests below. A random tiny target's continuations are noise that no head could
+# generalise to, so the trained heads learn these prompts' greedy continuations.
+PROMPTS = [(2, [6, 23, 14, 31]), (3, [6, 23, 14, 31]), (4, [5, 13, 21, 8]), (5, [6]), (5, [9, 14, 6])]
+
+
+def train_head(hf, num_tokens: int, steps: int = 300) -> EagleHeadReference:
+    """The target's greedy continuations, its hidden states and choices along them; the head learns to
+    draft them (EagleHeadReference.training_loss, as benchmarks/train_eagle.py does)."""
+    head = random_head(hf, list(range(hf.config.vocab_size)), seed=1, inter=256)
+    data = []
+    with torch.no_grad():
+        for p in [p for seed, lengths in PROMPTS for p in prompts(seed, lengths)]:
+            ids = hf.generate(torch.tensor([p]), max_new_tokens=num_tokens, do_sample=False,
+                              min_new_tokens=num_tokens, pad_token_id=0)
+            out = hf(ids, output_hidden_states=True)
+            data.append((ids[0], out.logits[0].argmax(-1), out.hidden_states[-1][0]))
+    opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = sum(head.training_loss(ids, labels, feats, unroll=3, feature_weight=0.5) for ids, labels, feats in data)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_model_dirs, tmp_path_factory) -> dict:
+    _, hf = tiny_model_dirs["llama"]
+    root = tmp_path_factory.mktemp("eagle")
+    out = {}
+    for kind, head in (("right", train_head(hf, 40)), ("partial", train_head(hf, 10)),
+                       ("wrong", random_head(hf, [BANNED]))):
+        out[kind] = root / f"{kind}.safetensors"
+        save_head(out[kind], head.cfg, head.state_tensors())
+    return out
+
+
+def run(engine, waves, check: bool = False) -> dict:
+    return run_waves(engine, waves, K, check)
+
+
+def assert_acceptance(engine, expect: str) -> None:
+    """expect: "none", "all", or "some" (both accepted and rejected drafts, at several positions)."""
+    s = engine.get_stats()
+    assert s.spec_num_drafts > 0
+    if expect == "none":
+        assert s.spec_num_accepted_tokens == 0
+    elif expect == "all":
+        assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens
+    else:
+        assert 0.05 * s.spec_num_draft_tokens < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
+        assert s.spec_accepted_per_pos[1] > 0
+
+
+def test_eagle_head_matches_the_reference(tiny_model_dirs, heads):
+    """kvserve's EagleHead (the engine's layers) gives the plain torch head's features and logits, -inf
+    outside vocab_ids."""
+    path, hf = tiny_model_dirs["llama"]
+    target_model = load_model(str(path), torch.float32, CPU)
+    head = load_eagle_head(str(heads["right"]), target_model, torch.float32, CPU, quantization="none")
+    assert isinstance(head, EagleHead)
+    cfg, tensors, _ = read_head(heads["right"])
+    ref = EagleHeadReference(cfg, hf.model.embed_tokens.weight.detach(), tensors)
+    g = torch.Generator().manual_seed(0)
+    feature = torch.randn(5, cfg.hidden_size, generator=g)
+    tokens = torch.randint(0, 260, (5,), generator=g)
+    with torch.no_grad():
+        want_f = ref.step(feature, tokens)
+        want = torch.full((5, 260), float("-inf"))
+        want[:, tensors["vocab_ids"]] = ref.logits(want_f)
+        got_f = head.step(feature, tokens)
+        torch.testing.assert_close(got_f, want_f, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(head.compute_logits(got_f), want, atol=1e-4, rtol=1e-4)
+
+
+def test_head_reads_the_targets_hidden_state_of_the_last_token(tiny_model_dirs, heads):
+    """After every step (prefill chunks, accepted runs, preemptions), a sequence that may draft holds
+    transformers' final hidden state at the position that produced its last token."""
+    path, hf = tiny_model_dirs["llama"]
+    engine = make_engine(path, spec(heads["right"]), num_kv_blocks=20, max_num_seqs=8)
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True)
+    for i, p in enumerate(prompts(2, [6, 23, 14, 31])):
+        engine.add_request(str(i), p, params)
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            if engine.speculator.draft.can_draft(seq):
+                with torch.no_grad():
+                    want = hf(torch.tensor([seq.token_ids[:-1]]), output_hidden_states=True).hidden_states[-1][0, -1]
+                torch.testing.assert_close(seq.spec_state.feature, want, atol=1e-4, rtol=1e-4)
+                checked += 1
+    assert checked > 50
+    assert engine.get_stats().num_preemptions > 0
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("kind", ["right", "partial", "wrong"])
+def test_greedy_identical_with_preemption_and_n(kind, tiny_model_dirs, heads):
+    """Chunked prefills, n = 2, and a pool too small for the batch: the non-speculative tokens and logprobs."""
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(2, [6, 23, 14, 31])
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    kw = dict(num_kv_blocks=20, max_num_seqs=8)
+    wave = [[(f"a{i}", p, params) for i, p in enumerate(ps)]]
+    ref = run(make_engine(path, **kw), wave)
+    engine = make_engine(path, spec(heads[kind]), **kw)
+    assert_same(run(engine, wave, check=True), ref)
+    assert engine.get_stats().num_preemptions > 0
+    assert_acceptance(engine, {"right": "all", "partial": "some", "wrong": "none"}[kind])
+
+
+def test_greedy_identical_with_prefix_hits(tiny_model_dirs, heads):
+    """A second wave whose prompts extend the first wave's outputs (prefix-cache hits on drafted blocks):
+    the non-speculative output."""
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(3, [6, 23, 14, 31])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    ref_engine = make_engine(path)
+    ref1 = run(ref_engine, [[(f"a{i}", p, params) for i, p in enumerate(ps)]])
+    second = [p + ref1[f"a{i}"].outputs[0].token_ids[:18] + [7, 8] for i, p in enumerate(ps)]
+    waves = [[(f"a{i}", p, params) for i, p in enumerate(ps)], [(f"b{i}", p, params) for i, p in enumerate(second)]]
+    ref2 = run(ref_engine, waves[1:])
+    engine = make_engine(path, spec(heads["right"]))
+    got = run(engine, waves, check=True)
+    assert_same(got, {**ref1, **ref2})
+    assert all(got[f"b{i}"].num_cached_tokens > len(p) for i, p in enumerate(ps))
+    assert_acceptance(engine, "some")  # the second wave's continuations after [7, 8] are new to the head
+
+
+def test_seeded_sampling_identical_to_non_speculative(tiny_model_dirs, heads):
+    """Every logits stage, n = 2: the same tokens as without speculation (the head samples with the noise
+    the target will use)."""
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(4, [5, 13, 21, 8])
+    params = SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
+                            presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 3.0, 9: -2.0},
+                            min_tokens=5, stop_token_ids=[7], max_tokens=24, seed=11, logprobs=1)
+    ref = run(make_engine(path), [[(str(i), p, params) for i, p in enumerate(ps)]])
+    engine = make_engine(path, spec(heads["right"]))
+    got = run(engine, [[(str(i), p, params) for i, p in enumerate(ps)]], check=True)
+    for i in range(len(ps)):
+        for e, g in zip(ref[str(i)].outputs, got[str(i)].outputs):
+            assert g.token_ids == e.token_ids
+            assert [list(lp) for lp in g.logprobs] == [list(lp) for lp in e.logprobs]
+    s = engine.get_stats()
+    assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
+
+
+@pytest.mark.parametrize("kind", ["wrong", "right"])
+def test_unseeded_sampled_distribution_is_the_targets(kind, tiny_model_dirs, heads):
+    """Chi-square test of the joint distribution of the first four tokens against the exact one from
+    transformers' logits, with a head that only knows the banned token and with the one trained on greedy continuations."""
+    path, hf = tiny_model_dirs["llama"]
+    prompt = prompts(5, [6])[0]
+    expected: dict[tuple[int, ...], float] = {}
+
+    def walk(outs: tuple[int, ...], p: float) -> None:
+        if len(outs) == NUM_TOKENS:
+            expected[outs] = p
+            return
+        for t, q in target(hf, prompt, outs).items():
+            walk(outs + (t,), p * q)
+    walk((), 1.0)
+
+    samples = 1800
+    engine = make_engine(path, spec(heads[kind]), max_num_seqs=samples, max_num_batched_tokens=8192)
+    params = SamplingParams(n=samples // 6, temperature=TEMPERATURE, top_k=TOP_K, presence_penalty=PRESENCE,
+                            logit_bias={BANNED: -100.0}, max_tokens=NUM_TOKENS, ignore_eos=True)
+    for r in range(6):
+        engine.add_request(str(r), prompt, params)
+    outs = [tuple(c.token_ids) for o in drain(engine).values() for c in o.outputs]
+    assert_no_leaks(engine)
+    observed = {o: 0 for o in expected}
+    for o in outs:
+        assert o in observed, f"{o} has probability zero under the target"
+        observed[o] += 1
+    keys = sorted(expected)
+    result = chisquare([observed[k] for k in keys], [expected[k] * samples for k in keys])
+    assert result.pvalue > 1e-3, (result, observed, expected)
+    s = engine.get_stats()
+    assert s.spec_num_draft_tokens >= samples
+    rate = s.spec_num_accepted_tokens / s.spec_num_draft_tokens
+    assert rate == 0 if kind == "wrong" else 0.05 < rate < 0.95, rate
+
+
+def test_abort_mid_speculation_frees_everything(tiny_model_dirs, heads):
+    path, _ = tiny_model_dirs["llama"]
+    engine = make_engine(path, spec(heads["right"]))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(prompts(5, [9, 14, 6])):
+        engine.add_request(str(i), p, params)
+    for _ in range(6):
+        before = num_tokens_now(engine)
+        engine.step()
+        check_kv_bookkeeping(engine, K, before)
+    assert engine.get_stats().spec_num_accepted_tokens > 0
+    engine.abort_request(["0", "2"])
+    check_kv_bookkeeping(engine, K)
+    drain(engine)
+    assert_no_leaks(engine)
+
+
+def test_bad_heads_are_refused_clearly(tiny_model_dirs, heads, tmp_path):
+    path, hf = tiny_model_dirs["llama"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        make_engine(path, spec(tmp_path / "nope.safetensors"))
+    draft = tmp_path / "draft.safetensors"
+    make_draft_file(draft, [1, 2])
+    with pytest.raises(ValueError, match="not a kvserve eagle head"):
+        make_engine(path, spec(draft))
+    wide = tmp_path / "wide.safetensors"
+    head = random_head(hf, [1, 2])
+    head.cfg.vocab_size = 300
+    save_head(wide, head.cfg, head.state_tensors())
+    with pytest.raises(ValueError, match="vocabulary 300"):
+        make_engine(path, spec(wide))
+    # No model: the shipped head is the default model's, and this target is not.
+    with pytest.raises((ValueError, FileNotFoundError), match="model"):
+        make_engine(path, {"method": "eagle", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="applies only to methods 'draft' and 'eagle'"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "model": str(path)})
