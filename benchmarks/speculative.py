@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--draft-k", type=int, default=3, help="num_speculative_tokens of the draft methods")
     ap.add_argument("--draft-model", default=None, help="the draft methods' model (default: the shipped draft)")
-    ap.add_argument("--eagle-k", type=int, default=3, help="num_speculative_tokens of the eagle methods")
+    ap.add_argument("--eagle-k", type=int, default=1, help="num_speculative_tokens of the eagle methods")
     ap.add_argument("--eagle-model", default=None, help="the eagle methods' head (default: the shipped head)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")

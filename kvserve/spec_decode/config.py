@@ -26,8 +26,10 @@ METHODS = ("ngram", "draft", "eagle")
 #   a short answer's first drafts come before its acceptance is known).
 # - draft (the shipped draft, acceptance 0.07-0.15): 0.64-0.73x at 1 and about 0.5x at 4 and 32, so it
 #   drafts only for a lone sequence, where the per-request pause bounds the loss (0.86-0.95x).
+# - eagle (the shipped head, acceptance ~0.2-0.3 per draft token): about 1.05x at 1 sequence, 0.70x drafting
+#   every step at 4 (copies; benchmarks/results/speculative.md, git a18a5c7): a lone sequence only, as draft.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
-DRAFT_DEFAULT_DISABLE_BY_BATCH_SIZE = 1
+DRAFT_DEFAULT_DISABLE_BY_BATCH_SIZE = 1  # methods "draft" and "eagle"
 _METHOD_DEFAULT = -1  # disable_by_batch_size not given: the method's default above
 
 
@@ -44,7 +46,7 @@ class SpeculativeConfig:
     # for the default model.
     model: str | None = None
     # Per step: no drafting when more sequences than this decode (None: always draft). Not given (-1): the
-    # method's measured default (DEFAULT_DISABLE_BY_BATCH_SIZE for ngram, DRAFT_DEFAULT_... for draft).
+    # method's measured default (DEFAULT_DISABLE_BY_BATCH_SIZE for ngram, DRAFT_DEFAULT_... for draft, eagle).
     disable_by_batch_size: int | None = _METHOD_DEFAULT
     # Per request: once at least acceptance_window draft tokens have been verified, a request whose recent
     # acceptance (accepted / drafted, a moving average over about that many drafts) is below
@@ -81,8 +83,8 @@ class SpeculativeConfig:
         if self.model is not None and (self.method == "ngram" or not isinstance(self.model, str) or not self.model):
             raise bad("model", "must be a path (a string), and applies only to methods 'draft' and 'eagle'")
         if self.disable_by_batch_size == _METHOD_DEFAULT:
-            self.disable_by_batch_size = (DRAFT_DEFAULT_DISABLE_BY_BATCH_SIZE if self.method == "draft"
-                                          else DEFAULT_DISABLE_BY_BATCH_SIZE)
+            self.disable_by_batch_size = (DEFAULT_DISABLE_BY_BATCH_SIZE if self.method == "ngram"
+                                          else DRAFT_DEFAULT_DISABLE_BY_BATCH_SIZE)
         b = self.disable_by_batch_size
         if b is not None and (not _is_int(b) or b < 1):
             raise bad("disable_by_batch_size", f"must be an integer >= 1 or null, got {b!r}")
