@@ -8,7 +8,6 @@ sampling in distribution; with chunked prefill, preemptions, prefix-cache hits, 
 head's input is checked against transformers' own hidden states after every step."""
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from kvserve.config import EngineConfig
 from kvserve.models.loader import load_model
@@ -17,8 +16,8 @@ from kvserve.spec_decode.eagle_head import (EagleHead, EagleHeadConfig, EagleHea
                                             read_head, save_head)
 from engine_helpers import assert_no_leaks, drain
 from spec_helpers import check_kv_bookkeeping, make_draft_file, make_engine, num_tokens_now, prompts, run_waves
-from test_spec_decode_distribution import BANNED, NUM_TOKENS, PRESENCE, TEMPERATURE, TOP_K, target
-from test_spec_decode_draft import assert_same
+from test_spec_decode_distribution import BANNED
+from test_spec_decode_draft import assert_same, sampled_acceptance_and_chisquare
 
 K = 3
 CPU = torch.device("cpu")
@@ -198,35 +197,8 @@ def test_unseeded_sampled_distribution_is_the_targets(kind, tiny_model_dirs, hea
     """Chi-square test of the joint distribution of the first four tokens against the exact one from
     transformers' logits, with a head that only knows the banned token and with the one trained on greedy continuations."""
     path, hf = tiny_model_dirs["llama"]
-    prompt = prompts(5, [6])[0]
-    expected: dict[tuple[int, ...], float] = {}
-
-    def walk(outs: tuple[int, ...], p: float) -> None:
-        if len(outs) == NUM_TOKENS:
-            expected[outs] = p
-            return
-        for t, q in target(hf, prompt, outs).items():
-            walk(outs + (t,), p * q)
-    walk((), 1.0)
-
-    samples = 1800
-    engine = make_engine(path, spec(heads[kind]), max_num_seqs=samples, max_num_batched_tokens=8192)
-    params = SamplingParams(n=samples // 6, temperature=TEMPERATURE, top_k=TOP_K, presence_penalty=PRESENCE,
-                            logit_bias={BANNED: -100.0}, max_tokens=NUM_TOKENS, ignore_eos=True)
-    for r in range(6):
-        engine.add_request(str(r), prompt, params)
-    outs = [tuple(c.token_ids) for o in drain(engine).values() for c in o.outputs]
-    assert_no_leaks(engine)
-    observed = {o: 0 for o in expected}
-    for o in outs:
-        assert o in observed, f"{o} has probability zero under the target"
-        observed[o] += 1
-    keys = sorted(expected)
-    result = chisquare([observed[k] for k in keys], [expected[k] * samples for k in keys])
-    assert result.pvalue > 1e-3, (result, observed, expected)
-    s = engine.get_stats()
-    assert s.spec_num_draft_tokens >= samples
-    rate = s.spec_num_accepted_tokens / s.spec_num_draft_tokens
+    engine = make_engine(path, spec(heads[kind]), max_num_seqs=1800, max_num_batched_tokens=8192)
+    rate = sampled_acceptance_and_chisquare(engine, hf)
     assert rate == 0 if kind == "wrong" else 0.05 < rate < 0.95, rate
 
 

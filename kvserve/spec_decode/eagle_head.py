@@ -36,6 +36,7 @@ from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantization import QuantConfig
 from kvserve.models.llama import MLP
 from kvserve.models.loader import LoadedModel
+from kvserve.spec_decode.draft_reference import _rms
 
 METADATA_KEY = "kvserve_eagle"
 SHIPPED_HEAD = Path(__file__).parent / "drafts" / "smollm2-135m-eagle.safetensors"
@@ -76,10 +77,6 @@ def read_head(path: str | Path) -> tuple[EagleHeadConfig, dict[str, torch.Tensor
         tensors = {k: f.get_tensor(k) for k in f.keys()}
         training = json.loads(meta.get("training", "{}"))
     return cfg, tensors, training
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
 class EagleHeadReference(nn.Module):
