@@ -63,6 +63,26 @@ def check_kv_bookkeeping(engine: LLMEngine, max_drafts: int, tokens_before: dict
         assert block.ref_count == refs.get(block.block_id, 0)
 
 
+def abort_mid_speculation(engine: LLMEngine, k: int) -> None:
+    """Three greedy requests; after a few steps with accepted drafts two are aborted: the bookkeeping holds
+    after every step and after the aborts, and once the rest finish no block is left."""
+    from engine_helpers import assert_no_leaks, drain
+    from kvserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(prompts(5, [9, 14, 6])):
+        engine.add_request(str(i), p, params)
+    for _ in range(6):
+        before = num_tokens_now(engine)
+        engine.step()
+        check_kv_bookkeeping(engine, k, before)
+    assert engine.get_stats().spec_num_accepted_tokens > 0
+    engine.abort_request(["0", "2"])
+    check_kv_bookkeeping(engine, k)
+    drain(engine)
+    assert_no_leaks(engine)
+
+
 def make_draft_file(path, vocab_ids: list[int], hidden: int = 64, vocab: int = 260, layers: int = 1,
                     seed: int = 0) -> None:
     """A random draft checkpoint (kvserve/spec_decode/draft_format.py) for a tiny target of this hidden size

@@ -23,7 +23,7 @@ from kvserve.spec_decode.draft_model import DraftLM, load_draft
 from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.draft_reference import DraftReference
 from engine_helpers import assert_no_leaks, drain
-from spec_helpers import check_kv_bookkeeping, make_draft_file, make_engine, num_tokens_now, prompts, run_waves
+from spec_helpers import abort_mid_speculation, make_draft_file, make_engine, prompts, run_waves
 from test_spec_decode_distribution import BANNED, NUM_TOKENS, PRESENCE, TEMPERATURE, TOP_K, target
 
 K = 3
@@ -210,18 +210,7 @@ def sampled_acceptance_and_chisquare(engine, hf, samples: int = 1800) -> float:
 def test_abort_mid_speculation_frees_everything(tiny_model_dirs, drafts):
     path, _ = tiny_model_dirs["llama"]
     engine = make_engine(path, spec(drafts["self"]))
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    for i, p in enumerate(prompts(5, [9, 14, 6])):
-        engine.add_request(str(i), p, params)
-    for _ in range(6):
-        before = num_tokens_now(engine)
-        engine.step()
-        check_kv_bookkeeping(engine, K, before)
-    assert engine.get_stats().spec_num_accepted_tokens > 0
-    engine.abort_request(["0", "2"])
-    check_kv_bookkeeping(engine, K)
-    drain(engine)
-    assert_no_leaks(engine)
+    abort_mid_speculation(engine, K)
 
 
 def test_bad_draft_models_are_refused_clearly(tiny_model_dirs, tmp_path):

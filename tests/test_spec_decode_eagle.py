@@ -14,8 +14,8 @@ from kvserve.models.loader import load_model
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.eagle_head import (EagleHead, EagleHeadConfig, EagleHeadReference, load_eagle_head,
                                             read_head, save_head)
-from engine_helpers import assert_no_leaks, drain
-from spec_helpers import check_kv_bookkeeping, make_draft_file, make_engine, num_tokens_now, prompts, run_waves
+from engine_helpers import assert_no_leaks
+from spec_helpers import abort_mid_speculation, make_draft_file, make_engine, prompts, run_waves
 from test_spec_decode_distribution import BANNED
 from test_spec_decode_draft import assert_same, sampled_acceptance_and_chisquare
 
@@ -205,18 +205,7 @@ def test_unseeded_sampled_distribution_is_the_targets(kind, tiny_model_dirs, hea
 def test_abort_mid_speculation_frees_everything(tiny_model_dirs, heads):
     path, _ = tiny_model_dirs["llama"]
     engine = make_engine(path, spec(heads["right"]))
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    for i, p in enumerate(prompts(5, [9, 14, 6])):
-        engine.add_request(str(i), p, params)
-    for _ in range(6):
-        before = num_tokens_now(engine)
-        engine.step()
-        check_kv_bookkeeping(engine, K, before)
-    assert engine.get_stats().spec_num_accepted_tokens > 0
-    engine.abort_request(["0", "2"])
-    check_kv_bookkeeping(engine, K)
-    drain(engine)
-    assert_no_leaks(engine)
+    abort_mid_speculation(engine, K)
 
 
 def test_bad_heads_are_refused_clearly(tiny_model_dirs, heads, tmp_path):
