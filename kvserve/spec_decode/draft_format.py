@@ -41,27 +41,44 @@ class DraftFileConfig:
 
 
 def is_draft_file(path: str | Path) -> bool:
-    p = Path(path)
-    if not (p.is_file() and p.suffix == ".safetensors"):
-        return False
-    with safe_open(str(p), "pt") as f:
-        return METADATA_KEY in (f.metadata() or {})
+    return has_metadata(path, METADATA_KEY)
 
 
 def save_draft(path: str | Path, cfg: DraftFileConfig, tensors: dict[str, torch.Tensor],
                training: dict[str, Any] | None = None) -> None:
-    meta = {METADATA_KEY: json.dumps(asdict(cfg)), "training": json.dumps(training or {})}
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
+    save_with_config(path, METADATA_KEY, cfg, tensors, training)
 
 
 def read_draft(path: str | Path) -> tuple[DraftFileConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """(config, tensors, training record)."""
+    return read_with_config(path, METADATA_KEY, DraftFileConfig, "draft")
+
+
+# A safetensors file whose metadata holds a config dataclass as JSON under `key` (and, under "training",
+# what made it): the draft checkpoint above and the eagle head (eagle_head.py).
+
+def has_metadata(path: str | Path, key: str) -> bool:
+    p = Path(path)
+    if not (p.is_file() and p.suffix == ".safetensors"):
+        return False
+    with safe_open(str(p), "pt") as f:
+        return key in (f.metadata() or {})
+
+
+def save_with_config(path: str | Path, key: str, cfg: Any, tensors: dict[str, torch.Tensor],
+                     training: dict[str, Any] | None) -> None:
+    meta = {key: json.dumps(asdict(cfg)), "training": json.dumps(training or {})}
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
+
+
+def read_with_config(path: str | Path, key: str, cls: type, what: str) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
+    """(cls from the metadata, tensors, training record); what names the file kind in the error."""
     with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}
-        if METADATA_KEY not in meta:
-            raise ValueError(f"{path} is a safetensors file but not a kvserve draft (no {METADATA_KEY!r} metadata)")
-        raw = json.loads(meta[METADATA_KEY])
-        cfg = DraftFileConfig(**{f.name: raw[f.name] for f in fields(DraftFileConfig)})
+        if key not in meta:
+            raise ValueError(f"{path} is a safetensors file but not a kvserve {what} (no {key!r} metadata)")
+        raw = json.loads(meta[key])
+        cfg = cls(**{f.name: raw[f.name] for f in fields(cls)})
         tensors = {k: f.get_tensor(k) for k in f.keys()}
         training = json.loads(meta.get("training", "{}"))
     return cfg, tensors, training

@@ -83,19 +83,27 @@ def draft_quantization(engine_quantization: str, device: torch.device) -> str:
     return "int8" if device.type == "cpu" and engine_quantization != "none" else "none"
 
 
-def build_draft_lm(path: str | Path, target: LoadedModel, dtype: torch.dtype, device: torch.device,
-                   quantization: str = "none") -> DraftLM:
-    fcfg, tensors, _ = read_draft(path)
+def target_embedding(target: LoadedModel, what: str, path: str | Path, made_for: str, hidden_size: int,
+                     vocab_size: int) -> VocabEmbedding:
+    """The target's token embedding, which a file made for a model of this hidden size and vocabulary (a
+    draft checkpoint, an eagle head) reads; a clear error where the target is not such a model."""
     tcfg = target.config
-    if (fcfg.hidden_size, fcfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
-        raise ValueError(f"speculative_config: draft {path} was made for {fcfg.target} (hidden size "
-                         f"{fcfg.hidden_size}, vocabulary {fcfg.vocab_size}); the target has hidden size "
+    if (hidden_size, vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
+        raise ValueError(f"speculative_config: {what} {str(path)!r} was made for {made_for} (hidden size "
+                         f"{hidden_size}, vocabulary {vocab_size}); the target has hidden size "
                          f"{tcfg.hidden_size} and vocabulary {tcfg.vocab_size}")
     embed = getattr(target.model, "embed_tokens", None)
     if not isinstance(embed, VocabEmbedding):
-        raise ValueError(f"speculative_config: draft checkpoints need a target with a token embedding "
+        raise ValueError(f"speculative_config: a {what} needs a target with a token embedding "
                          f"(architecture {tcfg.architecture!r} has none kvserve can share)")
-    cfg = draft_model_config(tcfg, fcfg)
+    return embed
+
+
+def build_draft_lm(path: str | Path, target: LoadedModel, dtype: torch.dtype, device: torch.device,
+                   quantization: str = "none") -> DraftLM:
+    fcfg, tensors, _ = read_draft(path)
+    embed = target_embedding(target, "draft", path, fcfg.target, fcfg.hidden_size, fcfg.vocab_size)
+    cfg = draft_model_config(target.config, fcfg)
     quant = QuantConfig(quantization, 32, dtype, device)
     with torch.device(device):
         model = DraftLM(cfg, embed, tensors.pop("vocab_ids"), quant).to(dtype)

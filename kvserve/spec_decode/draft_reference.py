@@ -15,7 +15,7 @@ LAYER_TENSORS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_pro
                  "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
@@ -24,27 +24,36 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-class DraftReference(nn.Module):
-    def __init__(self, cfg: DraftFileConfig, embedding: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
-        """embedding: the target's [vocab, hidden] float embedding (frozen); tensors: the checkpoint's."""
+class ReferenceTensors(nn.Module):
+    """A checkpoint's tensors as trainable float parameters, over a target's frozen embedding: the plain
+    torch side of the draft checkpoint (below) and of the eagle head (eagle_head.py)."""
+
+    def __init__(self, embedding: torch.Tensor, tensors: dict[str, torch.Tensor], names: list[str]) -> None:
+        """embedding: the target's [vocab, hidden] float embedding; names: the tensors that are parameters."""
         super().__init__()
-        self.cfg = cfg
         self.register_buffer("embedding", embedding.float(), persistent=False)
         self.register_buffer("vocab_ids", tensors["vocab_ids"].to(torch.int64), persistent=False)
         # Parameter names are the checkpoint's with "." -> "__" (nn.ParameterDict keys cannot hold dots).
-        self.params = nn.ParameterDict({k.replace(".", "__"): nn.Parameter(v.float().clone())
-                                        for k, v in tensors.items() if k != "vocab_ids"})
-        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.params = nn.ParameterDict({k.replace(".", "__"): nn.Parameter(tensors[k].float().clone())
+                                        for k in names})
 
     def p(self, name: str) -> torch.Tensor:
         return self.params[name.replace(".", "__")]
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors (for save_draft)."""
+        """The checkpoint's tensors (for saving)."""
         out = {k.replace("__", "."): v.detach() for k, v in self.params.items()}
         out["vocab_ids"] = self.vocab_ids
         return out
+
+
+class DraftReference(ReferenceTensors):
+    def __init__(self, cfg: DraftFileConfig, embedding: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        """embedding: the target's [vocab, hidden] float embedding (frozen); tensors: the checkpoint's."""
+        super().__init__(embedding, tensors, [k for k in tensors if k != "vocab_ids"])
+        self.cfg = cfg
+        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+        self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.linear(self.hidden(ids), self.p("lm_head.weight"))
@@ -59,15 +68,15 @@ class DraftReference(nn.Module):
         x = self.embedding[ids]
         for i in range(cfg.num_hidden_layers):
             pre = f"model.layers.{i}."
-            h = _rms(x, self.p(pre + "input_layernorm.weight"), cfg.rms_norm_eps)
+            h = rms_norm(x, self.p(pre + "input_layernorm.weight"), cfg.rms_norm_eps)
             q = F.linear(h, self.p(pre + "self_attn.q_proj.weight")).view(B, T, H, D).transpose(1, 2)
             k = F.linear(h, self.p(pre + "self_attn.k_proj.weight")).view(B, T, Hkv, D).transpose(1, 2)
             v = F.linear(h, self.p(pre + "self_attn.v_proj.weight")).view(B, T, Hkv, D).transpose(1, 2)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * D), self.p(pre + "self_attn.o_proj.weight"))
-            h = _rms(x, self.p(pre + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
+            h = rms_norm(x, self.p(pre + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
             gate = F.linear(h, self.p(pre + "mlp.gate_proj.weight"))
             up = F.linear(h, self.p(pre + "mlp.up_proj.weight"))
             x = x + F.linear(F.silu(gate) * up, self.p(pre + "mlp.down_proj.weight"))
-        return _rms(x, self.p("model.norm.weight"), cfg.rms_norm_eps)
+        return rms_norm(x, self.p("model.norm.weight"), cfg.rms_norm_eps)

@@ -19,15 +19,12 @@ embedding is the target's (not stored).
 from __future__ import annotations
 
 import dataclasses
-import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from kvserve.config import ModelConfig
@@ -36,7 +33,9 @@ from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantization import QuantConfig
 from kvserve.models.llama import MLP
 from kvserve.models.loader import LoadedModel
-from kvserve.spec_decode.draft_reference import _rms
+from kvserve.spec_decode.draft_model import target_embedding
+from kvserve.spec_decode.draft_format import has_metadata, read_with_config, save_with_config
+from kvserve.spec_decode.draft_reference import ReferenceTensors, rms_norm
 
 METADATA_KEY = "kvserve_eagle"
 SHIPPED_HEAD = Path(__file__).parent / "drafts" / "smollm2-135m-eagle.safetensors"
@@ -54,61 +53,37 @@ class EagleHeadConfig:
 
 
 def is_head_file(path: str | Path) -> bool:
-    p = Path(path)
-    if not (p.is_file() and p.suffix == ".safetensors"):
-        return False
-    with safe_open(str(p), "pt") as f:
-        return METADATA_KEY in (f.metadata() or {})
+    return has_metadata(path, METADATA_KEY)
 
 
 def save_head(path: str | Path, cfg: EagleHeadConfig, tensors: dict[str, torch.Tensor],
               training: dict[str, Any] | None = None) -> None:
-    meta = {METADATA_KEY: json.dumps(asdict(cfg)), "training": json.dumps(training or {})}
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
+    save_with_config(path, METADATA_KEY, cfg, tensors, training)
 
 
 def read_head(path: str | Path) -> tuple[EagleHeadConfig, dict[str, torch.Tensor], dict[str, Any]]:
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
-        if METADATA_KEY not in meta:
-            raise ValueError(f"{path} is not a kvserve eagle head (no {METADATA_KEY!r} metadata)")
-        raw = json.loads(meta[METADATA_KEY])
-        cfg = EagleHeadConfig(**{f.name: raw[f.name] for f in fields(EagleHeadConfig)})
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-        training = json.loads(meta.get("training", "{}"))
-    return cfg, tensors, training
+    """(config, tensors, training record)."""
+    return read_with_config(path, METADATA_KEY, EagleHeadConfig, "eagle head")
 
 
-class EagleHeadReference(nn.Module):
+class EagleHeadReference(ReferenceTensors):
     """The head in plain float torch: what train_eagle.py trains, and the tests' reference for EagleHead."""
 
     def __init__(self, cfg: EagleHeadConfig, embedding: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
-        super().__init__()
+        super().__init__(embedding, tensors, list(TENSORS))
         self.cfg = cfg
-        self.register_buffer("embedding", embedding.float(), persistent=False)
-        self.register_buffer("vocab_ids", tensors["vocab_ids"].to(torch.int64), persistent=False)
-        self.params = nn.ParameterDict({k.replace(".", "__"): nn.Parameter(tensors[k].float().clone())
-                                        for k in TENSORS})
-
-    def p(self, name: str) -> torch.Tensor:
-        return self.params[name.replace(".", "__")]
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = {k.replace("__", "."): v.detach() for k, v in self.params.items()}
-        out["vocab_ids"] = self.vocab_ids
-        return out
 
     def step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """[..., hidden] features and [...] next tokens -> [..., hidden] predicted next features."""
         eps = self.cfg.rms_norm_eps
         x = F.linear(torch.cat([feature, self.embedding[token_ids]], -1), self.p("fc.weight"))
-        h = _rms(x, self.p("mlp_norm.weight"), eps)
+        h = rms_norm(x, self.p("mlp_norm.weight"), eps)
         gate, up = F.linear(h, self.p("mlp.gate_proj.weight")), F.linear(h, self.p("mlp.up_proj.weight"))
         return x + F.linear(F.silu(gate) * up, self.p("mlp.down_proj.weight"))
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., len(vocab_ids)] logits over the reduced vocabulary."""
-        return F.linear(_rms(feature, self.p("norm.weight"), self.cfg.rms_norm_eps), self.p("lm_head.weight"))
+        return F.linear(rms_norm(feature, self.p("norm.weight"), self.cfg.rms_norm_eps), self.p("lm_head.weight"))
 
     def training_loss(self, ids: torch.Tensor, labels: torch.Tensor, features: torch.Tensor, unroll: int,
                       feature_weight: float) -> torch.Tensor:
@@ -195,16 +170,8 @@ def load_eagle_head(path: str | Path | None, target: LoadedModel, dtype: torch.d
         raise ValueError(f"speculative_config: {str(path)!r} is not a kvserve eagle head (method 'eagle' takes "
                          "a head .safetensors made by benchmarks/train_eagle.py)")
     hcfg, tensors, _ = read_head(p)
-    tcfg = target.config
-    if (hcfg.hidden_size, hcfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
-        raise ValueError(f"speculative_config: eagle head {str(path)!r} was made for {hcfg.target} (hidden size "
-                         f"{hcfg.hidden_size}, vocabulary {hcfg.vocab_size}); the target has hidden size "
-                         f"{tcfg.hidden_size} and vocabulary {tcfg.vocab_size}")
-    embed = getattr(target.model, "embed_tokens", None)
-    if not isinstance(embed, VocabEmbedding):
-        raise ValueError(f"speculative_config: method 'eagle' needs a target with a token embedding "
-                         f"(architecture {tcfg.architecture!r} has none kvserve can share)")
-    cfg = dataclasses.replace(tcfg, intermediate_size=hcfg.intermediate_size)
+    embed = target_embedding(target, "eagle head", p, hcfg.target, hcfg.hidden_size, hcfg.vocab_size)
+    cfg = dataclasses.replace(target.config, intermediate_size=hcfg.intermediate_size)
     quant = QuantConfig(quantization, 32, dtype, device)
     with torch.device(device):
         model = EagleHead(cfg, hcfg, embed, tensors["vocab_ids"], quant).to(dtype)

@@ -23,8 +23,6 @@ from kvserve.spec_decode.state import spec_state
 
 
 class EagleProposer:
-    wants_hidden = True  # the runner returns the target's hidden state with each sampled token
-
     def __init__(self, head: EagleHead, device: torch.device, eos_token_ids: list[int]) -> None:
         self.model = head
         self.device = device

@@ -48,7 +48,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graphs = None  # DecodeGraphs once capture_decode_graphs ran (CUDA, Triton backend)
         self.keep_hidden = False  # return the sampled rows' hidden states (the eagle head reads them)
-        self._sampled_hidden: torch.Tensor | None = None
         if device.type == "cpu":
             cpu_kernels.available()  # build (or load) the native kernel now, not in a first request's step
 
@@ -123,9 +122,10 @@ class ModelRunner:
                 and is_pure_decode([n for _, n in sched.scheduled], len(sample_rows), bool(prompt_lp))):
             logits = graphs.run(DecodeInputs(input_ids, positions, slot_mapping, seq_lens,
                                              [seq.block_table for seq, _ in sched.scheduled]))
+            sampled_hidden = None
         else:
-            logits = self._forward_eager(sched, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
-                                         sample_rows, prompt_lp, result)
+            logits, sampled_hidden = self._forward_eager(sched, input_ids, positions, slot_mapping,
+                                                         query_start_loc, seq_lens, sample_rows, prompt_lp, result)
 
         if sample_seqs:
             # A seeded sequence's generator state before this step's draws, to rewind past rejected rows.
@@ -148,7 +148,7 @@ class ModelRunner:
                 keep = num_accepted(tokens, list(drafts)) + 1 if drafts else 1
                 result.sampled[seq.seq_id] = (tokens[:keep], sampled.logprobs[row:row + keep])
                 if self.keep_hidden:
-                    result.hidden[seq.seq_id] = self._sampled_hidden[row + keep - 1]
+                    result.hidden[seq.seq_id] = sampled_hidden[row + keep - 1]
                 state = seeded.get(seq.seq_id)
                 if state is not None and keep < len(tokens):
                     rewind_generator(seq.generator, state, keep, logits.shape[1], logits.device, torch.float32)
@@ -158,8 +158,9 @@ class ModelRunner:
     def _forward_eager(self, sched: SchedulerOutput, input_ids: list[int], positions: list[int],
                        slot_mapping: list[int], query_start_loc: list[int], seq_lens: list[int],
                        sample_rows: list[int], prompt_lp: list[tuple[Sequence, int, int, int]],
-                       result: ModelRunnerOutput) -> torch.Tensor | None:
-        """The model's forward for any step; prompt logprobs into result; the sampled rows' logits."""
+                       result: ModelRunnerOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The model's forward for any step; prompt logprobs into result; the sampled rows' logits and
+        hidden states."""
         dev = self.device
         # The backend's per-step work (index tensors, plans) happens here, once, not in the first layer.
         meta = self.attn_backend.build_metadata(StepBatch.from_host(
@@ -177,8 +178,6 @@ class ModelRunner:
             result.prompt_logprobs[seq.seq_id] = compute_prompt_logprobs(
                 logits, targets, seq.params.prompt_logprobs)
         if not sample_rows:
-            return None
+            return None, None
         hidden = hidden[sample_rows]
-        if self.keep_hidden:
-            self._sampled_hidden = hidden
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden), hidden
