@@ -8,11 +8,13 @@ Workloads (prompts cut from offline text, chat template applied, greedy unless -
   repeat     copy a given text: a Shakespeare passage or a piece of kvserve's own source code
   summarise  summarise a given passage
   chat       open questions, nothing to copy from
-Methods: none; ngram (the configured adaptive defaults: no drafting above disable_by_batch_size running
-sequences, per-request pauses on low acceptance); ngram-always (drafting in every step, no pauses: to
-find the crossover batch size that disable_by_batch_size should sit at); draft and draft-always, the same
-with the draft model (--draft-model, default: the draft shipped for the default model, k = --draft-k);
-eagle and eagle-always, the same with the eagle head (--eagle-model, default: the shipped head, k = --eagle-k).
+Methods: none; ngram (the adaptive defaults: each step carries only the draft tokens that this engine's
+measured step times say pay, none above disable_by_batch_size running sequences, per-request pauses on low
+acceptance); ngram-fixed (the same, but every step drafts all k tokens: adaptive_draft_length false);
+ngram-always (all k tokens in every step, no batch limit, no pauses: to find the crossover batch size);
+draft, draft-fixed, draft-always, the same with the draft model (--draft-model, default: the draft shipped
+for the default model, k = --draft-k); eagle, eagle-fixed, eagle-always, the same with the eagle head
+(--eagle-model, default: the shipped head, k = --eagle-k).
 
 Each (workload, concurrency) runs a closed loop: `concurrency` requests in flight, a new one added when one
 finishes, until --num-requests (at least `concurrency`) are done; --rounds times, the methods taking turns,
@@ -79,7 +81,9 @@ def method_config(method: str, args) -> dict | None:
         cfg = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
     if method.endswith("-always"):
-        cfg.update(disable_by_batch_size=None, min_acceptance_rate=0.0)
+        cfg.update(disable_by_batch_size=None, min_acceptance_rate=0.0, adaptive_draft_length=False)
+    elif method.endswith("-fixed"):
+        cfg.update(adaptive_draft_length=False)
     return cfg
 
 
@@ -126,8 +130,8 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["repeat", "summarise", "chat"],
                     choices=["repeat", "summarise", "chat"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
-    ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-always", "eagle", "eagle-always"],
-                    choices=["none", "ngram", "ngram-always", "draft", "draft-always", "eagle", "eagle-always"])
+    ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-fixed", "eagle", "eagle-fixed"],
+                    choices=["none", *(m + v for m in ("ngram", "draft", "eagle") for v in ("", "-fixed", "-always"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)

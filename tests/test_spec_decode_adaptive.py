@@ -30,7 +30,7 @@ def test_no_drafts_in_steps_above_the_batch_size_limit(tiny_model_dirs):
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 30, 30)]
     conts, ref = continuations(path, ps, params)
     engine = engine_for(path, {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 2,
-                               "min_acceptance_rate": 0.0})
+                               "min_acceptance_rate": 0.0, "adaptive_draft_length": False})
     engine.speculator.proposer = ScriptedProposer(conts, wrong=0.0)
     for i, p in enumerate(ps):
         engine.add_request(str(i), p, params[i])
@@ -57,7 +57,7 @@ def test_a_request_with_failing_drafts_pauses_drafting(tiny_model_dirs):
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     conts, ref = continuations(path, [prompt], params)
     spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None,
-            "min_acceptance_rate": 0.3, "acceptance_window": 8}
+            "min_acceptance_rate": 0.3, "acceptance_window": 8, "adaptive_draft_length": False}
     counts = {}
     for wrong in (1.0, 0.0):
         engine = engine_for(path, spec)

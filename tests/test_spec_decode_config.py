@@ -31,6 +31,7 @@ def test_vllm_fields_and_lookup_defaults():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 1.5}, "min_acceptance_rate"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "adaptive_draft_length": "yes"}, "adaptive_draft_length"),
     ({"method": "ngram", "num_speculative_tokens": 2, "num_lookahead": 1}, "unknown field(s) ['num_lookahead']"),
     ("{not json", "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),

@@ -20,7 +20,8 @@ def llm() -> LLM:
     # 12 blocks of 16 tokens cannot hold the three requests at once: preemptions.
     return LLM(dtype="float32", quantization="none", block_size=16, max_num_batched_tokens=64, num_kv_blocks=12,
                speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-                                   "prompt_lookup_min": 2, "disable_by_batch_size": None})
+                                   "prompt_lookup_min": 2, "disable_by_batch_size": None,
+                                   "adaptive_draft_length": False})
 
 
 def generate(llm: LLM, speculate: bool, prompts, params):
@@ -77,7 +78,8 @@ def test_shipped_draft_greedy_identical_with_preemption_and_prefix_hits(referenc
     """The draft shipped for the default model (method "draft" without "model"): the output of the engine
     without speculation, with preemptions and prefix-cache hits, and some of its drafts accepted."""
     draft_llm = LLM(dtype="float32", quantization="none", block_size=16, max_num_batched_tokens=64, num_kv_blocks=12,
-                    speculative_config={"method": "draft", "num_speculative_tokens": 3, "disable_by_batch_size": None})
+                    speculative_config={"method": "draft", "num_speculative_tokens": 3, "disable_by_batch_size": None,
+                                        "adaptive_draft_length": False})
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ref, _, second, ref2 = reference
     outs, before, after = generate(draft_llm, True, PROMPTS, params)

@@ -79,7 +79,7 @@ def test_sampled_distribution_is_the_targets(kind, tiny_model_dirs):
         model=str(path), dtype="float32", block_size=4, max_num_seqs=SAMPLES, max_num_batched_tokens=8192,
         kv_cache_memory=TINY_KV,
         speculative_config={"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None,
-                            "min_acceptance_rate": 0.0}))
+                            "min_acceptance_rate": 0.0, "adaptive_draft_length": False}))
     engine.speculator.proposer = TableProposer(prompt, table, kind)
     params = SamplingParams(n=SAMPLES // 6, temperature=TEMPERATURE, top_k=TOP_K, presence_penalty=PRESENCE,
                             logit_bias={BANNED: -100.0}, max_tokens=NUM_TOKENS, ignore_eos=True)

@@ -32,7 +32,7 @@ CPU = torch.device("cpu")
 
 def spec(model, **kw) -> dict:
     return {"method": "draft", "num_speculative_tokens": K, "model": str(model), "disable_by_batch_size": None,
-            "min_acceptance_rate": 0.0, **kw}
+            "min_acceptance_rate": 0.0, "adaptive_draft_length": False, **kw}
 
 
 def run(engine: LLMEngine, waves, check: bool = False) -> dict:

@@ -25,7 +25,7 @@ CPU = torch.device("cpu")
 
 def spec(head, **kw) -> dict:
     return {"method": "eagle", "num_speculative_tokens": K, "model": str(head), "disable_by_batch_size": None,
-            "min_acceptance_rate": 0.0, **kw}
+            "min_acceptance_rate": 0.0, "adaptive_draft_length": False, **kw}
 
 
 def random_head(hf, vocab_ids: list[int], seed: int = 0, inter: int = 96) -> EagleHeadReference:

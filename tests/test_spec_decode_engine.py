@@ -12,7 +12,7 @@ from spec_helpers import ScriptedProposer, check_kv_bookkeeping, make_engine, nu
 
 K = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "disable_by_batch_size": None,
-         "min_acceptance_rate": 0.0}
+         "min_acceptance_rate": 0.0, "adaptive_draft_length": False}
 
 
 def run(engine: LLMEngine, waves, check: bool = False) -> dict:

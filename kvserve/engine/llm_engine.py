@@ -272,13 +272,15 @@ class LLMEngine:
         self._last_step_tokens = sched.num_batched_tokens
         if sched.is_empty:
             return []
-        now = time.monotonic()
+        now = started = time.monotonic()
         for seq, _ in sched.scheduled:
             m = self.requests[seq.request_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
         result = self.runner.execute(sched)
         now = time.monotonic()
+        if self.speculator is not None:
+            self.speculator.observe_step(sched.num_batched_tokens, now - started)
 
         touched: dict[str, Request] = {}
         for seq, n in sched.scheduled:

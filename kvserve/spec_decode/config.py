@@ -53,6 +53,9 @@ class SpeculativeConfig:
     # min_acceptance_rate stops drafting for a while: 8 steps, doubling while it stays low. 0 disables it.
     min_acceptance_rate: float = 0.2
     acceptance_window: int = 16
+    # Per step: carry only as many of the num_speculative_tokens draft tokens as this engine's measured step
+    # times and acceptance say pay (kvserve/spec_decode/draft_length.py); false drafts all of them.
+    adaptive_draft_length: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -93,6 +96,8 @@ class SpeculativeConfig:
             raise bad("min_acceptance_rate", f"must be in [0, 1], got {r!r}")
         if not _is_int(self.acceptance_window) or self.acceptance_window < 1:
             raise bad("acceptance_window", f"must be an integer >= 1, got {self.acceptance_window!r}")
+        if not isinstance(self.adaptive_draft_length, bool):
+            raise bad("adaptive_draft_length", f"must be true or false, got {self.adaptive_draft_length!r}")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:

@@ -5,18 +5,22 @@ sequences that decode; the scheduler budgets 1 + len(drafts) tokens for them, th
 drafts, and the engine reports back how many were accepted (`record`). The model-based proposers (method
 "draft", "eagle") draft after the schedule, into the rows it sized (`fill_drafts`); the eagle head also
 gets the target's hidden state after each step (`observe`). Drafting pays only while the step
-is memory-bound and the drafts are good, so it is switched off for a whole step above
-`disable_by_batch_size` sequences, and per request while that request's acceptance stays low.
+is memory-bound and the drafts are good: each step carries only as many draft tokens as this engine's
+measured step times say pay (draft_length.py), none above `disable_by_batch_size` sequences, and none
+for a request while its acceptance stays low.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import time
 
 import torch
 
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.spec_decode.draft_length import DraftLength
 from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.eagle_proposer import EagleProposer
 from kvserve.spec_decode.ngram import NgramProposer
@@ -45,6 +49,7 @@ class Speculator:
         if draft is None:
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self.length = DraftLength(config.num_speculative_tokens) if config.adaptive_draft_length else None
         self._step = 0
 
     def propose(self, running: list[Sequence]) -> None:
@@ -54,6 +59,24 @@ class Speculator:
         off = limit is not None and len(running) > limit
         for seq in running:
             seq.spec_token_ids = [] if off else self._propose_one(seq)
+        if self.length is not None and not off:
+            self._cut_to_paying_length(running)
+
+    def _cut_to_paying_length(self, running: list[Sequence]) -> None:
+        drafting = [seq for seq in running if seq.spec_token_ids]
+        if not drafting:
+            return
+        window = self.config.acceptance_window
+        average = max(self.length.acceptance, 1e-3)
+        # A sequence's acceptance against the average, once it has a record (a copy drafts better than chat).
+        drafts = [(len(seq.spec_token_ids),
+                   seq.spec_state.acceptance / average
+                   if seq.spec_state is not None and seq.spec_state.num_verified >= window else 1.0)
+                  for seq in drafting]
+        # Without drafts each sequence brings what it has left to compute (1 when it decodes).
+        d = self.length.choose(sum(seq.num_tokens - seq.num_computed_tokens for seq in running), drafts)
+        for seq in drafting:
+            del seq.spec_token_ids[d:]
 
     def _propose_one(self, seq: Sequence) -> list[int]:
         if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.prefill_done:
@@ -84,7 +107,16 @@ class Speculator:
     def fill_drafts(self, sched: SchedulerOutput) -> None:
         """After the schedule: the draft model's tokens for the rows the scheduler kept."""
         if self.draft is not None and sched.spec_token_ids:
+            start = time.perf_counter()
             self.draft.fill(sched)
+            if self.length is not None:
+                depth = max(len(d) for d in sched.spec_token_ids.values())
+                self.length.observe_drafting(time.perf_counter() - start, depth)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """The target's forward step over num_tokens tokens (drafts included) took this long."""
+        if self.length is not None:
+            self.length.times.observe(num_tokens, seconds)
 
     def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """The runner verified num_drafted drafts of seq and accepted the first num_accepted."""
@@ -94,16 +126,16 @@ class Speculator:
         s.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             s.accepted_per_pos[i] += 1
+        if self.length is not None:
+            self.length.record(num_drafted, num_accepted)
 
         cfg = self.config
-        if cfg.min_acceptance_rate <= 0:
-            return
         state = spec_state(seq)
         # Each verified draft token moves the average by 1/window of the way to this draft's rate.
         weight = min(1.0, num_drafted / cfg.acceptance_window)
         state.acceptance += weight * (num_accepted / num_drafted - state.acceptance)
         state.num_verified += num_drafted
-        if state.num_verified < cfg.acceptance_window:
+        if cfg.min_acceptance_rate <= 0 or state.num_verified < cfg.acceptance_window:
             return
         if state.acceptance < cfg.min_acceptance_rate:
             state.paused_until = self._step + state.pause_steps

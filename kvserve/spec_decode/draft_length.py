@@ -1,0 +1,121 @@
+"""How many draft tokens a step should carry: as many as pay, judged by this engine's own step times.
+
+Whether a verified draft token pays depends on the machine as much as on the drafts. Where a step is
+memory-bound (AVX-512 VNNI, a GPU at small batch) an extra row costs almost nothing; where the matmuls are
+compute-bound (two AVX2 cores: a 5-row verification step takes ~2x a 1-row decode step) it costs a third
+of a decode step. A crossover batch size measured on one machine is wrong on the next: disable_by_batch_size
+4, measured on AVX-512, lost 2-12% at 4 sequences on AVX2 (benchmarks/results/speculative_avx2.md).
+
+So the engine times its forward steps by the number of tokens they carry (StepTimes) and the outcome of
+every draft position (DraftLength.record), and before each step picks the draft length d (0..k, capped per
+sequence by the drafts it has) that maximises the expected tokens per second:
+
+    rate(d) = (n + sum_r E_r(d)) / (t(n + sum_r min(d, d_r)) + d * t_draft)
+
+n: the step's tokens without drafts; E_r(d): sequence r's expected accepted tokens among its first d drafts
+(the acceptance at each draft position so far, scaled by r's own recent acceptance against the average);
+t(T): the measured time of a step of T tokens; t_draft: the proposer's measured time per draft position
+(the draft model's or eagle head's; ~0 for n-gram). The rule is SmartSpec's (Liu et al. 2024, "Optimizing
+Speculative Decoding for Serving Large Language Models Using Goodput"), with costs measured, not modelled.
+
+A step whose size without drafts was never measured goes without drafts, to measure it; unmeasured sizes
+with drafts are estimated from the nearest measured ones (optimistically flat above the largest when only
+one is known), so drafting is tried and then measured. Every PROBE_EVERY-th decision drafts one
+position more than the best, to keep the estimates for the next length current.
+"""
+from __future__ import annotations
+
+import bisect
+
+_TIME_WEIGHT = 0.2        # moving-average weight of a new step time
+_POSITION_WEIGHT = 1 / 32  # ... of one draft's outcome at a position
+PROBE_EVERY = 16
+
+
+class StepTimes:
+    """Seconds of a forward step by the number of tokens in it, a moving average per count."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+        self._counts: list[int] = []  # sorted keys of _seconds
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        old = self._seconds.get(num_tokens)
+        if old is None:
+            bisect.insort(self._counts, num_tokens)
+            self._seconds[num_tokens] = seconds
+        else:
+            self._seconds[num_tokens] = old + _TIME_WEIGHT * (seconds - old)
+
+    def measured(self, num_tokens: int) -> bool:
+        return num_tokens in self._seconds
+
+    def estimate(self, num_tokens: int) -> float | None:
+        """Measured, else interpolated between the nearest measured counts; None before any step."""
+        t = self._seconds.get(num_tokens)
+        if t is not None:
+            return t
+        counts, seconds = self._counts, self._seconds
+        if not counts:
+            return None
+        i = bisect.bisect_left(counts, num_tokens)
+        if i == 0:
+            return seconds[counts[0]]  # a smaller step than any measured costs at most the smallest one
+        if i == len(counts):
+            last = seconds[counts[-1]]
+            if len(counts) == 1:
+                return last
+            a, b = counts[-2], counts[-1]
+            return last + max(0.0, (last - seconds[a]) / (b - a)) * (num_tokens - b)
+        a, b = counts[i - 1], counts[i]
+        return seconds[a] + (seconds[b] - seconds[a]) * (num_tokens - a) / (b - a)
+
+
+class DraftLength:
+    """The draft length a step carries (see the module's docstring)."""
+
+    def __init__(self, max_length: int) -> None:
+        self.max_length = max_length
+        self.times = StepTimes()
+        # P(draft token i accepted | it was drafted): optimistic before any draft, so drafting gets tried.
+        self.position_acceptance = [1.0] * max_length
+        self.acceptance = 1.0         # accepted / drafted, a moving average over all sequences
+        self.draft_seconds = 0.0      # the proposer's time per draft position
+        self._decisions = 0
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        q = self.position_acceptance
+        for i in range(num_drafted):
+            q[i] += _POSITION_WEIGHT * ((1.0 if i < num_accepted else 0.0) - q[i])
+        self.acceptance += _POSITION_WEIGHT * (num_accepted / num_drafted - self.acceptance)
+
+    def observe_drafting(self, seconds: float, depth: int) -> None:
+        per_position = seconds / depth
+        self.draft_seconds += _TIME_WEIGHT * (per_position - self.draft_seconds) if self.draft_seconds else per_position
+
+    def choose(self, num_tokens: int, drafts: list[tuple[int, float]]) -> int:
+        """num_tokens: the step's tokens without drafts; drafts: per sequence that may draft, (draft tokens
+        it has, its acceptance relative to the average). The best length, 0 for none."""
+        if not self.times.measured(num_tokens):
+            return 0  # measure the step without drafts first: every rate is relative to it
+        base = self.times.estimate(num_tokens)
+        most = max((avail for avail, _ in drafts), default=0)
+        # expected[r][m]: sequence r's expected accepted tokens among its first m drafts
+        q = self.position_acceptance
+        expected = []
+        for avail, scale in drafts:
+            e = [0.0]
+            for i in range(avail):
+                e.append(e[-1] + min(1.0, q[i] * scale))
+            expected.append(e)
+        best, best_rate = 0, num_tokens / base
+        for d in range(1, most + 1):
+            rows = num_tokens + sum(min(d, avail) for avail, _ in drafts)
+            tokens = num_tokens + sum(e[min(d, len(e) - 1)] for e in expected)
+            rate = tokens / (self.times.estimate(rows) + d * self.draft_seconds)
+            if rate > best_rate:
+                best, best_rate = d, rate
+        self._decisions += 1
+        if best < most and self._decisions % PROBE_EVERY == 0:
+            best += 1
+        return best

@@ -1,0 +1,136 @@
+"""The draft length a step carries (kvserve/spec_decode/draft_length.py): the length that maximises expected
+tokens per second under the engine's measured step times, worked out by hand here; and through the engine,
+where a step's cost grows with its tokens (a compute-bound machine, made by a sleep per token) drafting
+stops for drafts that fail, and where it does not (the tiny model's steps) good drafts go at full length."""
+import random
+import time
+
+import pytest
+
+from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.draft_length import PROBE_EVERY, DraftLength, StepTimes
+from engine_helpers import assert_no_leaks, drain
+from spec_helpers import ScriptedProposer, make_engine
+
+
+def times(points: dict[int, float]) -> StepTimes:
+    t = StepTimes()
+    for n, s in points.items():
+        t.observe(n, s)
+    return t
+
+
+def test_step_times_interpolate_between_measured_counts_and_extrapolate_past_them():
+    assert StepTimes().estimate(3) is None
+    one = times({4: 2.0})
+    assert one.estimate(1) == one.estimate(9) == 2.0  # only one count known: flat both ways
+    t = times({1: 1.0, 5: 3.0})
+    assert t.estimate(3) == pytest.approx(2.0)
+    assert t.estimate(9) == pytest.approx(5.0)         # the last slope, 0.5 a token
+    t.observe(5, 4.0)                                  # a moving average, not the last sample
+    assert 3.0 < t.estimate(5) < 4.0
+    falling = times({1: 2.0, 2: 1.0})                  # noise never makes more tokens cheaper
+    assert falling.estimate(10) == 1.0
+
+
+def policy(points: dict[int, float], q: list[float], draft_seconds: float = 0.0) -> DraftLength:
+    p = DraftLength(len(q))
+    p.times = times(points)
+    p.position_acceptance = list(q)
+    p.draft_seconds = draft_seconds
+    return p
+
+
+def test_memory_bound_steps_draft_every_position_that_has_a_chance():
+    # Rows cost nothing extra: any expected accepted token raises the rate.
+    p = policy({1: 1.0, 5: 1.0}, [0.8, 0.6, 0.4, 0.2])
+    assert p.choose(1, [(4, 1.0)]) == 4
+
+
+def test_compute_bound_steps_draft_only_what_pays():
+    # Each extra row costs 0.25 of a step. rate(d) = (1 + q0 + .. + q(d-1)) / (1 + 0.25 d):
+    # d=0: 1, d=1: 1.6 / 1.25 = 1.28, d=2: 1.9 / 1.5 = 1.267, d=3: 2.0 / 1.75 = 1.14 -> 1.
+    p = policy({1: 1.0, 5: 2.0}, [0.6, 0.3, 0.1, 0.05])
+    assert p.choose(1, [(4, 1.0)]) == 1
+    # At acceptance 0.2 no length pays (1.2 / 1.25 < 1).
+    assert policy({1: 1.0, 5: 2.0}, [0.2, 0.1, 0.05, 0.0]).choose(1, [(4, 1.0)]) == 0
+    # A sequence that drafts twice as well as the average (a copy among chats) makes two positions pay:
+    # q scaled by 2 = [1.0, 0.6, 0.2, 0.1]: d=1: 2.0 / 1.25 = 1.6, d=2: 2.6 / 1.5 = 1.73, d=3: 2.8 / 1.75 = 1.6.
+    assert p.choose(1, [(4, 2.0)]) == 2
+    # A sequence with fewer drafts caps nothing for the others, and costs only its own rows.
+    assert policy({1: 1.0, 2: 1.0, 8: 1.0}, [0.9, 0.9]).choose(2, [(1, 1.0), (2, 1.0)]) == 2
+
+
+def test_the_proposers_time_counts_against_drafting():
+    q = [0.5, 0.5]
+    assert policy({1: 1.0, 3: 1.0}, q).choose(1, [(2, 1.0)]) == 2
+    # 0.3 a position: d=1: 1.5 / 1.3 = 1.15, d=2: 2.0 / 1.6 = 1.25; 0.6 a position: 1.5 / 1.6 < 1.
+    assert policy({1: 1.0, 3: 1.0}, q, draft_seconds=0.3).choose(1, [(2, 1.0)]) == 2
+    assert policy({1: 1.0, 3: 1.0}, q, draft_seconds=0.6).choose(1, [(2, 1.0)]) == 0
+
+
+def test_every_probe_th_decision_drafts_one_position_more():
+    p = policy({1: 1.0, 5: 2.0}, [0.2, 0.1, 0.05, 0.0])
+    lengths = [p.choose(1, [(4, 1.0)]) for _ in range(3 * PROBE_EVERY)]
+    assert lengths.count(1) == 3 and lengths.count(0) == 3 * PROBE_EVERY - 3
+
+
+def test_a_step_size_never_timed_without_drafts_goes_without_them_once():
+    p = DraftLength(3)
+    assert p.choose(2, [(3, 1.0), (1, 1.0)]) == 0
+    p.times.observe(2, 1.0)
+    assert p.choose(2, [(3, 1.0), (1, 1.0)]) == 3  # 5 tokens unmeasured: as cheap as 2, so tried
+
+
+def test_record_moves_the_acceptance_of_each_verified_position():
+    p = DraftLength(3)
+    for _ in range(200):
+        p.record(3, 1)  # position 0 always accepted, 1 and 2 never
+    assert p.position_acceptance[0] == 1.0
+    assert p.position_acceptance[1] < 0.01 and p.position_acceptance[2] < 0.01
+    assert p.acceptance == pytest.approx(1 / 3, abs=0.01)
+
+
+K = 4
+
+
+def run_with_drafts(path, wrong: float, seconds_per_token: float, adaptive: bool):
+    prompt = [random.Random(2).randrange(256) for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    ref = drain(_add(make_engine(path), prompt, params))["r"].outputs[0].token_ids
+    engine = make_engine(path, {"method": "ngram", "num_speculative_tokens": K, "disable_by_batch_size": None,
+                                "min_acceptance_rate": 0.0, "adaptive_draft_length": adaptive})
+    engine.speculator.proposer = ScriptedProposer({tuple(prompt): ref}, wrong)
+    if seconds_per_token:  # a machine whose steps cost in proportion to their tokens
+        execute = engine.runner.execute
+
+        def slow_execute(sched):
+            time.sleep(seconds_per_token * sched.num_batched_tokens)
+            return execute(sched)
+        engine.runner.execute = slow_execute
+    out = drain(_add(engine, prompt, params))["r"].outputs[0].token_ids
+    assert out == ref
+    assert_no_leaks(engine)
+    return engine.get_stats()
+
+
+def _add(engine, prompt, params):
+    engine.add_request("r", prompt, params)
+    return engine
+
+
+def test_compute_bound_steps_stop_drafting_tokens_that_fail(tiny_model_dirs):
+    path, _ = tiny_model_dirs["llama"]
+    fixed = run_with_drafts(path, 1.0, 0.003, adaptive=False)
+    adaptive = run_with_drafts(path, 1.0, 0.003, adaptive=True)
+    assert fixed.spec_num_draft_tokens >= 70 * K
+    # The first steps draft (nothing measured yet), then only the probes, a position at a time, while the
+    # position's acceptance decays from its optimistic start.
+    assert adaptive.spec_num_draft_tokens < 0.25 * fixed.spec_num_draft_tokens, (adaptive, fixed)
+
+
+def test_cheap_rows_and_right_drafts_go_at_full_length(tiny_model_dirs):
+    path, _ = tiny_model_dirs["llama"]
+    s = run_with_drafts(path, 0.0, 0.0, adaptive=True)
+    assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens
+    assert s.spec_accepted_per_pos[K - 1] >= 0.9 * s.spec_num_drafts  # almost every draft was K long
