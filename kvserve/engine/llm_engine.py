@@ -103,7 +103,8 @@ class LLMEngine:
             self._calibrate_kv_scales(self.runner, draft)
         if self.device.type == "cuda" and not config.enforce_eager and self.runner.attn_backend.name == "triton":
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
-        self.speculator = Speculator(spec, self.max_model_len, draft) if spec is not None else None
+        self.speculator = (Speculator(spec, self.max_model_len, config.max_num_batched_tokens, draft)
+                           if spec is not None else None)
         self.requests: dict[str, Request] = {}
         self._accumulators: dict[str, RequestOutputAccumulator] = {}   # only for callers of step()
         self._seq_ids = itertools.count()

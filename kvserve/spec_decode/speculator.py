@@ -40,10 +40,11 @@ class SpecDecodeStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, max_num_batched_tokens: int,
                  draft: DraftProposer | EagleProposer | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
         assert (config.method != "ngram") == (draft is not None)
         self.draft = draft
         if draft is None:
@@ -73,8 +74,9 @@ class Speculator:
                    seq.spec_state.acceptance / average
                    if seq.spec_state is not None and seq.spec_state.num_verified >= window else 1.0)
                   for seq in drafting]
-        # Without drafts each sequence brings what it has left to compute (1 when it decodes).
-        d = self.length.choose(sum(seq.num_tokens - seq.num_computed_tokens for seq in running), drafts)
+        # Without drafts each sequence brings what it has left to compute (1 when it decodes), up to the budget.
+        num_tokens = min(self.max_num_batched_tokens, sum(seq.num_tokens - seq.num_computed_tokens for seq in running))
+        d = self.length.choose(num_tokens, drafts)
         for seq in drafting:
             del seq.spec_token_ids[d:]
 
