@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.draft_length import PROBE_EVERY, DraftLength, StepTimes
+from kvserve.spec_decode.draft_length import MAX_AGE, PROBE_EVERY, DraftLength, StepTimes
 from engine_helpers import assert_no_leaks, drain
 from spec_helpers import ScriptedProposer, make_engine
 
@@ -134,3 +134,12 @@ def test_cheap_rows_and_right_drafts_go_at_full_length(tiny_model_dirs):
     s = run_with_drafts(path, 0.0, 0.0, adaptive=True)
     assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens
     assert s.spec_accepted_per_pos[K - 1] >= 0.9 * s.spec_num_drafts  # almost every draft was K long
+
+
+def test_a_step_size_not_seen_for_max_age_steps_is_forgotten():
+    t = times({1: 1.0, 5: 9.0})
+    for _ in range(MAX_AGE):
+        t.observe(1, 1.0)
+        t.observe(2, 1.5)
+    assert not t.measured(5)
+    assert t.estimate(5) == pytest.approx(3.0)  # from the fresh counts' slope, not the stale 9.0

@@ -21,7 +21,8 @@ Speculative Decoding for Serving Large Language Models Using Goodput"), with cos
 A step whose size without drafts was never measured goes without drafts, to measure it; unmeasured sizes
 with drafts are estimated from the nearest measured ones (optimistically flat above the largest when only
 one is known), so drafting is tried and then measured. Every PROBE_EVERY-th decision drafts one
-position more than the best, to keep the estimates for the next length current.
+position more than the best, to keep the estimates for the next length current, and a step size not seen
+for MAX_AGE steps is forgotten, so a length that stopped paying is estimated afresh and tried again.
 """
 from __future__ import annotations
 
@@ -30,22 +31,37 @@ import bisect
 _TIME_WEIGHT = 0.2        # moving-average weight of a new step time
 _POSITION_WEIGHT = 1 / 32  # ... of one draft's outcome at a position
 PROBE_EVERY = 16
+MAX_AGE = 256              # steps
 
 
 class StepTimes:
-    """Seconds of a forward step by the number of tokens in it, a moving average per count."""
+    """Seconds of a forward step by the number of tokens in it: a moving average per count, forgotten once
+    no step of that count has run for MAX_AGE steps (checked every MAX_AGE steps; the work behind a count drifts: a copy's long contexts
+    make its 5-row steps dearer than a chat's, and a length no longer drafted is no longer timed)."""
 
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
+        self._last_seen: dict[int, int] = {}
         self._counts: list[int] = []  # sorted keys of _seconds
+        self._clock = 0               # steps observed
 
     def observe(self, num_tokens: int, seconds: float) -> None:
+        self._clock += 1
         old = self._seconds.get(num_tokens)
         if old is None:
             bisect.insort(self._counts, num_tokens)
             self._seconds[num_tokens] = seconds
         else:
             self._seconds[num_tokens] = old + _TIME_WEIGHT * (seconds - old)
+        self._last_seen[num_tokens] = self._clock
+        if self._clock % MAX_AGE == 0:
+            self._forget(self._clock - MAX_AGE)
+
+    def _forget(self, before: int) -> None:
+        stale = [n for n, seen in self._last_seen.items() if seen <= before]
+        for n in stale:
+            del self._seconds[n], self._last_seen[n]
+        self._counts = sorted(self._seconds)
 
     def measured(self, num_tokens: int) -> bool:
         return num_tokens in self._seconds
