@@ -61,14 +61,16 @@ def save(name: str, data: dict, markdown: str) -> None:
     print(f"wrote {RESULTS / (name + '.json')} and .md")
 
 
-def report(name: str, title: str, args, setup: str, table: str, results: dict, isa: str | None = None) -> None:
+def report(name: str, title: str, args, setup: str, table: str, results: dict, isa: str | None = None,
+           script: str | None = None) -> None:
     """Print the table and save it as results/<name>.json and .md, with the command that reproduces it
-    (benchmarks/<name>.py and its arguments), the git revision and the machine. Given the CPU kernels'
-    ISA (kvserve.kernels.cpu.isa()), the files are results/<name>_<isa>.*, and say which ISA: runs on
-    machines with different instruction sets then sit side by side."""
+    (benchmarks/<script or name>.py and its arguments), the git revision and the machine. Given the CPU
+    kernels' ISA (kvserve.kernels.cpu.isa()), the files are results/<name>_<isa>.*, and say which ISA: runs
+    on machines with different instruction sets then sit side by side."""
     print(table)
     info = machine_info()
-    cmd = f"python benchmarks/{name}.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
+    cmd = (f"python benchmarks/{script or name}.py "
+           + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()))
     kernels = f" CPU kernels: {isa.upper()}." if isa else ""
     md = (f"# {title}\n\nCommand: `{cmd}` (git {git_rev()})\n\nMachine: {info['cpu']}, {info['cores']} cores, "
           f"torch {info['torch']} ({info['torch_threads']} threads).{kernels} {setup}\n\n{table}\n")

@@ -35,6 +35,7 @@ from pathlib import Path
 from common import report
 from kvserve import LLM, SamplingParams
 from kvserve.bench.corpus import load_corpus
+from kvserve.kernels import cpu as cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [
@@ -226,7 +227,8 @@ def main() -> None:
              "\"x none\" is the median of the per-round ratios). Load average (1 min) "
              f"{load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 cores; above ~2 the "
              "machine was shared and the figures are noisy).")
-    report(args.name, "Speculative decoding", args, setup, "\n".join(lines), results)
+    setup = f"CPU kernels: {(cpu_kernels.isa() or 'none (torch paths)').upper()}. {setup}"
+    report(args.name, "Speculative decoding", args, setup, "\n".join(lines), results, script="speculative")
 
 
 if __name__ == "__main__":
