@@ -113,9 +113,10 @@ def test_eagle_head_matches_the_reference(tiny_model_dirs, heads):
         want_f = ref.step(feature, tokens)
         want = torch.full((5, 260), float("-inf"))
         want[:, tensors["vocab_ids"]] = ref.logits(want_f)
-        got_f = head.step(feature, tokens)
+        got_f, got_normed = head.step(feature, tokens)
         torch.testing.assert_close(got_f, want_f, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(head.compute_logits(got_f), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(head.compute_logits(got_normed), want, atol=1e-4, rtol=1e-4)
+        assert torch.equal(head.greedy_tokens(got_normed), tensors["vocab_ids"][ref.logits(want_f).argmax(-1)])
 
 
 def test_head_reads_the_targets_hidden_state_of_the_last_token(tiny_model_dirs, heads):

@@ -56,27 +56,27 @@ class EagleProposer:
             keep = [i for i, r in enumerate(rows) if jobs[r][1] > j]
             if len(keep) < len(rows):
                 feature, tokens, rows = feature[keep], tokens[keep], [rows[i] for i in keep]
-            feature = self.model.step(feature, tokens)
-            tokens = self._draft_tokens(feature, [jobs[r][0] for r in rows], [greedy[r] for r in rows],
+            feature, normed = self.model.step(feature, tokens)
+            tokens = self._draft_tokens(normed, [jobs[r][0] for r in rows], [greedy[r] for r in rows],
                                         drafts, generators)
             for r, token in zip(rows, tokens.tolist()):
                 drafts[jobs[r][0].seq_id].append(token)
         for seq, _ in jobs:
             sched.spec_token_ids[seq.seq_id] = drafts[seq.seq_id]
 
-    def _draft_tokens(self, feature: torch.Tensor, seqs: list[Sequence], greedy: list[bool],
+    def _draft_tokens(self, normed: torch.Tensor, seqs: list[Sequence], greedy: list[bool],
                       drafts: dict[int, list[int]], generators: dict[int, torch.Generator]) -> torch.Tensor:
         """One draft token per row. Greedy requests take the head's argmax (no sampler: a third of a
         drafting step's time, and a draft needs none of its guarantees, since verification keeps the
         output exact); the others are sampled with the request's parameters and the target's noise."""
         if all(greedy):
-            return self.model.greedy_tokens(feature)
-        out = torch.empty(len(seqs), dtype=torch.int64, device=feature.device)
+            return self.model.greedy_tokens(normed)
+        out = torch.empty(len(seqs), dtype=torch.int64, device=normed.device)
         g = [i for i, x in enumerate(greedy) if x]
         s = [i for i, x in enumerate(greedy) if not x]
         if g:
-            out[g] = self.model.greedy_tokens(feature[g])
-        sampled = self.sampler(self.model.compute_logits(feature[s]), draft_sampling_inputs(
+            out[g] = self.model.greedy_tokens(normed[g])
+        sampled = self.sampler(self.model.compute_logits(normed[s]), draft_sampling_inputs(
             [seqs[i] for i in s], drafts, generators, self.eos_token_ids)).token_ids
-        out[s] = torch.tensor(sampled, dtype=torch.int64, device=feature.device)
+        out[s] = torch.tensor(sampled, dtype=torch.int64, device=normed.device)
         return out
