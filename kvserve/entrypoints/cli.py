@@ -106,7 +106,8 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                         "Output is unchanged (greedy: token for token; seeded sampling: the same draws). Also: "
                         "disable_by_batch_size (no drafting above this many running sequences), "
                         "min_acceptance_rate and acceptance_window (a request whose drafts keep failing pauses "
-                        "drafting). Methods: ngram (prompt lookup), eagle (a head over the model's hidden "
+                        "drafting), adaptive_draft_length (default true: each step drafts only as many tokens as "
+                        "the engine's measured step times say pay). Methods: ngram (prompt lookup), eagle (a head over the model's hidden "
                         "states; shipped for the default model), draft (a small model; 'model': PATH). "
                         "Default: off.")
     p.set_defaults(prefix_caching=True)
