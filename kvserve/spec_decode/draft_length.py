@@ -2,9 +2,10 @@
 
 Whether a verified draft token pays depends on the machine as much as on the drafts. Where a step is
 memory-bound (AVX-512 VNNI, a GPU at small batch) an extra row costs almost nothing; where the matmuls are
-compute-bound (two AVX2 cores: a 5-row verification step takes ~2x a 1-row decode step) it costs a third
-of a decode step. A crossover batch size measured on one machine is wrong on the next: disable_by_batch_size
-4, measured on AVX-512, lost 2-12% at 4 sequences on AVX2 (benchmarks/results/speculative_avx2.md).
+compute-bound (two AVX2 cores: a 5-row verification step took about twice a 1-row decode step) it costs a
+quarter of a decode step. A crossover batch size measured on one machine is wrong on the next: drafting
+all 4 tokens below disable_by_batch_size 4, measured on AVX-512, lost 16-18% on open chat at 4 sequences on
+AVX2 (benchmarks/results/speculative_avx2.md, speculative_adaptive_avx2.md).
 
 So the engine times its forward steps by the number of tokens they carry (StepTimes) and the outcome of
 every draft position (DraftLength.record), and before each step picks the draft length d (0..k, capped per
@@ -36,8 +37,9 @@ MAX_AGE = 256              # steps
 
 class StepTimes:
     """Seconds of a forward step by the number of tokens in it: a moving average per count, forgotten once
-    no step of that count has run for MAX_AGE steps (checked every MAX_AGE steps; the work behind a count drifts: a copy's long contexts
-    make its 5-row steps dearer than a chat's, and a length no longer drafted is no longer timed)."""
+    no step of that count has run for MAX_AGE steps (checked every MAX_AGE steps). The work behind a count
+    drifts: a copy's long contexts make its 5-row steps dearer than a chat's, and a length no longer
+    drafted is no longer timed."""
 
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
@@ -91,7 +93,6 @@ class DraftLength:
     """The draft length a step carries (see the module's docstring)."""
 
     def __init__(self, max_length: int) -> None:
-        self.max_length = max_length
         self.times = StepTimes()
         # P(draft token i accepted | it was drafted): optimistic before any draft, so drafting gets tried.
         self.position_acceptance = [1.0] * max_length
@@ -113,7 +114,9 @@ class DraftLength:
         """num_tokens: the step's tokens without drafts; drafts: per sequence that may draft, (draft tokens
         it has, its acceptance relative to the average). The best length, 0 for none."""
         if not self.times.measured(num_tokens):
-            return 0  # measure the step without drafts first: every rate is relative to it
+            # Measure the step without drafts first: every rate is relative to it. (A step with a prefill
+            # chunk, whose size seldom repeats, so goes without drafts.)
+            return 0
         base = self.times.estimate(num_tokens)
         most = max((avail for avail, _ in drafts), default=0)
         # expected[r][m]: sequence r's expected accepted tokens among its first m drafts
