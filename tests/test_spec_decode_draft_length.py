@@ -94,9 +94,9 @@ def test_record_moves_the_acceptance_of_each_verified_position():
 K = 4
 
 
-def run_with_drafts(path, wrong: float, seconds_per_token: float, adaptive: bool):
+def run_with_drafts(path, wrong: float, seconds_per_token: float, adaptive: bool,
+                    params: SamplingParams = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)):
     prompt = [random.Random(2).randrange(256) for _ in range(6)]
-    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     ref = drain(_add(make_engine(path), prompt, params))["r"].outputs[0].token_ids
     engine = make_engine(path, {"method": "ngram", "num_speculative_tokens": K, "disable_by_batch_size": None,
                                 "min_acceptance_rate": 0.0, "adaptive_draft_length": adaptive})
@@ -143,3 +143,13 @@ def test_a_step_size_not_seen_for_max_age_steps_is_forgotten():
         t.observe(2, 1.5)
     assert not t.measured(5)
     assert t.estimate(5) == pytest.approx(3.0)  # from the fresh counts' slope, not the stale 9.0
+
+
+def test_seeded_sampling_draws_the_same_tokens_whatever_lengths_the_steps_carry(tiny_model_dirs):
+    """Half-right drafts on a compute-bound machine: the chosen length changes from step to step (full
+    length while nothing is measured, then probes), and a seeded request's output is still exactly that of
+    decoding without speculation."""
+    path, _ = tiny_model_dirs["llama"]
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=80, ignore_eos=True)
+    s = run_with_drafts(path, 0.5, 0.003, adaptive=True, params=params)
+    assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
