@@ -95,7 +95,10 @@ K = 4
 
 
 def run_with_drafts(path, wrong: float, seconds_per_token: float, adaptive: bool,
-                    params: SamplingParams = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)):
+                    params: SamplingParams | None = None):
+    """One request (greedy unless params says otherwise) with and without speculation: the stats of the
+    speculative engine, once its output equals the other's and no block leaked."""
+    params = params or SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     prompt = [random.Random(2).randrange(256) for _ in range(6)]
     ref = drain(_add(make_engine(path), prompt, params))["r"].outputs[0].token_ids
     engine = make_engine(path, {"method": "ngram", "num_speculative_tokens": K, "disable_by_batch_size": None,

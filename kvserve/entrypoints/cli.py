@@ -107,8 +107,9 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                         "disable_by_batch_size (no drafting above this many running sequences), "
                         "min_acceptance_rate and acceptance_window (a request whose drafts keep failing pauses "
                         "drafting), adaptive_draft_length (default true: each step drafts only as many tokens as "
-                        "the engine's measured step times say pay). Methods: ngram (prompt lookup), eagle (a head over the model's hidden "
-                        "states; shipped for the default model), draft (a small model; 'model': PATH). "
+                        "the engine's measured step times say pay). Methods: ngram (prompt lookup), eagle (a head "
+                        "over the model's hidden states; shipped for the default model), draft (a small model; "
+                        "'model': PATH). "
                         "Default: off.")
     p.set_defaults(prefix_caching=True)
 

@@ -108,7 +108,10 @@ class DraftLength:
 
     def observe_drafting(self, seconds: float, depth: int) -> None:
         per_position = seconds / depth
-        self.draft_seconds += _TIME_WEIGHT * (per_position - self.draft_seconds) if self.draft_seconds else per_position
+        if self.draft_seconds == 0.0:  # the first drafting step
+            self.draft_seconds = per_position
+        else:
+            self.draft_seconds += _TIME_WEIGHT * (per_position - self.draft_seconds)
 
     def choose(self, num_tokens: int, drafts: list[tuple[int, float]]) -> int:
         """num_tokens: the step's tokens without drafts; drafts: per sequence that may draft, (draft tokens
