@@ -31,19 +31,14 @@ void cache_kv_(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cac
 at::Tensor quant_linear_x8(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                            const std::optional<at::Tensor>& mins);
 
-#ifdef __AVX512VNNI__
-// quant_linear_x16.cpp (AVX-512 VNNI builds only)
+// quant_linear_x16.cpp
 at::Tensor quant_linear_x16(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                             const std::optional<at::Tensor>& mins);
-#endif
 
 // A weight in either tiled layout: x16's qs has four dimensions, x8's five (q4) or six (q8).
 inline at::Tensor quant_linear_tiled(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                                      const std::optional<at::Tensor>& mins) {
-#ifdef __AVX512VNNI__
   if (wq.dim() == 4) return quant_linear_x16(x, wq, scales, mins);
-#endif
-  TORCH_CHECK(wq.dim() != 4, "a 16-row tiled weight needs the AVX-512 VNNI kernels");
   return quant_linear_x8(x, wq, scales, mins);
 }
 

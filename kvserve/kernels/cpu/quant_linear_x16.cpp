@@ -1,14 +1,16 @@
-// Quantized linear layers for AVX-512 VNNI, weight rows interleaved in tiles of sixteen: one 64-byte group
-// holds four bytes of K for each of the tile's 16 rows, so each vpdpbusd multiplies them by four activation
-// bytes broadcast to every lane and adds into sixteen int32 lanes, one per row. A block's sums then need no
-// reduction across lanes, and its conversion, scaling and min term are one vector op each for 16 rows.
+// Quantized linear layers with weight rows interleaved in tiles of sixteen: one 64-byte group holds four
+// bytes of K for each of the tile's 16 rows, so with AVX-512 VNNI each vpdpbusd multiplies them by four
+// activation bytes broadcast to every lane and adds into sixteen int32 lanes, one per row. A block's sums
+// then need no reduction across lanes, and its conversion, scaling and min term are one vector op each for
+// 16 rows. The AVX2 build reads the same layout as two 8-row halves (its tile function, below).
 //
 // Why a second layout: the 8-row tiles (quant_linear_x8.cpp) put four rows in a 512-bit vector with four
 // partial sums each; the merges and the per-8-rows float work competed with vpdpbusd for the same two
 // pipes and capped the kernel at ~28 multiply-adds a cycle a core, so from about three activation rows up
 // (batched decode, speculative verification, prefill) it was compute-bound. This layout does 1.2-2x the
 // work per second there (benchmarks/results/quantization_avx512.md), and the same at one row, where both
-// stream the weights at the read bandwidth. Built in the AVX-512 variant only; the AVX2 one keeps x8.
+// stream the weights at the read bandwidth. On AVX2 the x8 kernel's horizontal adds go too, though less
+// is won: both are bound by maddubs throughput from a few rows up (benchmarks/results/tile_layouts_avx2.md).
 //
 // Layout of tile t (rows 16t .. 16t + 15), block b (values 32b .. 32b + 31), group g, row r (0..15):
 //   q4: qs [N/16, nb, 4, 16, 4] uint8: bytes 4g .. 4g + 3 of row r's 16 block bytes (low nibbles: values
@@ -18,7 +20,6 @@
 // The tensors are viewed [N/16, nb, G, 64]. vpdpbusd takes unsigned bytes times signed ones: the weights
 // are the unsigned side (nibbles, or q8's w + 128) and the activations the signed one. q8's offset comes
 // back out as a min of -128 * scale, so both layouts share the min term: + min * d * sum(a) per block.
-#ifdef __AVX512VNNI__
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -38,23 +39,39 @@ namespace {
 using namespace kvserve_quant;
 
 constexpr int64_t kRows = 16;                // weight rows per tile
+#ifdef __AVX512VNNI__
 constexpr int64_t kMaxActRows = 4;           // activation rows per pass over a tile's block (measured: 6, 8 slower)
+#else
+constexpr int64_t kMaxActRows = 3;           // AVX2 (measured: 2 and 4 no better; 4 runs out of registers)
+#endif
 
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#ifdef __AVX512VNNI__
 inline __m512 load_scales16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_scales16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // Four activation bytes in every 32-bit lane (the compiler folds this into vpdpbusd's broadcast operand).
-inline __m512i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
+inline __m512i broadcast4(const int8_t* p) { return _mm512_set1_epi32(four_bytes(p)); }
+#else
+inline __m256 load_scales8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_scales8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+
+inline __m256i broadcast4_256(const int8_t* p) { return _mm256_set1_epi32(four_bytes(p)); }
+#endif
 
 template <bool Q4>
 constexpr int64_t block_bytes() { return Q4 ? 256 : 512; }
 
+#ifdef __AVX512VNNI__
 // R activation rows x one tile of sixteen weight rows -> out[r][row].
 template <bool Q4, typename S, int R>
 inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, const S* mt, float (*out)[kRows]) {
@@ -97,6 +114,84 @@ inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, 
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], _mm512_add_ps(acc[r], min_acc[r]));
 }
+
+#else
+// AVX2 (no vpdpbusd): a group's 64 bytes are two 256-bit vectors, rows 0-7 and rows 8-15, which share each
+// broadcast of four activation bytes. q4: maddubs multiplies the nibbles by them; a block's eight products
+// per lane add up in int16 (at most 8 * 2 * 15 * 127 = 30480, no saturation) and one madd widens them. No
+// lane needs another's sum, so unlike the 8-row layout (quant_linear_x8.cpp) there are no horizontal adds:
+// about 20 instead of 30 instructions per activation row, block and eight weight rows. The eight maddubs
+// stay, and they bound both kernels from two rows up, so the gain is smaller than the count suggests.
+// The float work is x8's, in x8's order: both give the same bits.
+// q8: w + 128 is too wide for maddubs' int16 pairs, so the bytes go back to signed and the sign trick
+// (|w| times a with w's sign) multiplies them; its sums are widened per group.
+template <bool Q4, typename S, int R>
+inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, const S* mt, float (*out)[kRows]) {
+  constexpr int64_t kBlockBytes = block_bytes<Q4>();
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* w = wt + b * kBlockBytes;
+    prefetch_ahead<kBlockBytes, kRows, Q4>(w, st, mt, b);
+    __m256i s[R][2];
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+    if constexpr (Q4) {
+      for (int g = 0; g < 4; ++g) {
+        __m256i lo[2], hi[2];  // rows 0-7, rows 8-15
+        for (int h = 0; h < 2; ++h) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 64 + h * 32));
+          lo[h] = _mm256_and_si256(x, low4);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = a.q + ((m0 + r) * a.nb + b) * QK;
+          const __m256i al = broadcast4_256(q + 4 * g), ah = broadcast4_256(q + 16 + 4 * g);
+          for (int h = 0; h < 2; ++h)
+            s[r][h] = _mm256_add_epi16(s[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], al),
+                                                                 _mm256_maddubs_epi16(hi[h], ah)));
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 scale = load_scales8(st + b * kRows + h * 8), mins = load_scales8(mt + b * kRows + h * 8);
+        for (int r = 0; r < R; ++r) {
+          const int64_t blk = (m0 + r) * a.nb + b;
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][h], ones));
+          acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(a.d[blk])), acc[r][h]);
+          acc[r][h] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.dsum[blk]), acc[r][h]);
+        }
+      }
+    } else {
+      const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
+      for (int g = 0; g < 8; ++g) {
+        __m256i x[2], ax[2];
+        for (int h = 0; h < 2; ++h) {
+          x[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 64 + h * 32)), offset);
+          ax[h] = _mm256_abs_epi8(x[h]);  // |-128| reads as 128 unsigned: still exact
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i av = broadcast4_256(a.q + ((m0 + r) * a.nb + b) * QK + 4 * g);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i p = _mm256_maddubs_epi16(ax[h], _mm256_sign_epi8(av, x[h]));
+            s[r][h] = _mm256_add_epi32(s[r][h], _mm256_madd_epi16(p, ones));
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 scale = load_scales8(st + b * kRows + h * 8);
+        for (int r = 0; r < R; ++r) {
+          const int64_t blk = (m0 + r) * a.nb + b;
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), _mm256_mul_ps(scale, _mm256_set1_ps(a.d[blk])),
+                                      acc[r][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out[r] + h * 8, acc[r][h]);
+}
+
+#endif
 
 template <bool Q4, typename S, typename T>
 void gemm(const QuantAct& a, int64_t M, int64_t N, const uint8_t* wq, const S* ws, const S* wm, T* y) {
@@ -208,4 +303,3 @@ TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
   m.impl("quant_linear_x16", &kvserve_cpu::quant_linear_x16);
   m.impl("quant_embedding_x16", &kvserve_cpu::quant_embedding_x16);
 }
-#endif  // __AVX512VNNI__

@@ -15,8 +15,9 @@
 //   scales, mins [N/8, nb, 8] in lane order 0, 2, 4, 6, 1, 3, 5, 7 (the order the horizontal adds leave
 //   the rows in; kvserve/layers/quantization/blocks.py builds it).
 //
-// AVX2 code (maddubs, then madd to int32, three horizontal adds per block). AVX-512 VNNI builds use their
-// own 16-row layout where N allows (quant_linear_x16.cpp) and this one for the rest (N a multiple of 8 only).
+// AVX2 code (maddubs, then madd to int32, three horizontal adds per block). Weights whose N is a multiple
+// of 16 use the 16-row layout instead (quant_linear_x16.cpp), which needs no horizontal adds; this one
+// keeps the rest (N a multiple of 8 only).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

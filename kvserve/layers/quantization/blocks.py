@@ -9,9 +9,9 @@ Every GGUF type kvserve reads converts to one of them without rounding (kvserve/
 so do kvserve's own int8 (per channel) and int4 (group-wise, asymmetric) quantizers below.
 
 Both are loaded row by row, then (groups of 32) re-laid once with their rows interleaved in tiles, the
-order the faster kernels read: tiles of eight rows for the AVX2 kernel (quant_linear_x8.cpp, N a multiple of
-8), of sixteen for the AVX-512 VNNI one (quant_linear_x16.cpp, N a multiple of 16). Same values, another
-order (x16's q8 stores w + 128, unsigned: what vpdpbusd multiplies).
+order the faster kernels read: tiles of sixteen rows (quant_linear_x16.cpp, N a multiple of 16), else of
+eight (quant_linear_x8.cpp, N a multiple of 8). Same values, another order (x16's q8 stores w + 128,
+unsigned: what vpdpbusd multiplies).
 """
 from __future__ import annotations
 

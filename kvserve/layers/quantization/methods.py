@@ -112,10 +112,8 @@ class BlockMethod:
                 segments[-1] = cat_rows([segments[-1], s])
             else:
                 segments.append(s)
-        if self.use_kernel:  # a tiled kernel's order where one applies (benchmarks/results/quantization_<isa>.md)
-            tile = preferred_tile()
-            segments = [s.interleave(tile) if s.can_interleave(tile)
-                        else s.interleave8() if s.can_interleave(8) else s for s in segments]
+        if self.use_kernel:  # a tiled kernel's order where one applies (benchmarks/results/torch_packed_<isa>.md)
+            segments = [_tiled(s) for s in segments]
         layer.segments = segments
         for i, seg in enumerate(segments):  # registered so memory accounting and .to() see them
             layer.register_buffer(f"qweight{i}", seg.qs, persistent=False)
@@ -150,6 +148,16 @@ def _matmul(ops: torch._ops._OpNamespace, x: torch.Tensor, w: BlockWeight) -> to
     if w.tile == 8:
         return ops.quant_linear_x8(x, w.qs, w.scales, w.mins)
     return ops.quant_linear(x, w.qs, w.scales, w.mins, w.group)
+
+
+def _tiled(w: BlockWeight) -> BlockWeight:
+    """w in 16-row tiles where its shape allows (quant_linear_x16.cpp: no horizontal adds, 1.1-1.3x the
+    8-row kernel from three activation rows up on AVX2, 1.2-2x with AVX-512 VNNI, the same at one row:
+    benchmarks/results/tile_layouts_avx2.md, quantization_avx512.md), else in 8-row tiles, else as it is."""
+    for tile in (16, 8):
+        if w.can_interleave(tile):
+            return w.interleave(tile)
+    return w
 
 
 def _stackable(a: BlockWeight, b: BlockWeight) -> bool:
@@ -200,11 +208,6 @@ class QuantConfig:
             self._warn_once("--quantization %s without kvserve's quantized kernel on this CPU/dtype: weights stay "
                        "quantized but each matmul dequantizes them (slow)", q)
         return BlockMethod("int8" if output_layer else q, self.dtype, self.group_size, use_kernel=kernel)
-
-
-def preferred_tile() -> int:
-    """Rows per tile for the kernels in use: 16 with AVX-512 VNNI (quant_linear_x16.cpp), else 8."""
-    return 16 if cpu_kernels.isa() == "avx512" else 8
 
 
 def kernel_available(dtype: torch.dtype) -> bool:
