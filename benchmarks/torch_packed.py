@@ -152,7 +152,9 @@ def main() -> None:
             "ms_per_pass": {str(m): {n: best[m, n] * 1e3 for n in methods} for m in args.rows}}
     name = f"{args.name}_{cpu_kernels.isa()}"  # one file per instruction set: runs on both sit side by side
     (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
-    md = [f"# kvserve's quantized matmul vs torch's packed CPU kernels\n",
+    title = "kvserve's quantized matmul vs torch's packed CPU kernels" if not args.methods else \
+        "Quantized matmul: " + ", ".join(methods)
+    md = [f"# {title}\n",
           f"Command: `{cmd}` (git {git_rev()})\n",
           f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, {args.threads} thread(s), "
           f"kvserve kernels: {cpu_kernels.isa()}. Load average after the run: {load[0]:.2f} (1 min). "
