@@ -112,7 +112,7 @@ class BlockMethod:
                 segments[-1] = cat_rows([segments[-1], s])
             else:
                 segments.append(s)
-        if self.use_kernel:  # a tiled kernel's order where one applies (benchmarks/results/torch_packed_<isa>.md)
+        if self.use_kernel:  # re-laid in a tiled kernel's order where the shape allows
             segments = [_tiled(s) for s in segments]
         layer.segments = segments
         for i, seg in enumerate(segments):  # registered so memory accounting and .to() see them
