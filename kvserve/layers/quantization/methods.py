@@ -152,9 +152,10 @@ def _matmul(ops: torch._ops._OpNamespace, x: torch.Tensor, w: BlockWeight) -> to
 
 def _tiled(w: BlockWeight) -> BlockWeight:
     """w in 16-row tiles where its shape allows, else in 8-row tiles, else as it is. The 16-row kernel
-    (quant_linear_x16.cpp) needs no horizontal adds: against the 8-row one it ran 1.0x at one or two
-    activation rows and 1.05-1.25x from three up on AVX2 (benchmarks/results/tile_layouts_avx2.md, two
-    runs), 1.2-2x with AVX-512 VNNI (quantization_avx512.md)."""
+    (quant_linear_x16.cpp) needs no horizontal adds: against the 8-row one, on AVX2, q4 ran 1.01-1.09x as
+    fast at one or two activation rows and 1.04-1.27x from three up, q8 0.87-1.05x up to three and
+    1.05-1.24x from four (benchmarks/results/tile_layouts_avx2.md, two runs); 1.2-2x with AVX-512 VNNI
+    (quantization_avx512.md)."""
     for tile in (16, 8):
         if w.can_interleave(tile):
             return w.interleave(tile)
