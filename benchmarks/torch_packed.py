@@ -11,8 +11,8 @@ over all 120 matmuls at M activation rows, for:
   kvserve q8 x8    quant_linear_x8 on per-channel int8
   kvserve q8 x16   quant_linear_x16, the same int8 weights in 16-row tiles
   torch int8       aten._weight_int8pack_mm, the same values and scales
-  dequant+f32  kvserve's 4-bit blocks dequantized per call, then F.linear in float32 (a prefill strategy)
-  float32      F.linear on float32 weights (reference, 4x the bytes)
+  dequant+f32      kvserve's 4-bit blocks dequantized per call, then F.linear in float32 (a prefill strategy)
+  float32          F.linear on float32 weights (reference, 4x the bytes)
 
 Rounds alternate the methods and each figure is the minimum over rounds, so a busy machine slows all of
 them alike. Activations are float32 (the engine's compute dtype on AVX2).
@@ -111,8 +111,9 @@ def main() -> None:
         err = (layers[0][0][name](x) - want).abs().max().item() / want.abs().max().item()
         # kvserve's kernels quantize activations to 8 bits per block (as llama.cpp does): ~1% relative.
         assert err < 3e-2, f"{name} disagrees with its dequantized weights: relative error {err:.3g}"
-    for bits in ("q4", "q8"):  # the two layouts hold the same weights and sum in the same order
-        assert torch.equal(layers[0][0][f"kvserve {bits} x8"](x), layers[0][0][f"kvserve {bits} x16"](x)), bits
+    if cpu_kernels.isa() == "avx2":  # there the two layouts' kernels also sum in the same order
+        for bits in ("q4", "q8"):
+            assert torch.equal(layers[0][0][f"kvserve {bits} x8"](x), layers[0][0][f"kvserve {bits} x16"](x)), bits
 
     inputs = {m: {k: torch.randn(m, k, generator=gen) for k in {k for _, k in SHAPES}} for m in args.rows}
     best: dict[tuple[int, str], float] = {}
