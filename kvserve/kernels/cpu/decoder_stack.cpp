@@ -11,8 +11,8 @@
 //   x, residual = add_rms_norm(x, residual); qkv = x W_qkv; rotary(q, k); cache k, v; a = attention(q)
 //   x = a W_o; x, residual = add_rms_norm(x, residual); x = down(silu(gate) * up)
 // which is what kvserve/models/llama.py's DecoderLayer does for a model without q/k norms or biases,
-// weights in an interleaved quantized layout (quant_linear_x8.cpp, or quant_linear_x16.cpp in AVX-512
-// builds), and every attention row on the paged kernel.
+// weights in an interleaved quantized layout (quant_linear_x16.cpp, or quant_linear_x8.cpp where N is a
+// multiple of 8 but not 16), and every attention row on the paged kernel.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
