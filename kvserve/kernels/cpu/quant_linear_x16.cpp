@@ -209,7 +209,7 @@ void gemm(const QuantAct& a, int64_t M, int64_t N, const uint8_t* wq, const S* w
           case 1: tile<Q4, S, 1>(a, m, wt, st, mt, out); break;
           case 2: tile<Q4, S, 2>(a, m, wt, st, mt, out); break;
           case 3: tile<Q4, S, 3>(a, m, wt, st, mt, out); break;
-          default: tile<Q4, S, 4>(a, m, wt, st, mt, out); break;
+          default: tile<Q4, S, kMaxActRows>(a, m, wt, st, mt, out); break;  // out holds kMaxActRows rows
         }
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t l = 0; l < kRows; ++l) y[(m + r) * N + t * kRows + l] = static_cast<T>(out[r][l]);
