@@ -1,5 +1,6 @@
-// Shared by the quantized linear kernels (quant_linear.cpp: weights row by row; quant_linear_x8.cpp:
-// eight rows interleaved): activations quantized to int8 per block of 32, and small helpers.
+// Shared by the quantized linear kernels (quant_linear.cpp: weights row by row; quant_linear_x8.cpp and
+// quant_linear_x16.cpp: eight or sixteen rows interleaved): activations quantized to int8 per block of 32,
+// and small helpers.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -32,6 +33,12 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// Eight weight scales (or mins) of a tiled layout, stored as float32 or float16.
+inline __m256 load_scales8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_scales8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 inline float to_float(const float* p, int64_t i) { return p[i]; }

@@ -60,11 +60,6 @@ inline __m512 load_scales16(const at::Half* p) {
 // Four activation bytes in every 32-bit lane (the compiler folds this into vpdpbusd's broadcast operand).
 inline __m512i broadcast4(const int8_t* p) { return _mm512_set1_epi32(four_bytes(p)); }
 #else
-inline __m256 load_scales8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_scales8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
 inline __m256i broadcast4_256(const int8_t* p) { return _mm256_set1_epi32(four_bytes(p)); }
 #endif
 

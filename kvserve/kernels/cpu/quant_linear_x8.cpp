@@ -38,11 +38,6 @@ using namespace kvserve_quant;
 constexpr int kLaneRow[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // lane -> row within the tile
 constexpr int64_t kMaxRows = 2;                        // activation rows per pass over a tile's weights
 
-inline __m256 load_scales(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_scales(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
 // Block b of one activation row, as its two 16-value halves each repeated in both 128-bit lanes.
 struct ActHalves {
   __m256i lo, hi;
@@ -67,7 +62,7 @@ inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, 
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* w = wt + b * kTileBlockBytes;
     prefetch_ahead<kTileBlockBytes, 8, Q4>(w, st, mt, b);
-    const __m256 scale = load_scales(st + b * 8);
+    const __m256 scale = load_scales8(st + b * 8);
     if constexpr (Q4) {
       const __m256i mask = _mm256_set1_epi8(0x0F);
       __m256i lo[4], hi[4];  // values 0-15 / 16-31 of a pair's two rows
@@ -76,7 +71,7 @@ inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, 
         lo[p] = _mm256_and_si256(x, mask);
         hi[p] = _mm256_and_si256(_mm256_srli_epi16(x, 4), mask);
       }
-      const __m256 mins = load_scales(mt + b * 8);
+      const __m256 mins = load_scales8(mt + b * 8);
       for (int r = 0; r < R; ++r) {
         const int64_t blk = (m0 + r) * a.nb + b;
         const ActHalves av = act_halves(a.q + blk * QK);
