@@ -6,7 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
+from kvserve.attention.backend import FP8_MAX as _FP8_MAX
+
+# A global a compiled kernel reads must be a constexpr (the interpreter reads any global).
+FP8_MAX = tl.constexpr(_FP8_MAX)
 
 
 @triton.jit

@@ -62,10 +62,10 @@ def _paged_attention_kernel(
 
     last = tl.minimum(first + BLOCK_Q, q_end) - 1
     hi = seq_len - (q_end - last) + 1                                        # keys [0, hi) at most
-    lo = 0
-    if window > 0:
-        lo = tl.maximum(seq_len - (q_end - first) - window + 1, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
+    # One expression, not `lo = 0` then an `if`: the compiler wants one type on both branches (int64 here, from
+    # seq_len), which Triton's interpreter does not check.
+    lo = tl.where(window > 0, tl.maximum(seq_len - (q_end - first) - window + 1, 0), 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
     if NUM_SPLITS > 1:  # this program's part of [lo, hi): equal BLOCK_N-aligned parts, the last ones may be empty
         split = tl.program_id(2)
         part = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N

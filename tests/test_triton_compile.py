@@ -1,0 +1,62 @@
+"""The Triton kernels through Triton's real compiler for an H100/H200 (sm_90), on the CPU: the interpreter,
+which runs the kernels' tests here, accepts code that the compiler rejects. Run in a subprocess because
+this process's kernels were decorated under TRITON_INTERPRET=1 (conftest.py)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+CHECK = r"""
+import sys
+import triton
+from triton_helpers import compile_for_gpu
+from kvserve.attention.triton import cache_write as cw, paged_attention as pa
+
+def attention(dt, kv_dt, H, Hkv, D, splits):
+    g_pad, block_q = pa.tile_rows(H, Hkv)
+    types = {n: "i64" for n in pa._paged_attention_kernel.arg_names}
+    types.update(q_ptr="*" + dt, out_ptr="*" + dt, k_cache_ptr="*" + kv_dt, v_cache_ptr="*" + kv_dt,
+                 block_tables_ptr="*i64", seq_lens_ptr="*i64", query_start_loc_ptr="*i64", tile_seq_ptr="*i32",
+                 tile_start_ptr="*i32", scale="fp32", k_scale="fp32", v_scale="fp32", window="i32",
+                 part_out_ptr="*fp32" if splits > 1 else "*" + dt, part_lse_ptr="*fp32" if splits > 1 else "*" + dt)
+    d_pad = triton.next_power_of_2(D)
+    k = compile_for_gpu(pa._paged_attention_kernel, types, dict(
+        G=H // Hkv, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_q * g_pad, BLOCK_N=64, NUM_HEADS=H,
+        HEAD_DIM=D, D_PAD=d_pad, BLOCK_SIZE=16, KV_FP8=kv_dt == "fp8e4nv", DOT_F32=False, NUM_SPLITS=splits))
+    # bf16 dots on the tensor cores; float32 ones in plain float32 (input_precision="ieee")
+    assert ("mma.sync" in k.asm["ptx"]) == (dt == "bf16"), (dt, kv_dt)
+    if splits > 1:
+        types = {n: "i64" for n in pa._merge_splits_kernel.arg_names}
+        types.update(out_ptr="*" + dt, part_out_ptr="*fp32", part_lse_ptr="*fp32", tile_seq_ptr="*i32",
+                     tile_start_ptr="*i32", query_start_loc_ptr="*i64")
+        compile_for_gpu(pa._merge_splits_kernel, types, dict(
+            G=H // Hkv, G_PAD=g_pad, BLOCK_M=block_q * g_pad, NUM_HEADS=H, HEAD_DIM=D, D_PAD=d_pad,
+            NUM_SPLITS=splits))
+    types = {n: "i64" for n in cw._write_kv_kernel.arg_names}
+    types.update(k_ptr="*" + dt, v_ptr="*" + dt, k_cache_ptr="*" + kv_dt, v_cache_ptr="*" + kv_dt,
+                 slot_ptr="*i64", k_scale="fp32", v_scale="fp32")
+    compile_for_gpu(cw._write_kv_kernel, types, dict(
+        NUM_KV_HEADS=Hkv, HEAD_DIM=D, H_PAD=triton.next_power_of_2(Hkv), D_PAD=d_pad, BLOCK_SIZE=16,
+        FP8=kv_dt == "fp8e4nv", ROUND_FP8=False))
+
+# Qwen3-0.6B's heads (16/8 x 128), SmolLM2-135M's (9/3 x 64, a group padded to 4), Gemma 3 270M's (4/1 x 256)
+for dt in ("bf16", "fp32"):
+    for kv_dt in (dt, "fp8e4nv"):
+        for H, Hkv, D in ((16, 8, 128), (9, 3, 64), (4, 1, 256)):
+            for splits in (1, 4):
+                attention(dt, kv_dt, H, Hkv, D, splits)
+print("compiled")
+"""
+
+
+def test_triton_kernels_compile_for_hopper() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-4000:]
