@@ -50,8 +50,8 @@ def git_rev() -> str:
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        cwd=Path(__file__).parent).strip()
-    except Exception:
-        return "unknown"
+    except Exception:  # a copy without .git (a GPU lease's working tree): the caller may say which commit
+        return os.environ.get("GIT_REV", "unknown")
 
 
 def save(name: str, data: dict, markdown: str) -> None:

@@ -45,10 +45,11 @@ def attention(dt, kv_dt, H, Hkv, D, splits):
         NUM_KV_HEADS=Hkv, HEAD_DIM=D, H_PAD=triton.next_power_of_2(Hkv), D_PAD=d_pad, BLOCK_SIZE=16,
         FP8=kv_dt == "fp8e4nv", ROUND_FP8=False))
 
-# Qwen3-0.6B's heads (16/8 x 128), SmolLM2-135M's (9/3 x 64, a group padded to 4), Gemma 3 270M's (4/1 x 256)
+# Qwen3-0.6B's heads (16/8 x 128), SmolLM2-135M's (9/3 x 64, a group padded to 4), Gemma 3 270M's (4/1 x 256),
+# the tiny test models' (4/2 x 24, a head size padded to 32)
 for dt in ("bf16", "fp32"):
     for kv_dt in (dt, "fp8e4nv"):
-        for H, Hkv, D in ((16, 8, 128), (9, 3, 64), (4, 1, 256)):
+        for H, Hkv, D in ((16, 8, 128), (9, 3, 64), (4, 1, 256), (4, 2, 24)):
             for splits in (1, 4):
                 attention(dt, kv_dt, H, Hkv, D, splits)
 print("compiled")

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.utils.device import to_device
+
 if TYPE_CHECKING:
     from kvserve.attention.torch_plan import AttentionPlan
     from kvserve.layers.attention import PagedAttention
@@ -48,7 +50,7 @@ class StepBatch:
         """The step's tensors on `device` from host lists; block tables zero-padded to the longest."""
         width = max(map(len, block_tables))
         padded = [table + [0] * (width - len(table)) if len(table) < width else table for table in block_tables]
-        i64 = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+        i64 = lambda x: to_device(x, device, torch.int64)  # noqa: E731
         return cls(i64(slot_mapping), i64(query_start_loc), i64(seq_lens), i64(padded), query_start_loc,
                    seq_lens, block_size)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvserve.utils.device import to_device
+
 _NEG_INF = float("-inf")
 
 
@@ -28,8 +30,8 @@ def apply_logit_bias(logits: Tensor, biases: list[dict[int, float] | None]) -> N
                 cols.append(tok)
                 vals.append(b)
     if rows:
-        idx = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-        logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
+        idx = (to_device(rows, logits.device), to_device(cols, logits.device))
+        logits.index_put_(idx, to_device(vals, logits.device, logits.dtype), accumulate=True)
 
 
 def apply_token_mask(logits: Tensor, banned: list[list[int]]) -> None:
@@ -38,14 +40,14 @@ def apply_token_mask(logits: Tensor, banned: list[list[int]]) -> None:
     cols = [t for ids in banned for t in ids]
     keep = [k for k, t in enumerate(cols) if t < logits.shape[1]]
     if keep:
-        r = torch.tensor([rows[k] for k in keep], device=logits.device)
-        c = torch.tensor([cols[k] for k in keep], device=logits.device)
+        r = to_device([rows[k] for k in keep], logits.device)
+        c = to_device([cols[k] for k in keep], logits.device)
         logits[r, c] = _NEG_INF
 
 
 def _pad(seqs: list[list[int]], pad: int, device: torch.device) -> Tensor:
     width = max(1, max((len(s) for s in seqs), default=0))
-    return torch.tensor([s + [pad] * (width - len(s)) for s in seqs], dtype=torch.long, device=device)
+    return to_device([s + [pad] * (width - len(s)) for s in seqs], device, torch.long)
 
 
 def apply_penalties(
@@ -111,7 +113,7 @@ def apply_top_p(logits: Tensor, top_p: Tensor, rows: list[int] | None = None) ->
     threshold = torch.zeros(logits.shape[0], 1, dtype=probs.dtype, device=probs.device)
     vocab = logits.shape[1]
     rows_t = ((top_p < 1.0).nonzero().squeeze(1) if rows is None
-              else torch.tensor(rows, dtype=torch.long, device=logits.device))
+              else to_device(rows, logits.device, torch.long))
     # On a CPU the set usually closes within the few hundred most likely tokens, and a partial topk is
     # much cheaper than sorting the vocabulary; rows it doesn't cover (flat distributions) sort fully.
     # Finding those rows reads a mask back, so on a GPU every row sorts fully, in one pass with no sync.

@@ -19,6 +19,7 @@ from kvserve.outputs import PositionLogprobs
 from kvserve.sampling import logits_processors as lp
 from kvserve.sampling.logprobs import gather_logprobs
 from kvserve.sampling_params import SamplingParams
+from kvserve.utils.device import to_device
 
 
 @dataclass
@@ -63,7 +64,7 @@ class Sampler:
         logprobs: list[PositionLogprobs | None] = [None] * n
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if rows:
-            idx = torch.tensor(rows, device=raw.device)
+            idx = to_device(rows, raw.device)
             gathered = gather_logprobs(torch.log_softmax(raw[idx], dim=-1), token_ids[idx],
                                        [params[i].logprobs or 0 for i in rows])
             for i, entry in zip(rows, gathered):
@@ -93,7 +94,7 @@ class Sampler:
                 if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
         if rows:
             # Only the penalised rows pay for the [rows, V] count tensors.
-            idx = torch.tensor(rows, device=logits.device)
+            idx = to_device(rows, logits.device)
             sub = logits[idx]
             lp.apply_penalties(
                 sub,
@@ -113,7 +114,7 @@ class Sampler:
         greedy_ids = logits.argmax(dim=-1) if any(greedy) else None
         rand_rows = [i for i, g in enumerate(greedy) if not g]
         all_random = len(rand_rows) == len(params)
-        idx = torch.tensor(rand_rows, device=logits.device)
+        idx = to_device(rand_rows, logits.device)
         sub = logits if all_random else logits[idx]  # indexing copies
         sub_params = [params[i] for i in rand_rows]
 
@@ -126,7 +127,7 @@ class Sampler:
             lp.apply_min_p(sub, self._per_row([p.min_p for p in sub_params], sub))
         if any(p.top_k > 0 for p in sub_params):
             top_k = [p.top_k for p in sub_params]
-            lp.apply_top_k(sub, torch.tensor(top_k, device=sub.device), max_k=max(k if k > 0 else 1 for k in top_k))
+            lp.apply_top_k(sub, to_device(top_k, sub.device), max_k=max(k if k > 0 else 1 for k in top_k))
         if any(p.top_p < 1.0 for p in sub_params):
             lp.apply_top_p(sub, self._per_row([p.top_p for p in sub_params], sub),
                            rows=[i for i, p in enumerate(sub_params) if p.top_p < 1.0])
@@ -159,4 +160,4 @@ class Sampler:
 
     @staticmethod
     def _per_row(values: list[float], like: Tensor) -> Tensor:
-        return torch.tensor(values, dtype=like.dtype, device=like.device)
+        return to_device(values, like.device, like.dtype)

@@ -17,6 +17,15 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+def to_device(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list as a tensor on `device`. On CUDA through pinned memory and a non-blocking copy: a plain
+    torch.tensor(..., device="cuda") waits for the GPU to drain before copying (a host sync), which would stall
+    a step between scheduling and sampling. The pinned buffer stays reserved until the copy has run."""
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def resolve_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
     if name == "auto":
         return compute_dtype

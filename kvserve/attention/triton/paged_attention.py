@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.utils.device import to_device
+
 
 @triton.jit
 def _paged_attention_kernel(
@@ -219,5 +221,4 @@ def schedule_tiles(query_start_loc: list[int], block_q: int, device: torch.devic
         for s in range(query_start_loc[i], query_start_loc[i + 1], block_q):
             seqs.append(i)
             starts.append(s)
-    return (torch.tensor(seqs, dtype=torch.int32, device=device),
-            torch.tensor(starts, dtype=torch.int32, device=device))
+    return to_device(seqs, device, torch.int32), to_device(starts, device, torch.int32)
