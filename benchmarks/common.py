@@ -47,11 +47,13 @@ def machine_info() -> dict:
 
 
 def git_rev() -> str:
+    if os.environ.get("GIT_REV"):  # a copy whose .git is not the tree's (a GPU lease): the caller says which
+        return os.environ["GIT_REV"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        cwd=Path(__file__).parent).strip()
-    except Exception:  # a copy without .git (a GPU lease's working tree): the caller may say which commit
-        return os.environ.get("GIT_REV", "unknown")
+    except Exception:
+        return "unknown"
 
 
 def save(name: str, data: dict, markdown: str) -> None:

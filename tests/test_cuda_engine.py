@@ -194,7 +194,7 @@ def test_cuda_decode_step_reads_back_only_the_sampled_ids(tiny_model_dirs) -> No
             engine.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    syncs = [str(w.message) for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
     assert replays == [1]
     assert len(syncs) == 1, syncs
     drain(engine)
