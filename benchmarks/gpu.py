@@ -209,6 +209,8 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=None, help="throughput sequences (default 256)")
     ap.add_argument("--hf-batch-size", type=int, default=64, help="transformers generate batch size")
     ap.add_argument("--skip-torch-attention", action="store_true", help="leave out the torch-backend rows")
+    ap.add_argument("--skip-transformers", action="store_true", help="leave out transformers' throughput")
+    ap.add_argument("--name", default=None, help="results file name (default gpu, or gpu_tiny)")
     ap.add_argument("--torch-throughput", action="store_true",
                     help="also the offline throughput with torch attention (default: its decode-step rows only)")
     args = ap.parse_args()
@@ -237,7 +239,7 @@ def main() -> None:
     result = {"gpu": gpu, "machine": machine_info(), "git": git_rev(), "dtype": args.dtype,
               "model_shape": "tiny Qwen3" if tiny else "Qwen3-0.6B", "decode_context": ctx,
               "decode_step": {str(b): {} for b in batch_sizes}, "throughput": {}, "errors": {}}
-    name = "gpu_tiny" if tiny else "gpu"
+    name = args.name or ("gpu_tiny" if tiny else "gpu")
 
     def section(key: str, fn) -> None:
         """One measurement; a failure is recorded and the run goes on (a GPU lease is short: one broken
@@ -309,7 +311,8 @@ def main() -> None:
             result["throughput"]["transformers"] = run_transformers(path, prompts, outputs, args.hf_batch_size,
                                                                     torch_dtype, device)
             print(f"throughput transformers: {result['throughput']['transformers']}", flush=True)
-        section("throughput transformers", hf)
+        if not args.skip_transformers:
+            section("throughput transformers", hf)
 
     print(markdown(result))
 

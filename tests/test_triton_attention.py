@@ -186,11 +186,12 @@ def _with_sms(init, num_sms: int):
 
 def test_triton_num_kv_splits_fills_the_gpu_within_bounds() -> None:
     assert num_kv_splits(4, 32768, 132) == 16           # one sequence's decode, long context: the cap
-    assert num_kv_splits(4, 2048, 132) == 8              # parts of at least 256 keys
-    assert num_kv_splits(4, 2047, 132) == 4
+    assert num_kv_splits(4, 2048, 132) == 16             # parts of at least 128 keys
+    assert num_kv_splits(4, 2047, 132) == 8
     assert num_kv_splits(512, 32768, 132) == 1           # the batch already fills the GPU
     assert num_kv_splits(64, 32768, 132) == 8            # 64 x 8 = 512 >= 2 x 132 (from 4 x 64 = 256 below)
-    assert num_kv_splits(4, 300, 132) == 1               # too short to split
+    assert num_kv_splits(4, 300, 132) == 2
+    assert num_kv_splits(4, 255, 132) == 1               # too short to split
     assert num_kv_splits(4, 32768, 0) == 1               # a CPU: no SMs to fill
 
 

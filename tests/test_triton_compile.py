@@ -1,6 +1,7 @@
-"""The Triton kernels through Triton's real compiler for an H100/H200 (sm_90), on the CPU: the interpreter,
-which runs the kernels' tests here, accepts code that the compiler rejects. Run in a subprocess because
-this process's kernels were decorated under TRITON_INTERPRET=1 (conftest.py)."""
+"""The Triton kernels (attention, KV write, the elementwise ops) through Triton's real compiler for an
+H100/H200 (sm_90), on the CPU: the interpreter, which runs the kernels' tests here, accepts code that the
+compiler rejects. Run in a subprocess because this process's kernels were decorated under
+TRITON_INTERPRET=1 (conftest.py)."""
 from __future__ import annotations
 
 import os
@@ -52,6 +53,20 @@ for dt in ("bf16", "fp32"):
         for H, Hkv, D in ((16, 8, 128), (9, 3, 64), (4, 1, 256), (4, 2, 24)):
             for splits in (1, 4):
                 attention(dt, kv_dt, H, Hkv, D, splits)
+from kvserve.kernels.cuda import elementwise as ew
+
+def elementwise(dt):
+    compile_for_gpu(ew._fused_add_rms_norm_kernel, dict(x_ptr="*" + dt, r_ptr="*" + dt, w_ptr="*" + dt,
+                    stride_x="i64", stride_r="i64", eps="fp32"), dict(N=1024, BLOCK=1024))
+    compile_for_gpu(ew._rms_norm_kernel, dict(x_ptr="*" + dt, out_ptr="*" + dt, w_ptr="*" + dt, stride_t="i64",
+                    stride_h="i64", eps="fp32"), dict(HEADS=16, H_PAD=16, N=128, BLOCK=128))
+    compile_for_gpu(ew._rotary_kernel, dict(x_ptr="*" + dt, pos_ptr="*i64", cos_sin_ptr="*fp32", stride_t="i64",
+                    stride_h="i64", stride_p="i64"), dict(HEADS=24, H_PAD=32, HALF=64, HALF_PAD=64))
+    compile_for_gpu(ew._silu_and_mul_kernel, dict(x_ptr="*" + dt, out_ptr="*" + dt, stride_x="i64"),
+                    dict(I=3072, BLOCK=1024))
+
+for dt in ("bf16", "fp16", "fp32"):
+    elementwise(dt)
 print("compiled")
 """
 

@@ -1,5 +1,6 @@
 """RMSNorm, optionally fused with the residual add before it (the decoder layer's pattern): on CPU
-through kvserve's fused kernel, elsewhere through torch's fused rms_norm (faster on CPU than the
+through kvserve's fused kernel, on CUDA through kvserve's Triton kernels (one kernel instead of torch's
+casts, add, norm and multiply), elsewhere through torch's fused rms_norm (faster on CPU than the
 composite square-mean-rsqrt)."""
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import cpu as cpu_kernels
+from kvserve.kernels import cuda as cuda_kernels
 
 
 class RMSNorm(nn.Module):
@@ -21,9 +23,15 @@ class RMSNorm(nn.Module):
         """norm(x); or, given the residual stream, (norm(x + residual), x + residual). The fused path
         works in place: x and residual are the layer's own intermediates."""
         if residual is None:
+            if cuda_kernels.applies(x) and x.dtype == self.weight.dtype and x.dim() in (2, 3) and x.stride(-1) == 1:
+                return cuda_kernels.ops().rms_norm(x, self.weight, self.eps)
             return self._norm(x)
         if cpu_kernels.applies(x) and x.dtype == residual.dtype == self.weight.dtype and x.is_contiguous():
             cpu_kernels.ops().fused_add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        if (cuda_kernels.applies(x) and x.dtype == residual.dtype == self.weight.dtype and x.is_contiguous()
+                and residual.is_contiguous()):
+            cuda_kernels.ops().fused_add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
         residual = x + residual
         return self._norm(residual), residual

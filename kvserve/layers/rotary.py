@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from kvserve.kernels import cpu as cpu_kernels
+from kvserve.kernels import cuda as cuda_kernels
 
 
 def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None, device: torch.device | None = None) -> torch.Tensor:
@@ -78,6 +79,9 @@ class RotaryEmbedding(nn.Module):
         projection, so q and k side by side go in one call)."""
         if cpu_kernels.applies(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
             cpu_kernels.ops().rotary_(x, positions, self.cos_sin)
+            return
+        if cuda_kernels.applies(x) and x.stride(2) == 1:
+            cuda_kernels.ops().rotary_(x, positions, self.cos_sin)
             return
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
         x.copy_(_apply(x, cos, sin))
