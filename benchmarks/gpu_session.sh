@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything issue 12 asks of a GPU, in one call of a short GPU lease, most valuable first, each part under
 # its own time limit so that one that hangs cannot take the rest with it:
-#   1. the GPU's tests: Triton kernels on CUDA, the engine on CUDA against transformers (bf16, fp32), graphs;
+#   1. the GPU's tests: Triton kernels (attention, elementwise) on CUDA, the engine on CUDA against
+#      transformers (bf16, fp32), graphs;
 #   2. benchmarks/gpu.py (decode step vs the HBM bound, graphs vs eager, Triton vs torch attention,
 #      throughput vs transformers);
 #   3. more of the engine's own tests, which pick CUDA by themselves where it is present.
@@ -9,6 +10,8 @@
 # in .whl/ (gguf, which the model loader imports).
 #
 #     bash benchmarks/gpu_session.sh            # TESTS_S, BENCH_S, MORE_S: the parts' limits in seconds
+#     GIT_REV=$(git rev-parse --short HEAD)     # (set here, passed along) names the commit in the results:
+#                                               # a lease's copy of the tree may carry an older .git
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvserve_gpu}
@@ -28,7 +31,8 @@ torch.cuda.get_device_name())"
 
 echo "== 1. GPU tests"
 timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfE --durations=10 \
-    tests/test_cuda_engine.py tests/test_triton_attention.py tests/test_cuda_graph_padding.py \
+    tests/test_cuda_engine.py tests/test_triton_attention.py tests/test_triton_elementwise.py \
+    tests/test_cuda_graph_padding.py \
     tests/test_model_parity.py tests/test_gemma3_parity.py -k "cuda or triton" 2>&1 | tee "$OUT/tests_gpu.log"
 
 echo "== 2. benchmarks/gpu.py"
