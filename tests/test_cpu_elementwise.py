@@ -1,5 +1,6 @@
 """kvserve's fused CPU elementwise kernels (kvserve/kernels/cpu/elementwise.cpp) against transformers'
-own modules for the same math: LlamaRMSNorm after a residual add, apply_rotary_pos_emb, SiLU * up.
+own modules for the same math: LlamaRMSNorm after a residual add, Gemma3RMSNorm (with and without the add,
+on strided per-head views), apply_rotary_pos_emb, SiLU * up.
 In bfloat16 the kernels round where transformers' code rounds, so nearly every element is bit-equal
 and the rest differ by one rounding step; in float32 they agree to float32 precision. Every test runs once per ISA variant this CPU can run (the
 others skip)."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from kvserve.layers.rotary import RotaryEmbedding
@@ -38,6 +40,30 @@ def test_fused_add_rms_norm(isa, dtype, rows, n) -> None:
     ops.fused_add_rms_norm_(x, residual, ref.weight.detach(), 1e-5)
     assert torch.equal(residual, want_residual)  # the add is one rounding either way
     assert_matches(x, want.detach())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n", [(1, 640), (9, 256), (5, 100)])  # Gemma 3 270M's hidden size and head dim
+def test_gemma_rms_norm(isa, dtype, rows, n) -> None:
+    ops = native_ops(isa)
+    g = torch.Generator().manual_seed(rows + n)
+    ref = Gemma3RMSNorm(n, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(n, generator=g) * 0.3)  # the offset from a scale of 1
+    w = ref.weight.detach()
+    x, residual = (torch.randn(rows, n, generator=g).to(dtype) for _ in range(2))
+    assert_matches(ops.gemma_rms_norm(x, None, w, 1e-6), ref(x).detach())
+    want_residual = x + residual
+    got = ops.gemma_rms_norm(x, residual, w, 1e-6)
+    assert torch.equal(residual, want_residual)  # updated in place, one rounding
+    assert_matches(got, ref(want_residual).detach())
+    # Per-head norms read q and k as [T, H, n] views of the fused projection: strided tokens.
+    qkv = torch.randn(3, 5 * n, generator=g).to(dtype)
+    q = qkv[:, n:4 * n].view(3, 3, n)
+    got = ops.gemma_rms_norm(q, None, w, 1e-6)
+    assert got.is_contiguous() and got.shape == q.shape
+    assert_matches(got, ref(q).detach())
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -32,7 +32,8 @@ def reference(q, k_cache, v_cache, tables, row_seq, row_len, scale, window):
                                                (torch.bfloat16, torch.float8_e4m3fn)],
                          ids=["f32", "bf16", "f32_fp8cache", "bf16_fp8cache"])
 @pytest.mark.parametrize("D,H,Hkv,bs,window", [(64, 9, 3, 16, 0), (128, 8, 1, 16, 0), (16, 4, 2, 4, 0),
-                                                (32, 6, 6, 8, 20), (64, 16, 1, 16, 37)])
+                                                (32, 6, 6, 8, 20), (64, 16, 1, 16, 37),
+                                                (256, 4, 1, 16, 24)])  # Gemma 3 270M's heads, a window
 @pytest.mark.parametrize("qkv_view", [False, True], ids=["q_contiguous", "q_in_qkv"])
 @pytest.mark.parametrize("spread", [2, 1], ids=["rows_apart", "rows_adjacent"])
 def test_kernel_matches_float64_reference(isa, dtype, cache_dtype, D, H, Hkv, bs, window, qkv_view, spread) -> None:

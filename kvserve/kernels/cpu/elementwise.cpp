@@ -1,5 +1,5 @@
-// Fused elementwise ops of the decoder layer, for CPUs with AVX-512 or AVX2 (on vec.h's Vec16): residual add + RMSNorm, rotary
-// embedding in place, SiLU(gate) * up. Each replaces 4-10 torch ops (each a pass over memory and a
+// Fused elementwise ops of the decoder layer, for CPUs with AVX-512 or AVX2 (on vec.h's Vec16): residual add + RMSNorm
+// (Llama's, and Gemma's), rotary embedding in place, SiLU(gate) * up. Each replaces 4-10 torch ops (each a pass over memory and a
 // dispatch, ~10 us of overhead apiece at small batches) with one pass.
 //
 // bfloat16 results are rounded at the same points as the torch code they replace (kvserve/layers), so
@@ -50,6 +50,40 @@ void add_rms_norm_rows(T* x, T* residual, const T* weight, int64_t rows, int64_t
         const Vec16 normed = round_to<T>(load(rr + i, n - i) * inv);
         store(xr + i, load(weight + i, n - i) * normed, n - i);
       }
+    }
+  });
+}
+
+// Gemma's RMSNorm: x / rms(x) * (1 + weight) in float32, rounded once (kvserve/layers/norm.py, GemmaRMSNorm);
+// with a residual, residual += x first (rounded to T, as torch's add is) and the sum is normalised. Rows are
+// x's [.., n] rows at x + (row / inner) * s0 + (row % inner) * s1: a [T, H, D] view of the fused qkv
+// projection (the per-head q/k norms) or plain [rows, n]; out is contiguous.
+template <typename T>
+void gemma_norm_rows(const T* x, int64_t s0, int64_t s1, int64_t inner, T* residual, const T* weight, T* out,
+                     int64_t rows, int64_t n, double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const T* xr = x + (row / inner) * s0 + (row % inner) * s1;
+      const T* src = xr;
+      Vec16 sq = zero();
+      if (residual != nullptr) {
+        T* rr = residual + row * n;
+        for (int64_t i = 0; i < n; i += 16) {
+          const Vec16 h = round_to<T>(load(xr + i, n - i) + load(rr + i, n - i));
+          store(rr + i, h, n - i);
+          sq = fmadd(h, h, sq);
+        }
+        src = rr;
+      } else {
+        for (int64_t i = 0; i < n; i += 16) {
+          const Vec16 h = load(xr + i, n - i);
+          sq = fmadd(h, h, sq);
+        }
+      }
+      const Vec16 inv = broadcast(1.f / std::sqrt(reduce_add(sq) / static_cast<float>(n) + static_cast<float>(eps)));
+      T* o = out + row * n;
+      for (int64_t i = 0; i < n; i += 16)
+        store(o + i, (load(src + i, n - i) * inv) * (broadcast(1.f) + load(weight + i, n - i)), n - i);
     }
   });
 }
@@ -118,6 +152,30 @@ void fused_add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const 
   });
 }
 
+// Gemma's RMSNorm of x [rows, n] or [T, H, n] (last dim contiguous, other strides free) -> a new contiguous
+// tensor of x's shape. With residual ([rows, n] contiguous, x then contiguous too): residual += x first, in
+// place, and the sum is what is normalised.
+at::Tensor gemma_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
+                          double eps) {
+  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1 && weight.is_contiguous() && weight.dim() == 1 &&
+              x.size(-1) == weight.size(0) && x.scalar_type() == weight.scalar_type(),
+              "gemma_rms_norm: x [rows, n] or [T, H, n] with contiguous rows, weight [n] of x's dtype");
+  const bool add = residual.has_value() && residual->defined();
+  if (add)
+    TORCH_CHECK(x.is_contiguous() && residual->is_contiguous() && residual->sizes() == x.sizes() &&
+                residual->scalar_type() == x.scalar_type(), "gemma_rms_norm: residual like x, both contiguous");
+  const int64_t n = weight.size(0), inner = x.dim() == 3 ? x.size(1) : 1;
+  const int64_t rows = x.dim() == 3 ? x.size(0) * x.size(1) : x.size(0);
+  const int64_t s0 = x.stride(0), s1 = x.dim() == 3 ? x.stride(1) : 0;
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  dispatch(x.scalar_type(), "gemma_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    gemma_norm_rows<T>(x.data_ptr<T>(), s0, s1, inner, add ? residual->data_ptr<T>() : nullptr, weight.data_ptr<T>(),
+                       out.data_ptr<T>(), rows, n, eps);
+  });
+  return out;
+}
+
 // Rotate-half RoPE in place on x [T, H, D] (rows may be strided, heads and dims contiguous), at
 // positions [T], from cos_sin [P, D] float32 (cos in the first half of each row, sin in the second).
 void rotary_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin) {
@@ -153,12 +211,14 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
   m.def("fused_add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("gemma_rms_norm(Tensor x, Tensor(a!)? residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos_sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
   m.impl("fused_add_rms_norm_", &kvserve_cpu::fused_add_rms_norm_);
+  m.impl("gemma_rms_norm", &kvserve_cpu::gemma_rms_norm);
   m.impl("rotary_", &kvserve_cpu::rotary_);
   m.impl("silu_and_mul", &kvserve_cpu::silu_and_mul);
 }

@@ -16,6 +16,8 @@ inline namespace KVSERVE_NS {
 
 // elementwise.cpp
 void fused_add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
+at::Tensor gemma_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
+                          double eps);
 void rotary_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
 

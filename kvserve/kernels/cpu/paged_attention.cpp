@@ -255,7 +255,10 @@ void paged_attention_(const at::Tensor& q, const at::Tensor& out, const at::Tens
       case 32: return paged_attention_impl<T, C, 2>(q, out, k_cache, v_cache, rows, block_tables, scale, window, k_scale, v_scale);
       case 64: return paged_attention_impl<T, C, 4>(q, out, k_cache, v_cache, rows, block_tables, scale, window, k_scale, v_scale);
       case 128: return paged_attention_impl<T, C, 8>(q, out, k_cache, v_cache, rows, block_tables, scale, window, k_scale, v_scale);
-      default: TORCH_CHECK(false, "paged_attention_: head_dim must be 16, 32, 64 or 128, got ", D);
+      // Gemma 3's heads: a K/V row is 16 vectors, more than the registers hold, so the compiler keeps some
+      // on the stack (L1); still one pass over the cache where the torch path gathered a padded copy.
+      case 256: return paged_attention_impl<T, C, 16>(q, out, k_cache, v_cache, rows, block_tables, scale, window, k_scale, v_scale);
+      default: TORCH_CHECK(false, "paged_attention_: head_dim must be 16, 32, 64, 128 or 256, got ", D);
     }
   };
   auto run = [&](auto q_tag) {
