@@ -6,7 +6,8 @@
 - offline throughput on nano-vllm's shape (256 sequences, prompt and output lengths uniform in 100-1024,
   random token ids) against transformers' own batched `generate` on the same GPU.
 
-The model is a random-weight checkpoint of Qwen3-0.6B's shape, built here with transformers (bf16).
+The model is a random-weight checkpoint of Qwen3-0.6B's shape (`--shape llama3.2-1b`: Llama-3.2-1B's), built
+here with transformers (bf16).
 
     python benchmarks/gpu.py            # needs CUDA; writes benchmarks/results/gpu.{json,md}
     python benchmarks/gpu.py --tiny     # a tiny shape and workload: runs on the CPU too (eager, torch
@@ -31,19 +32,28 @@ from kvserve import LLM, SamplingParams
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                  rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                  rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
+# --shape: (transformers architecture, shape)
+SHAPES = {"qwen3-0.6b": ("qwen3", QWEN3_06B), "llama3.2-1b": ("llama", LLAMA32_1B)}
+NAMES = {"qwen3-0.6b": "Qwen3-0.6B", "llama3.2-1b": "Llama-3.2-1B"}
 
 
-def build_checkpoint(shape: dict, path: Path, dtype: torch.dtype, device: torch.device) -> None:
-    """Random weights of a Qwen3 shape, saved with transformers, and a byte-level tokenizer (prompts are
-    token ids here; the engine only needs one to load). Initialised on `device`: far faster on a GPU."""
+def build_checkpoint(shape: dict, path: Path, dtype: torch.dtype, device: torch.device, arch: str = "qwen3") -> None:
+    """Random weights of a Qwen3 or Llama shape, saved with transformers, and a byte-level tokenizer (prompts
+    are token ids here; the engine only needs one to load). Initialised on `device`: far faster on a GPU."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
-    cfg = Qwen3Config(**shape, bos_token_id=256, eos_token_id=257)
+    config_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+    cfg = config_cls(**shape, bos_token_id=256, eos_token_id=257)
     with device:
-        model = Qwen3ForCausalLM(cfg).to(dtype)
+        model = model_cls(cfg).to(dtype)
     model.save_pretrained(path, safe_serialization=True)
     vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     vocab.update({"<s>": 256, "</s>": 257})
@@ -204,6 +214,8 @@ def markdown(r: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny model and workload; also runs on the CPU")
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES),
+                    help="the random checkpoint's shape (nano-vllm's benchmark uses Qwen3-0.6B)")
     ap.add_argument("--batch-sizes", default=None, help="decode batch sizes (default 1,16,64,256; tiny 1,4)")
     ap.add_argument("--decode-context", type=int, default=None, help="context of each decode row (default 1024)")
     ap.add_argument("--num-seqs", type=int, default=None, help="throughput sequences (default 256)")
@@ -237,9 +249,9 @@ def main() -> None:
         backends.append("torch")
 
     result = {"gpu": gpu, "machine": machine_info(), "git": git_rev(), "dtype": args.dtype,
-              "model_shape": "tiny Qwen3" if tiny else "Qwen3-0.6B", "decode_context": ctx,
+              "model_shape": "tiny Qwen3" if tiny else NAMES[args.shape], "decode_context": ctx,
               "decode_step": {str(b): {} for b in batch_sizes}, "throughput": {}, "errors": {}}
-    name = args.name or ("gpu_tiny" if tiny else "gpu")
+    name = args.name or ("gpu_tiny" if tiny else "gpu" if args.shape == "qwen3-0.6b" else f"gpu_{args.shape}")
 
     def section(key: str, fn) -> None:
         """One measurement; a failure is recorded and the run goes on (a GPU lease is short: one broken
@@ -260,11 +272,12 @@ def main() -> None:
                           "memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)}
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s", flush=True)
 
-    prompts, outputs = nano_vllm_workload(n_seqs, lo, hi, (TINY if tiny else QWEN3_06B)["vocab_size"])
+    arch, shape = ("qwen3", TINY) if tiny else SHAPES[args.shape]
+    prompts, outputs = nano_vllm_workload(n_seqs, lo, hi, shape["vocab_size"])
     result["throughput"]["workload"] = f"{n_seqs} sequences, prompt and output uniform in {lo}-{hi} tokens"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
-        build_checkpoint(TINY if tiny else QWEN3_06B, path, torch_dtype, device)
+        build_checkpoint(shape, path, torch_dtype, device, arch)
         for backend in backends:
             holder = {}
 

@@ -9,7 +9,8 @@
 # Logs and results go to $OUT (default /tmp/kvserve_gpu). Python packages the machine lacks travel as wheels
 # in .whl/ (gguf, which the model loader imports).
 #
-#     bash benchmarks/gpu_session.sh            # TESTS_S, BENCH_S, MORE_S: the parts' limits in seconds
+#     bash benchmarks/gpu_session.sh            # TESTS_S, BENCH_S, MORE_S: the parts' limits in seconds;
+#                                               # SHAPE=llama3.2-1b: that checkpoint shape instead
 #     GIT_REV=$(git rev-parse --short HEAD)     # (set here, passed along) names the commit in the results:
 #                                               # a lease's copy of the tree may carry an older .git
 set -uo pipefail
@@ -36,8 +37,9 @@ timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider --timeout 120
     tests/test_model_parity.py tests/test_gemma3_parity.py -k "cuda or triton" 2>&1 | tee "$OUT/tests_gpu.log"
 
 echo "== 2. benchmarks/gpu.py"
-timeout "${BENCH_S:-300}" python3 benchmarks/gpu.py --hf-batch-size "${HF_BATCH:-128}" 2>&1 | tee "$OUT/bench.log"
-cp benchmarks/results/gpu.json benchmarks/results/gpu.md "$OUT/" 2>/dev/null
+timeout "${BENCH_S:-300}" python3 benchmarks/gpu.py --shape "${SHAPE:-qwen3-0.6b}" --hf-batch-size "${HF_BATCH:-128}" \
+    2>&1 | tee "$OUT/bench.log"
+cp benchmarks/results/gpu*.json benchmarks/results/gpu*.md "$OUT/" 2>/dev/null
 
 echo "== 3. the engine's own tests, on CUDA"
 timeout "${MORE_S:-80}" python3 -m pytest -q -p no:cacheprovider --timeout 60 -rfE \
