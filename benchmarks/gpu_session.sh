@@ -39,7 +39,9 @@ timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider --timeout 120
 echo "== 2. benchmarks/gpu.py"
 timeout "${BENCH_S:-300}" python3 benchmarks/gpu.py --shape "${SHAPE:-qwen3-0.6b}" --hf-batch-size "${HF_BATCH:-128}" \
     2>&1 | tee "$OUT/bench.log"
-cp benchmarks/results/gpu*.json benchmarks/results/gpu*.md "$OUT/" 2>/dev/null
+name=gpu
+[ "${SHAPE:-qwen3-0.6b}" = qwen3-0.6b ] || name=gpu_$SHAPE
+cp "benchmarks/results/$name.json" "benchmarks/results/$name.md" "$OUT/" 2>/dev/null  # at most 8 files come back
 
 echo "== 3. the engine's own tests, on CUDA"
 timeout "${MORE_S:-80}" python3 -m pytest -q -p no:cacheprovider --timeout 60 -rfE \
