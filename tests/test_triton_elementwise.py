@@ -2,7 +2,7 @@
 kvserve/layers: fused residual add + RMSNorm, per-head RMSNorm on strided views, rotary in place on a view
 of the fused qkv projection, SiLU-and-mul. On CUDA where present, else under Triton's interpreter.
 
-float32 agrees to rounding. In bfloat16 the two may differ by one unit in the last place where each
+float32 agrees to rounding. In bfloat16 the two may differ by a unit or two in the last place where each
 rounds: the interpreter's float-to-bf16 cast truncates (a GPU's rounds to nearest), and the sums of
 squares add in a different order."""
 from __future__ import annotations
