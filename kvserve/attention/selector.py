@@ -5,7 +5,6 @@ The Triton backend is imported only when chosen, so a CPU install never imports 
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
@@ -13,12 +12,9 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.config import ATTENTION_BACKENDS
+from kvserve.kernels.cuda import triton_installed
 from kvserve.layers.attention import attention_layers
 from kvserve.models.kv_cache import KVCacheSpec
-
-
-def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:

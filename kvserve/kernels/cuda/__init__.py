@@ -20,13 +20,14 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @functools.cache
-def _triton_installed() -> bool:
+def triton_installed() -> bool:
+    """Looked up once: applies() is asked several times a layer."""
     return importlib.util.find_spec("triton") is not None
 
 
 def applies(t: torch.Tensor) -> bool:
     """Whether the GPU kernels take this tensor: on CUDA, a float dtype, and triton installed."""
-    return t.is_cuda and t.dtype in _DTYPES and _triton_installed()
+    return t.is_cuda and t.dtype in _DTYPES and triton_installed()
 
 
 @functools.cache
