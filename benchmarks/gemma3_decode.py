@@ -10,9 +10,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-import types
-
-import torch.nn.functional as F
 
 from common import git_rev, machine_info, save
 from kvserve import LLM, SamplingParams
@@ -21,15 +18,6 @@ from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.norm import GemmaRMSNorm
 
 PROMPTS = ["The history of the city begins in the year", "def fibonacci(n):", "Once upon a time, in a small village,"]
-
-
-def torch_norm(self: GemmaRMSNorm, x, residual=None):
-    """GemmaRMSNorm's torch path (what every call took before the kernel)."""
-    if residual is not None:
-        residual = x + residual
-        x = residual
-    out = (F.rms_norm(x.float(), self.weight.shape, None, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
-    return out if residual is None else (out, residual)
 
 
 def torch_paths_engine(kv: int) -> LLM:
@@ -42,7 +30,7 @@ def torch_paths_engine(kv: int) -> LLM:
         torch_backend.TorchPagedBackend._kernel_applies = applies
     for m in llm.engine.runner.model.modules():
         if isinstance(m, GemmaRMSNorm):
-            m.forward = types.MethodType(torch_norm, m)
+            m.forward = m.forward_torch
     return llm
 
 

@@ -61,6 +61,11 @@ class GemmaRMSNorm(nn.Module):
                                           and residual.is_contiguous()))):
             out = cpu_kernels.ops().gemma_rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, residual)
+        return self.forward_torch(x, residual)
+
+    def forward_torch(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """forward through torch ops alone (the reference, and where the kernel does not apply)."""
         if residual is not None:
             residual = x + residual
             x = residual
