@@ -92,22 +92,28 @@ def make_llm(path: Path, backend: str, args, device: torch.device) -> LLM:
     return LLM(model=str(path), **kw)
 
 
+def start_decoding(engine, batch: int, ctx: int, max_tokens: int) -> list[str]:
+    """`batch` sequences of ctx random tokens, stepped until every one is decoding; their request ids."""
+    rng = random.Random(batch)
+    vocab = engine.model_config.vocab_size
+    ids = [f"d{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, [rng.randrange(vocab) for _ in range(ctx)],
+                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                          for s in engine.scheduler.running):
+        engine.step()
+    engine.step()
+    return ids
+
+
 def decode_steps(llm: LLM, batch: int, ctx: int, steps: int, device: torch.device, graphs: bool) -> float:
     """Mean seconds of one decode step with `batch` sequences at ~ctx tokens of context each."""
     engine = llm.engine
     saved = engine.runner.graphs
     if not graphs:
         engine.runner.graphs = None  # the same engine, every step eager
-    rng = random.Random(batch)
-    vocab = engine.model_config.vocab_size
-    ids = [f"d{batch}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(rid, [rng.randrange(vocab) for _ in range(ctx)],
-                           SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                          for s in engine.scheduler.running):
-        engine.step()
-    engine.step()
+    ids = start_decoding(engine, batch, ctx, steps + 8)
     engine.step()
     sync(device)
     t0 = time.perf_counter()

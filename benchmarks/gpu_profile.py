@@ -10,7 +10,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import random
 import sys
 import tempfile
 import time
@@ -18,23 +17,9 @@ from pathlib import Path
 
 import torch
 
-from gpu import QWEN3_06B, build_checkpoint
-from kvserve import LLM, SamplingParams
+from gpu import QWEN3_06B, build_checkpoint, start_decoding
+from kvserve import LLM
 from kvserve.worker.cuda_graphs import padded_size
-
-
-def start_decoding(engine, batch: int, ctx: int, steps: int) -> list[str]:
-    rng = random.Random(batch)
-    vocab = engine.model_config.vocab_size
-    ids = [f"p{batch}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(rid, [rng.randrange(vocab) for _ in range(ctx)],
-                           SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                          for s in engine.scheduler.running):
-        engine.step()
-    engine.step()
-    return ids
 
 
 def replay_ms(graphs, size: int, n: int = 50) -> float:
