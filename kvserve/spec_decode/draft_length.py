@@ -140,9 +140,10 @@ class DraftLength:
         best = max(range(len(rates)), key=lambda d: (rates[d], -d))  # the shortest of equal rates
         self._decisions += 1
         if best < most:
-            # A probe of a length estimated at under half the best rate runs MAX_AGE times less often: on a
-            # GPU a decode step replays a CUDA graph and a step with drafts runs eagerly (1.86 vs 13.4 ms on
-            # an H200), and probing every PROBE_EVERY-th step there would cost more than speculation gains.
+            # A length estimated at under half the best rate is probed every MAX_AGE-th decision, not every
+            # PROBE_EVERY-th: on a GPU a decode step replays a CUDA graph and a step with drafts runs eagerly
+            # (1.86 vs 13.4 ms on an H200), and probing every PROBE_EVERY-th step there would cost more than
+            # speculation gains.
             every = PROBE_EVERY if rates[best + 1] >= PROBE_MIN_RATE * rates[best] else MAX_AGE
             if self._decisions % every == 0:
                 best += 1
