@@ -29,8 +29,9 @@ def reference(q, k_cache, v_cache, tables, row_seq, row_len, scale, window):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
                                                (torch.float32, torch.float8_e4m3fn),
-                                               (torch.bfloat16, torch.float8_e4m3fn)],
-                         ids=["f32", "bf16", "f32_fp8cache", "bf16_fp8cache"])
+                                               (torch.bfloat16, torch.float8_e4m3fn),
+                                               (torch.float32, torch.bfloat16)],
+                         ids=["f32", "bf16", "f32_fp8cache", "bf16_fp8cache", "f32_bf16cache"])
 @pytest.mark.parametrize("D,H,Hkv,bs,window", [(64, 9, 3, 16, 0), (128, 8, 1, 16, 0), (16, 4, 2, 4, 0),
                                                 (32, 6, 6, 8, 20), (64, 16, 1, 16, 37),
                                                 (256, 4, 1, 16, 24)])  # Gemma 3 270M's heads, a window
@@ -51,7 +52,7 @@ def test_kernel_matches_float64_reference(isa, dtype, cache_dtype, D, H, Hkv, bs
     k_cache = torch.randn(Hkv, num_blocks, bs, D, generator=g).to(cache_dtype or dtype)
     v_cache = torch.randn(Hkv, num_blocks, bs, D, generator=g).to(cache_dtype or dtype)
     # A float8 cache holds K / k_scale and V / v_scale; the reference reads it at those scales.
-    k_scale, v_scale = (0.5, 2.0) if cache_dtype is not None else (1.0, 1.0)
+    k_scale, v_scale = (0.5, 2.0) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
     # One decode-like row per sequence, plus the last 40 positions of sequence 5 as causal prefill rows.
     row_seq = list(range(len(lens))) + [5] * 40
     row_len = lens + list(range(lens[5] - 39, lens[5] + 1))

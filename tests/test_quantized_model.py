@@ -79,3 +79,16 @@ def test_low_precision_kv_cache_tracks_the_float32_cache(float_model: LLM, kv_ca
     # Measured (AVX2, float32 compute): max 0.013 bfloat16, 0.21 fp8_e4m3 (3 mantissa bits per value).
     bound = {"bfloat16": 0.05, "fp8_e4m3": 0.3}[kv_cache_dtype]
     assert max(diffs) < bound, diffs
+
+
+def test_auto_kv_cache_is_bfloat16_where_auto_computes_in_float32() -> None:
+    """kv_cache_dtype auto: bfloat16 on a CPU where dtype auto resolves to float32 (no native bfloat16
+    arithmetic), the compute dtype where the dtype is explicit (exact float32 comparisons stay exact)."""
+    auto = LLM(max_num_batched_tokens=256, num_kv_blocks=64)
+    explicit = llm()  # dtype="float32"
+    cache_dtype = auto.engine.runner.kv_caches[0][0].dtype
+    if auto.engine.dtype == torch.float32 and kernel_available(torch.float32):
+        assert cache_dtype == torch.bfloat16
+    else:
+        assert cache_dtype == auto.engine.dtype
+    assert explicit.engine.runner.kv_caches[0][0].dtype == torch.float32

@@ -76,7 +76,7 @@ class TorchPagedBackend(AttentionBackend):
     def _kernel_applies(self, layer: PagedAttention) -> bool:
         """Decided once per layer: the kernel's head sizes, GQA groups and dtypes, on a CPU that built it."""
         return (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
-                and self.kv_spec.dtype in (self.dtype, FP8) and layer.head_dim in (16, 32, 64, 128, 256)
+                and self.kv_spec.dtype in (self.dtype, FP8, torch.bfloat16) and layer.head_dim in (16, 32, 64, 128, 256)
                 and layer.num_heads // layer.num_kv_heads <= 16 and cpu_kernels.available())
 
     def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -117,18 +117,19 @@ def _to_cache(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor
     return rows.to(dtype)
 
 
-def _gather(blocks: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
-    """Cache rows -> a copy to compute with (float8: float32 times the scale)."""
+def _gather(blocks: torch.Tensor, idx: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows -> a copy to compute with: in dtype, the queries' (a bfloat16 cache under float32
+    compute), or float8's float32 times the scale."""
     if blocks.dtype != FP8:
-        return blocks.index_select(0, idx)
+        return blocks.index_select(0, idx).to(dtype)
     return _bytes(blocks).index_select(0, idx).view(FP8).float() * scale
 
 
 def _decode(layer: PagedAttention, q: torch.Tensor, out: torch.Tensor, k_blocks: torch.Tensor,
             v_blocks: torch.Tensor, plan: DecodeGroup) -> None:
     B, L, Hkv, D = len(plan.token_idx), plan.max_len, layer.num_kv_heads, layer.head_dim
-    k = _gather(k_blocks, plan.gather_idx, layer.k_scale).view(Hkv * B, L, D)
-    v = _gather(v_blocks, plan.gather_idx, layer.v_scale).view(Hkv * B, L, D)
+    k = _gather(k_blocks, plan.gather_idx, layer.k_scale, q.dtype).view(Hkv * B, L, D)
+    v = _gather(v_blocks, plan.gather_idx, layer.v_scale, q.dtype).view(Hkv * B, L, D)
     # With one query token, the G query heads sharing a KV head become G query rows of that head:
     # GQA without repeating K/V, and no causal mask, only the per-sequence length (in plan.bias).
     group = layer.num_heads // Hkv
@@ -147,8 +148,8 @@ def _prefill(layer: PagedAttention, q: torch.Tensor, out: torch.Tensor, k_blocks
     i = plan.row
     start, end = batch.query_start_loc_list[i], batch.query_start_loc_list[i + 1]
     seq_len, Hkv, D = batch.seq_lens_list[i], layer.num_kv_heads, layer.head_dim
-    k = _gather(k_blocks, plan.gather_idx, layer.k_scale)
-    v = _gather(v_blocks, plan.gather_idx, layer.v_scale)
+    k = _gather(k_blocks, plan.gather_idx, layer.k_scale, q.dtype)
+    v = _gather(v_blocks, plan.gather_idx, layer.v_scale, q.dtype)
     k = k.view(1, Hkv, -1, D)[:, :, :seq_len]  # [1, Hkv, S, D]
     v = v.view(1, Hkv, -1, D)[:, :, :seq_len]
     qi = q[start:end].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, H, q_len, D]

@@ -28,6 +28,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import Sequence
 from kvserve.engine.stats import EngineStats
+from kvserve.kernels import cpu as cpu_kernels
 from kvserve.models.kv_cache import kv_cache_spec
 from kvserve.models.loader import load_model
 from kvserve.outputs import PositionLogprobs, RequestDelta, RequestMetrics, RequestOutput, RequestOutputAccumulator
@@ -63,7 +64,9 @@ class LLMEngine:
         self.eos_token_ids = list(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)
 
         mc = self.model_config
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            config.kv_cache_dtype, self.dtype,
+            cpu_auto=self.device.type == "cpu" and config.dtype == "auto" and cpu_kernels.available())
         kv_spec = kv_cache_spec(mc, config.block_size, self.kv_cache_dtype)
         block_bytes = kv_spec.bytes_per_block
         spec = config.speculative_config

@@ -224,9 +224,12 @@ void paged_attention_(const at::Tensor& q, const at::Tensor& out, const at::Tens
     TORCH_CHECK(t->is_contiguous(), "paged_attention_: inputs must be contiguous");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention_: q's heads must be contiguous");
   const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK((k_cache.scalar_type() == q.scalar_type() || fp8) && out.scalar_type() == q.scalar_type() &&
+  // A bfloat16 cache under float32 queries: half the bytes per key read; the products are still float32.
+  const bool bf16_cache = k_cache.scalar_type() == at::kBFloat16 && q.scalar_type() == at::kFloat;
+  TORCH_CHECK((k_cache.scalar_type() == q.scalar_type() || fp8 || bf16_cache) && out.scalar_type() == q.scalar_type() &&
               v_cache.scalar_type() == k_cache.scalar_type(),
-              "paged_attention_: q and out must share a dtype, the cache that dtype or float8_e4m3fn");
+              "paged_attention_: q and out must share a dtype, the cache that dtype, bfloat16 (float32 q) or "
+              "float8_e4m3fn");
   for (const at::Tensor* t : {&row_token, &row_seq, &row_len, &block_tables})
     TORCH_CHECK(t->scalar_type() == at::kLong, "paged_attention_: index tensors must be int64");
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(0);
@@ -263,6 +266,7 @@ void paged_attention_(const at::Tensor& q, const at::Tensor& out, const at::Tens
   };
   auto run = [&](auto q_tag) {
     if (fp8) with_cache(q_tag, c10::Float8_e4m3fn{});
+    else if (bf16_cache) with_cache(q_tag, c10::BFloat16{});
     else with_cache(q_tag, q_tag);
   };
   if (q.scalar_type() == at::kBFloat16) run(c10::BFloat16{});
