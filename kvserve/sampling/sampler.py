@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvserve.kernels import cpu as cpu_kernels
 from kvserve.outputs import PositionLogprobs
 from kvserve.sampling import logits_processors as lp
 from kvserve.sampling.logprobs import gather_logprobs
@@ -39,6 +40,14 @@ class SamplerOutput:
     logprobs: list[PositionLogprobs | None]    # per row; None unless params.logprobs is not None
 
 
+def argmax(x: Tensor) -> Tensor:
+    """x.argmax(-1) of [N, V] rows (the first maximum; a NaN counts as the largest), on the CPU kernel where it
+    applies: torch's took ~75 us per 49k-token row on two AVX2 cores, ~1% of a batch-1 decode step."""
+    if x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1 and cpu_kernels.applies(x):
+        return cpu_kernels.ops().argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """The per-request generator for a seeded request (create once, pass every step)."""
     g = torch.Generator(device=device)
@@ -56,7 +65,7 @@ class Sampler:
         processed = self._apply_penalties(raw, inputs)
         greedy = [p.temperature == 0.0 for p in params]
         if all(greedy):
-            token_ids = processed.argmax(dim=-1)  # first maximum: ties go to the lowest id
+            token_ids = argmax(processed)  # first maximum: ties go to the lowest id
         else:
             token_ids = self._sample(processed, inputs, greedy)
 
@@ -111,7 +120,7 @@ class Sampler:
 
     def _sample(self, logits: Tensor, inputs: SamplingInputs, greedy: list[bool]) -> Tensor:
         params = inputs.params
-        greedy_ids = logits.argmax(dim=-1) if any(greedy) else None
+        greedy_ids = argmax(logits) if any(greedy) else None
         rand_rows = [i for i, g in enumerate(greedy) if not g]
         all_random = len(rand_rows) == len(params)
         idx = to_device(rand_rows, logits.device)
@@ -133,7 +142,7 @@ class Sampler:
                            rows=[i for i, p in enumerate(sub_params) if p.top_p < 1.0])
 
         probs = torch.softmax(sub, dim=-1)
-        sampled = (probs / self._exponential_noise(probs, [inputs.generators[i] for i in rand_rows])).argmax(dim=-1)
+        sampled = argmax(probs / self._exponential_noise(probs, [inputs.generators[i] for i in rand_rows]))
 
         if greedy_ids is None:
             return sampled

@@ -33,6 +33,7 @@ from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantization import QuantConfig
 from kvserve.models.llama import MLP
 from kvserve.models.loader import LoadedModel
+from kvserve.sampling.sampler import argmax
 from kvserve.spec_decode.draft_model import target_embedding
 from kvserve.spec_decode.draft_format import has_metadata, read_with_config, save_with_config
 from kvserve.spec_decode.draft_reference import ReferenceTensors, rms_norm
@@ -141,7 +142,7 @@ class EagleHead(nn.Module):
 
     def greedy_tokens(self, normed: torch.Tensor) -> torch.Tensor:
         """step()'s normed features [N, hidden] -> [N] the head's most likely tokens (full-vocabulary ids)."""
-        return self.vocab_ids[self.lm_head(normed).argmax(-1)]
+        return self.vocab_ids[argmax(self.lm_head(normed))]
 
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,76 @@
+// The index of each row's largest value, as torch.argmax(x, -1) gives it: the first of equal maxima, and
+// the first NaN where a row has one (torch counts NaN as the largest value).
+//
+// Why a kernel: greedy sampling takes the argmax of every row of logits each step, and torch's CPU argmax
+// over a 49,152-token vocabulary took ~75 us a row on two AVX2 cores (~1% of a batch-1 decode step, 0.2 ms
+// of a 5-row speculative verification). One pass of vector compares does it in a few microseconds.
+// AVX2 intrinsics only: the same code runs in the AVX-512 build.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace {
+
+int64_t argmax_row(const float* x, int64_t n) {
+  // Eight lanes, each keeping its largest value and where it first saw it (a strict > keeps the first).
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256i where = _mm256_setzero_si256();
+  __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i step = _mm256_set1_epi32(8);
+  __m256 nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, v, gt);
+    where = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(where), _mm256_castsi256_ps(at), gt));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    at = _mm256_add_epi32(at, step);
+  }
+  if (_mm256_movemask_ps(nan) != 0) {
+    for (int64_t j = 0; j < i; ++j)
+      if (std::isnan(x[j])) return j;
+  }
+  alignas(32) float lane_best[8];
+  alignas(32) int32_t lane_where[8];
+  _mm256_store_ps(lane_best, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane_where), where);
+  // Lanes that never beat -inf hold index 0, which is right where the whole row is -inf.
+  float m = lane_best[0];
+  int64_t arg = lane_where[0];
+  for (int l = 1; l < 8; ++l)
+    if (lane_best[l] > m || (lane_best[l] == m && lane_where[l] < arg)) { m = lane_best[l]; arg = lane_where[l]; }
+  for (; i < n; ++i) {  // the tail: later indices, so only a larger value (or a NaN) wins
+    if (std::isnan(x[i])) return i;
+    if (x[i] > m) { m = x[i]; arg = i; }
+  }
+  return arg;
+}
+
+// x [N, V] float32 (rows contiguous) -> [N] int64.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "argmax_rows: float32 [N, V] with contiguous rows");
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) <= std::numeric_limits<int32_t>::max(), "argmax_rows: V in [1, 2^31)");
+  const int64_t N = x.size(0), V = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({N}, x.options().dtype(at::kLong));
+  const float* p = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  // A row is ~200 KB: threads take whole rows, and one row stays on one thread.
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(p + r * stride, V);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) { m.def("argmax_rows(Tensor x) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
