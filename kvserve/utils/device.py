@@ -30,9 +30,9 @@ def resolve_kv_cache_dtype(name: str, compute_dtype: torch.dtype, cpu_auto: bool
     """auto: the compute dtype, except bfloat16 under cpu_auto (a CPU whose compute dtype was chosen by dtype
     "auto", with kvserve's kernels). There float32 compute stands in for emulated bfloat16 arithmetic, but
     K and V are only stored and read back: a bfloat16 cache halves the bytes a decode step reads and the
-    memory per token (decode 1.25x faster at 1500 tokens of context, 1.36x at 3000 on AVX2:
-    benchmarks/results/kv_cache_dtype_avx2.md), as llama.cpp's 16-bit cache does. An explicit float32
-    dtype keeps a float32 cache."""
+    memory per token (batch-1 decode 1.19-1.25x faster at 1500 tokens of context, 1.24-1.36x at 3000 on
+    AVX2: benchmarks/results/kv_cache_dtype_avx2.md), as llama.cpp's 16-bit cache does. An explicit
+    float32 dtype keeps a float32 cache."""
     if name == "auto":
         return torch.bfloat16 if cpu_auto and compute_dtype == torch.float32 else compute_dtype
     return {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}[name]
