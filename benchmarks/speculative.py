@@ -12,6 +12,7 @@ Methods: none; ngram (the adaptive defaults: each step carries only the draft to
 measured step times say pay, none above disable_by_batch_size running sequences, per-request pauses on low
 acceptance); ngram-fixed (the same, but every step drafts all k tokens: adaptive_draft_length false);
 ngram-always (all k tokens in every step, no batch limit, no pauses: to find the crossover batch size);
+ngram-plain (ngram with tokens matched only as themselves, no whitespace classes: kvserve/spec_decode/ngram.py);
 draft, draft-fixed, draft-always, the same with the draft model (--draft-model, default: the draft shipped
 for the default model, k = --draft-k); eagle, eagle-fixed, eagle-always, the same with the eagle head
 (--eagle-model, default: the shipped head, k = --eagle-k).
@@ -132,7 +133,8 @@ def main() -> None:
                     choices=["repeat", "summarise", "chat"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-fixed", "eagle", "eagle-fixed"],
-                    choices=["none", *(m + v for m in ("ngram", "draft", "eagle") for v in ("", "-fixed", "-always"))])
+                    choices=["none", "ngram-plain",
+                             *(m + v for m in ("ngram", "draft", "eagle") for v in ("", "-fixed", "-always"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -164,6 +166,8 @@ def main() -> None:
                         speculative_config=method_config(method, args), max_num_seqs=max(args.concurrency),
                         kv_cache_memory=args.kv_cache_memory)
             for method in args.methods}
+    if "ngram-plain" in llms:
+        llms["ngram-plain"].engine.speculator.proposer.token_classes = None
     tok = llms["none"].get_tokenizer()
     for workload in args.workloads:
         for c in args.concurrency:

@@ -39,3 +39,40 @@ def test_matches_brute_force(lo, hi):
         tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
         k = rng.randrange(1, 6)
         assert p.propose(tokens, k) == reference(tokens, lo, hi, k), (tokens, k)
+
+
+@pytest.mark.parametrize("lo,hi", [(1, 3), (2, 4)])
+def test_classes_that_are_the_ids_change_nothing(lo, hi):
+    """token_classes naming every token as itself gives the plain proposer's drafts."""
+    import numpy as np
+
+    rng = random.Random(lo + 7 * hi)
+    p, same = NgramProposer(lo, hi), NgramProposer(lo, hi, np.arange(8))
+    for _ in range(200):
+        tokens = [rng.randrange(8) for _ in range(rng.randrange(1, 40))]
+        assert same.propose(tokens, 4) == p.propose(tokens, 4)
+
+
+def test_reindented_code_still_drafts_with_whitespace_classes():
+    """The default model's tokenizer: a copy of code re-indented by 4 spaces where the prompt had 8. The
+    indentation tokens differ ('\\n   ' against '\\n       '), so the plain proposer finds no 2-gram after
+    the line's first word; matched as whitespace classes, it drafts the rest of the prompt's line."""
+    from kvserve.models.default import default_model_path
+    from kvserve.models.loader import load_tokenizer
+    from kvserve.spec_decode.ngram import whitespace_classes
+
+    tok = load_tokenizer(default_model_path())
+    classes = whitespace_classes(tok, tok.vocab_size)
+    ids = {text: tok.encode(text, add_special_tokens=False) for text in (" ", "  ", "\n", "\n   ", " total")}
+    assert all(len(v) == 1 for v in ids.values()), ids
+    assert classes[ids[" "][0]] == classes[ids["  "][0]] < 0                 # spaces: one class
+    assert classes[ids["\n"][0]] == classes[ids["\n   "][0]] < 0             # a newline and its indent: another
+    assert classes[ids[" "][0]] != classes[ids["\n"][0]]
+    assert classes[ids[" total"][0]] == ids[" total"][0]                     # words match only themselves
+
+    prompt = tok.encode("def area(width, height):\n        total = width * height\n        return total\n",
+                        add_special_tokens=False)
+    out = tok.encode("def area(width, height):\n    total", add_special_tokens=False)
+    assert NgramProposer(2, 4).propose(prompt + out, 4) == []
+    draft = NgramProposer(2, 4, classes).propose(prompt + out, 4)
+    assert tok.decode(draft) == " = width * height"

@@ -38,6 +38,7 @@ from kvserve.spec_decode.draft_model import draft_quantization, load_draft
 from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.eagle_head import load_eagle_head
 from kvserve.spec_decode.eagle_proposer import EagleProposer
+from kvserve.spec_decode.ngram import whitespace_classes
 from kvserve.spec_decode.speculator import Speculator
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
 from kvserve.utils.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
@@ -106,8 +107,10 @@ class LLMEngine:
             self._calibrate_kv_scales(self.runner, draft)
         if self.device.type == "cuda" and not config.enforce_eager and self.runner.attn_backend.name == "triton":
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
-        self.speculator = (Speculator(spec, self.max_model_len, config.max_num_batched_tokens, draft)
-                           if spec is not None else None)
+        self.speculator = None
+        if spec is not None:
+            classes = whitespace_classes(self.tokenizer, mc.vocab_size) if spec.method == "ngram" else None
+            self.speculator = Speculator(spec, self.max_model_len, config.max_num_batched_tokens, draft, classes)
         self.requests: dict[str, Request] = {}
         self._accumulators: dict[str, RequestOutputAccumulator] = {}   # only for callers of step()
         self._seq_ids = itertools.count()

@@ -3,17 +3,37 @@
 Repetition-heavy outputs (code edits, quoting, summaries reusing the passage's words) copy long runs of
 their own context, so where the last n tokens occurred before, what followed them is a good guess for
 what comes next. Free to compute: no model, one vectorised scan of the sequence per step.
+
+Whitespace-only tokens match each other when they hold the same number of newlines (token_classes): a model
+asked to repeat code often re-indents it, and its indentation tokens then differ from the prompt's, so the
+first two tokens of every line had no n-gram to match. Replayed on the default model's outputs for the
+benchmark's copy prompts (benchmarks/speculative.py, greedy), this cut the steps without a draft from 158 to
+121 of ~340 and raised the tokens per step from 2.44 to 2.68, with acceptance 0.65 -> 0.67; summaries and
+chat were unchanged. The draft is the earlier occurrence's own tokens: verification decides as always.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from kvserve.tokenizer.tokenizer import Tokenizer
+
+
+def whitespace_classes(tokenizer: Tokenizer, vocab_size: int) -> np.ndarray:
+    """token id -> the id it is matched as: -1 - (its newlines) for a token of whitespace only, else itself."""
+    classes = np.arange(max(vocab_size, tokenizer.vocab_size), dtype=np.int64)
+    texts = tokenizer.backend.decode_batch([[i] for i in range(tokenizer.vocab_size)], skip_special_tokens=False)
+    for i, text in enumerate(texts):
+        if text and text.isspace():
+            classes[i] = -1 - text.count("\n")
+    return classes
+
 
 class NgramProposer:
-    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, token_classes: np.ndarray | None = None) -> None:
         assert 1 <= prompt_lookup_min <= prompt_lookup_max
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
+        self.token_classes = token_classes  # None: tokens match only themselves
 
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
         """Up to max_tokens draft tokens following token_ids (may be fewer, or none without a match).
@@ -24,7 +44,8 @@ class NgramProposer:
         num = len(token_ids)
         if max_tokens <= 0 or num < self.min_n + 1:
             return []
-        tokens = np.array(token_ids, dtype=np.int64)
+        raw = np.array(token_ids, dtype=np.int64)
+        tokens = raw if self.token_classes is None else self.token_classes[raw]
         # Candidates are the earlier occurrences of the last token (each with a token after it); their
         # matches are extended backwards one position at a time, all at once. A handful of array ops a step
         # (a scan of every n-gram size took ~150 us at 700 tokens: a few % of a decode step).
@@ -45,4 +66,4 @@ class NgramProposer:
         starts = ends[length == n] + 1  # where each best match's continuation begins
         full = starts[starts + max_tokens <= num]
         start = int(full[-1] if full.size else starts[0])
-        return tokens[start:start + max_tokens].tolist()
+        return raw[start:start + max_tokens].tolist()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import time
 
+import numpy as np
 import torch
 
 from kvserve.engine.scheduler import SchedulerOutput
@@ -41,14 +42,15 @@ class SpecDecodeStats:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, max_num_batched_tokens: int,
-                 draft: DraftProposer | EagleProposer | None = None) -> None:
+                 draft: DraftProposer | EagleProposer | None = None, token_classes: np.ndarray | None = None) -> None:
+        """token_classes: for method "ngram", what each token id is matched as (ngram.whitespace_classes)."""
         self.config = config
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         assert (config.method != "ngram") == (draft is not None)
         self.draft = draft
         if draft is None:
-            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, token_classes)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.length = DraftLength(config.num_speculative_tokens) if config.adaptive_draft_length else None
         self._step = 0
