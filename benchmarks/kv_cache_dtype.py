@@ -58,7 +58,7 @@ def main() -> None:
         for k in range(args.rounds):
             for d in (list(llms) if k % 2 == 0 else list(reversed(llms))):
                 ms[d].append(decode_ms(llms[d], args.steps))
-        for d, llm in llms.items():
+        for llm in llms.values():
             llm.engine.abort_request([f"ctx{ctx}"])
         for d in llms:
             ratios = [b / x for b, x in zip(ms[base], ms[d])]
@@ -71,7 +71,8 @@ def main() -> None:
     kv_bytes = {d: llm.engine.runner.kv_caches[0][0].element_size() for d, llm in llms.items()}
     table = "\n".join(["| context tokens | KV cache dtype | decode step, median ms | x " + base + " (rounds) |",
                        "|---:|---|---:|---|", *rows])
-    setup = (f"Model: the default SmolLM2-135M-Instruct (Q4_1 GGUF, dtype auto: float32 compute here); one sequence "
+    compute = str(llms[base].engine.dtype).removeprefix("torch.")
+    setup = (f"Model: the default SmolLM2-135M-Instruct (Q4_1 GGUF, dtype auto: {compute} compute here); one sequence "
              f"of random prompt tokens decoding greedily from each context length; {args.rounds} rounds of "
              f"{args.steps} steps per engine, taking turns. Bytes per cached value: {kv_bytes}. Greedy tokens "
              f"of a chat prompt (64 at most) equal to {base}'s: {results['greedy_tokens_equal_to_' + base]}; "
