@@ -30,8 +30,8 @@ def reference(q, k_cache, v_cache, tables, row_seq, row_len, scale, window):
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
                                                (torch.float32, torch.float8_e4m3fn),
                                                (torch.bfloat16, torch.float8_e4m3fn),
-                                               (torch.float32, torch.bfloat16)],
-                         ids=["f32", "bf16", "f32_fp8cache", "bf16_fp8cache", "f32_bf16cache"])
+                                               (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
+                         ids=["f32", "bf16", "f32_fp8cache", "bf16_fp8cache", "f32_bf16cache", "bf16_f32cache"])
 @pytest.mark.parametrize("D,H,Hkv,bs,window", [(64, 9, 3, 16, 0), (128, 8, 1, 16, 0), (16, 4, 2, 4, 0),
                                                 (32, 6, 6, 8, 20), (64, 16, 1, 16, 37),
                                                 (256, 4, 1, 16, 24)])  # Gemma 3 270M's heads, a window
@@ -103,8 +103,8 @@ def test_kernel_refuses_what_it_cannot_do(isa) -> None:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                     (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float8_e4m3fn),
-                                    (torch.bfloat16, torch.float8_e4m3fn)],
-                         ids=["f32", "f32_to_bf16", "bf16", "f32_to_fp8", "bf16_to_fp8"])
+                                    (torch.bfloat16, torch.float8_e4m3fn), (torch.bfloat16, torch.float32)],
+                         ids=["f32", "f32_to_bf16", "bf16", "f32_to_fp8", "bf16_to_fp8", "bf16_to_f32"])
 def test_cache_kv_writes_each_head_of_each_token_at_its_slot(isa, dtypes) -> None:
     ops = native_ops(isa)
     src, cache_dtype = dtypes

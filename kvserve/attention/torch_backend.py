@@ -76,7 +76,7 @@ class TorchPagedBackend(AttentionBackend):
     def _kernel_applies(self, layer: PagedAttention) -> bool:
         """Decided once per layer: the kernel's head sizes, GQA groups and dtypes, on a CPU that built it."""
         return (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
-                and self.kv_spec.dtype in (self.dtype, FP8, torch.bfloat16) and layer.head_dim in (16, 32, 64, 128, 256)
+                and self.kv_spec.dtype in (torch.float32, torch.bfloat16, FP8) and layer.head_dim in (16, 32, 64, 128, 256)
                 and layer.num_heads // layer.num_kv_heads <= 16 and cpu_kernels.available())
 
     def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -223,12 +223,14 @@ void paged_attention_(const at::Tensor& q, const at::Tensor& out, const at::Tens
   for (const at::Tensor* t : {&out, &k_cache, &v_cache, &row_token, &row_seq, &row_len, &block_tables})
     TORCH_CHECK(t->is_contiguous(), "paged_attention_: inputs must be contiguous");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention_: q's heads must be contiguous");
-  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
-  // A bfloat16 cache under float32 queries: half the bytes per key read; the products are still float32.
-  const bool bf16_cache = k_cache.scalar_type() == at::kBFloat16 && q.scalar_type() == at::kFloat;
-  TORCH_CHECK((k_cache.scalar_type() == q.scalar_type() || fp8 || bf16_cache) && out.scalar_type() == q.scalar_type() &&
-              v_cache.scalar_type() == k_cache.scalar_type(),
-              "paged_attention_: q and out must share a dtype, the cache that dtype, bfloat16 (float32 q) or "
+  // The cache's dtype is independent of q's: products and softmax are float32 whatever either is (a
+  // bfloat16 cache under float32 queries halves the bytes read per key).
+  const auto cache_type = k_cache.scalar_type();
+  const bool fp8 = cache_type == at::kFloat8_e4m3fn;
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+              out.scalar_type() == q.scalar_type() &&
+              (cache_type == at::kFloat || cache_type == at::kBFloat16 || fp8) && v_cache.scalar_type() == cache_type,
+              "paged_attention_: q and out must share a dtype, float32 or bfloat16; the cache float32, bfloat16 or "
               "float8_e4m3fn");
   for (const at::Tensor* t : {&row_token, &row_seq, &row_len, &block_tables})
     TORCH_CHECK(t->scalar_type() == at::kLong, "paged_attention_: index tensors must be int64");
@@ -266,12 +268,11 @@ void paged_attention_(const at::Tensor& q, const at::Tensor& out, const at::Tens
   };
   auto run = [&](auto q_tag) {
     if (fp8) with_cache(q_tag, c10::Float8_e4m3fn{});
-    else if (bf16_cache) with_cache(q_tag, c10::BFloat16{});
-    else with_cache(q_tag, q_tag);
+    else if (cache_type == at::kBFloat16) with_cache(q_tag, c10::BFloat16{});
+    else with_cache(q_tag, float{});
   };
   if (q.scalar_type() == at::kBFloat16) run(c10::BFloat16{});
-  else if (q.scalar_type() == at::kFloat) run(float{});
-  else TORCH_CHECK(false, "paged_attention_: bfloat16 or float32 only");
+  else run(float{});
 }
 
 // Writes the new tokens' K and V ([T, Hkv, D], heads contiguous, tokens possibly strided: views of the
@@ -323,6 +324,7 @@ void cache_kv_(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cac
   else if (in == at::kFloat && cache == at::kFloat) copy(float{}, float{});
   else if (in == at::kFloat && cache == at::kBFloat16) copy(float{}, c10::BFloat16{});
   else if (in == at::kBFloat16 && cache == at::kBFloat16) copy(c10::BFloat16{}, c10::BFloat16{});
+  else if (in == at::kBFloat16 && cache == at::kFloat) copy(c10::BFloat16{}, float{});
   else TORCH_CHECK(false, "cache_kv_: unsupported dtypes ", in, " -> ", cache);
 }
 
