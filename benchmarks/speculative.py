@@ -13,6 +13,7 @@ measured step times say pay, none above disable_by_batch_size running sequences,
 acceptance); ngram-fixed (the same, but every step drafts all k tokens: adaptive_draft_length false);
 ngram-always (all k tokens in every step, no batch limit, no pauses: to find the crossover batch size);
 ngram-plain (ngram with tokens matched only as themselves, no whitespace classes: kvserve/spec_decode/ngram.py);
+ngram-one-class (ngram with one acceptance record for all drafts, not one per match length: draft_length.py);
 draft, draft-fixed, draft-always, the same with the draft model (--draft-model, default: the draft shipped
 for the default model, k = --draft-k); eagle, eagle-fixed, eagle-always, the same with the eagle head
 (--eagle-model, default: the shipped head, k = --eagle-k).
@@ -37,6 +38,7 @@ from common import report
 from kvserve import LLM, SamplingParams
 from kvserve.bench.corpus import load_corpus
 from kvserve.kernels import cpu as cpu_kernels
+from kvserve.spec_decode.ngram import NgramProposer
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [
@@ -127,13 +129,23 @@ def run_closed_loop(llm: LLM, prompts: list[list[int]], params: SamplingParams, 
     }
 
 
+class OneClassProposer:
+    """Prompt lookup whose drafts all count as one class (draft_length.py), whatever their match length."""
+
+    def __init__(self, proposer: NgramProposer) -> None:
+        self.proposer = proposer
+
+    def propose_with_length(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
+        return self.proposer.propose_with_length(token_ids, max_tokens)[0], 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", nargs="+", default=["repeat", "summarise", "chat"],
                     choices=["repeat", "summarise", "chat"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-fixed", "eagle", "eagle-fixed"],
-                    choices=["none", "ngram-plain",
+                    choices=["none", "ngram-plain", "ngram-one-class",
                              *(m + v for m in ("ngram", "draft", "eagle") for v in ("", "-fixed", "-always"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -168,6 +180,8 @@ def main() -> None:
             for method in args.methods}
     if "ngram-plain" in llms:
         llms["ngram-plain"].engine.speculator.proposer.token_classes = None
+    if "ngram-one-class" in llms:
+        llms["ngram-one-class"].engine.speculator.proposer = OneClassProposer(llms["ngram-one-class"].engine.speculator.proposer)
     tok = llms["none"].get_tokenizer()
     for workload in args.workloads:
         for c in args.concurrency:

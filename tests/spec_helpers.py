@@ -23,6 +23,9 @@ class ScriptedProposer:
         self.rng = random.Random(seed)
         self.calls = 0
 
+    def propose_with_length(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
+        return self.propose(token_ids, max_tokens), 0  # one draft class
+
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
         self.calls += 1
         for prompt, out in self.continuations.items():

@@ -7,6 +7,11 @@ from kvserve.spec_decode.ngram import NgramProposer
 
 
 def reference(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+    return reference_with_length(tokens, lo, hi, k)[0]
+
+
+def reference_with_length(tokens: list[int], lo: int, hi: int, k: int) -> tuple[list[int], int]:
+    """The draft, and the n of the match it continues (0 without one)."""
     for n in range(hi, lo - 1, -1):
         if len(tokens) < n + 1:
             continue
@@ -15,8 +20,8 @@ def reference(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
         if starts:
             full = [i for i in starts if i + n + k <= len(tokens)]
             i = full[-1] if full else starts[0]
-            return tokens[i + n:i + n + k]
-    return []
+            return tokens[i + n:i + n + k], n
+    return [], 0
 
 
 def test_examples():
@@ -29,6 +34,10 @@ def test_examples():
     assert NgramProposer(1, 1).propose([5, 6, 5], 4) == [6, 5]        # short: only what follows exists
     # The longest n wins over a more recent shorter match.
     assert p.propose([1, 2, 3, 4, 0, 3, 4, 8, 8, 1, 2, 3, 4], 2) == [0, 3]
+    # ... and says how long the match was: what draft_length.py trusts a draft by.
+    assert p.propose_with_length([1, 2, 3, 4, 0, 3, 4, 8, 8, 1, 2, 3, 4], 2) == ([0, 3], 4)
+    assert p.propose_with_length([1, 2, 3, 9, 9, 1, 2], 3) == ([3, 9, 9], 2)
+    assert p.propose_with_length([1, 2, 3, 4, 5, 6], 3) == ([], 0)
 
 
 @pytest.mark.parametrize("lo,hi", [(1, 1), (1, 3), (2, 4), (3, 5)])
@@ -39,6 +48,7 @@ def test_matches_brute_force(lo, hi):
         tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
         k = rng.randrange(1, 6)
         assert p.propose(tokens, k) == reference(tokens, lo, hi, k), (tokens, k)
+        assert p.propose_with_length(tokens, k) == reference_with_length(tokens, lo, hi, k), (tokens, k)
 
 
 @pytest.mark.parametrize("lo,hi", [(1, 3), (2, 4)])

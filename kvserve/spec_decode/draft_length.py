@@ -14,10 +14,17 @@ sequence by the drafts it has) that maximises the expected tokens per second:
     rate(d) = (n + sum_r E_r(d)) / (t(n + sum_r min(d, d_r)) + d * t_draft)
 
 n: the step's tokens without drafts; E_r(d): sequence r's expected accepted tokens among its first d drafts
-(the acceptance at each draft position so far, scaled by r's own recent acceptance against the average);
+(the acceptance at each draft position so far among drafts of r's draft's class, scaled by r's own recent
+acceptance against the average);
 t(T): the measured time of a step of T tokens; t_draft: the proposer's measured time per draft position
 (the draft model's or eagle head's; ~0 for n-gram). The rule is SmartSpec's (Liu et al. 2024, "Optimizing
 Speculative Decoding for Serving Large Language Models Using Goodput"), with costs measured, not modelled.
+
+A draft's class says how far to trust it before it is verified: for prompt lookup, the length of the
+n-gram its continuation follows (replayed on the default model's copies, a 4-token draft after a 4-gram
+had 3.2 tokens accepted on average, after a single token 0.6), for a model's drafts always 0. Acceptance
+by position is kept per class, so a step drafts long after a long match and little or nothing after a
+short one.
 
 A step whose size without drafts was never measured goes without drafts, to measure it; unmeasured sizes
 with drafts are estimated from the nearest measured ones (optimistically flat above the largest when only
@@ -96,14 +103,22 @@ class DraftLength:
 
     def __init__(self, max_length: int) -> None:
         self.times = StepTimes()
-        # P(draft token i accepted | it was drafted): optimistic before any draft, so drafting gets tried.
-        self.position_acceptance = [1.0] * max_length
+        self.max_length = max_length
+        # Per draft class, P(draft token i accepted | it was drafted): optimistic before the class's first
+        # draft, so drafting gets tried.
+        self.position_acceptance: dict[int, list[float]] = {}
         self.acceptance = 1.0         # accepted / drafted, a moving average over all sequences
         self.draft_seconds = 0.0      # the proposer's time per draft position
         self._decisions = 0
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
-        q = self.position_acceptance
+    def acceptance_by_position(self, draft_class: int) -> list[float]:
+        q = self.position_acceptance.get(draft_class)
+        if q is None:
+            q = self.position_acceptance[draft_class] = [1.0] * self.max_length
+        return q
+
+    def record(self, num_drafted: int, num_accepted: int, draft_class: int = 0) -> None:
+        q = self.acceptance_by_position(draft_class)
         for i in range(num_drafted):
             q[i] += _POSITION_WEIGHT * ((1.0 if i < num_accepted else 0.0) - q[i])
         self.acceptance += _POSITION_WEIGHT * (num_accepted / num_drafted - self.acceptance)
@@ -115,26 +130,26 @@ class DraftLength:
         else:
             self.draft_seconds += _TIME_WEIGHT * (per_position - self.draft_seconds)
 
-    def choose(self, num_tokens: int, drafts: list[tuple[int, float]]) -> int:
+    def choose(self, num_tokens: int, drafts: list[tuple[int, float, int]]) -> int:
         """num_tokens: the step's tokens without drafts; drafts: per sequence that may draft, (draft tokens
-        it has, its acceptance relative to the average). The best length, 0 for none."""
+        it has, its acceptance relative to the average, its draft's class). The best length, 0 for none."""
         if not self.times.measured(num_tokens):
             # Measure the step without drafts first: every rate is relative to it. (A step with a prefill
             # chunk, whose size seldom repeats, so goes without drafts.)
             return 0
         base = self.times.estimate(num_tokens)
-        most = max((avail for avail, _ in drafts), default=0)
+        most = max((avail for avail, _, _ in drafts), default=0)
         # expected[r][m]: sequence r's expected accepted tokens among its first m drafts
-        q = self.position_acceptance
         expected = []
-        for avail, scale in drafts:
+        for avail, scale, draft_class in drafts:
+            q = self.acceptance_by_position(draft_class)
             e = [0.0]
             for i in range(avail):
                 e.append(e[-1] + min(1.0, q[i] * scale))
             expected.append(e)
         rates = [num_tokens / base]
         for d in range(1, most + 1):
-            rows = num_tokens + sum(min(d, avail) for avail, _ in drafts)
+            rows = num_tokens + sum(min(d, avail) for avail, _, _ in drafts)
             tokens = num_tokens + sum(e[min(d, len(e) - 1)] for e in expected)
             rates.append(tokens / (self.times.estimate(rows) + d * self.draft_seconds))
         best = max(range(len(rates)), key=lambda d: (rates[d], -d))  # the shortest of equal rates

@@ -74,7 +74,8 @@ class Speculator:
         # A sequence's acceptance against the average, once it has a record (a copy drafts better than chat).
         drafts = [(len(seq.spec_token_ids),
                    seq.spec_state.acceptance / average
-                   if seq.spec_state is not None and seq.spec_state.num_verified >= window else 1.0)
+                   if seq.spec_state is not None and seq.spec_state.num_verified >= window else 1.0,
+                   seq.spec_state.draft_class if seq.spec_state is not None else 0)
                   for seq in drafting]
         # Without drafts each sequence brings what it has left to compute (1 when it decodes), up to the budget.
         num_tokens = min(self.max_num_batched_tokens, sum(seq.num_tokens - seq.num_computed_tokens for seq in running))
@@ -97,7 +98,10 @@ class Speculator:
             return []
         if self.draft is not None:  # the scheduler sizes the row; fill_drafts() runs the draft model
             return [PLACEHOLDER] * max_new if self.draft.can_draft(seq) else []
-        return self.proposer.propose(seq.token_ids, max_new)
+        draft, match_length = self.proposer.propose_with_length(seq.token_ids, max_new)
+        if draft:
+            spec_state(seq).draft_class = match_length
+        return draft
 
     def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """The target's hidden state that produced seq's last token (method "eagle")."""
@@ -130,11 +134,11 @@ class Speculator:
         s.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             s.accepted_per_pos[i] += 1
+        state = spec_state(seq)
         if self.length is not None:
-            self.length.record(num_drafted, num_accepted)
+            self.length.record(num_drafted, num_accepted, state.draft_class)
 
         cfg = self.config
-        state = spec_state(seq)
         # Each verified draft token moves the average by 1/window of the way to this draft's rate.
         weight = min(1.0, num_drafted / cfg.acceptance_window)
         state.acceptance += weight * (num_accepted / num_drafted - state.acceptance)

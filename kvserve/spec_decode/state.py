@@ -17,6 +17,7 @@ class SpecState:
     num_verified: int = 0        # draft tokens verified so far
     paused_until: int = 0        # no drafts before this step
     pause_steps: int = FIRST_PAUSE_STEPS
+    draft_class: int = 0         # the last draft's class (draft_length.py): n-gram drafts, their match length
     # Draft model (method "draft"): its K/V is valid below this position, in the blocks the sequence held
     # after its draft_preemptions-th preemption.
     draft_computed: int = 0
