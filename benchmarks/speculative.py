@@ -14,6 +14,7 @@ acceptance); ngram-fixed (the same, but every step drafts all k tokens: adaptive
 ngram-always (all k tokens in every step, no batch limit, no pauses: to find the crossover batch size);
 ngram-plain (ngram with tokens matched only as themselves, no whitespace classes: kvserve/spec_decode/ngram.py);
 ngram-one-class (ngram with one acceptance record for all drafts, not one per match length: draft_length.py);
+ngram-one-length (ngram with one draft length for every sequence of a step, not one per sequence);
 draft, draft-fixed, draft-always, the same with the draft model (--draft-model, default: the draft shipped
 for the default model, k = --draft-k); eagle, eagle-fixed, eagle-always, the same with the eagle head
 (--eagle-model, default: the shipped head, k = --eagle-k).
@@ -38,6 +39,7 @@ from common import report
 from kvserve import LLM, SamplingParams
 from kvserve.bench.corpus import load_corpus
 from kvserve.kernels import cpu as cpu_kernels
+from kvserve.spec_decode.draft_length import MAX_AGE, PROBE_EVERY, PROBE_MIN_RATE, DraftLength
 from kvserve.spec_decode.ngram import NgramProposer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,13 +141,41 @@ class OneClassProposer:
         return self.proposer.propose_with_length(token_ids, max_tokens)[0], 0
 
 
+class OneLengthDraftLength(DraftLength):
+    """The rule before lengths per sequence: one length d for the step, each sequence keeping min(d, its
+    drafts), d the rate's best."""
+
+    def choose(self, num_tokens: int, drafts: list[tuple[int, float, int]]) -> list[int]:
+        if not self.times.measured(num_tokens):
+            return [0] * len(drafts)
+        expected = []  # [r][m]: sequence r's expected accepted tokens among its first m drafts
+        for avail, scale, draft_class in drafts:
+            q, e = self.acceptance_by_position(draft_class), [0.0]
+            for i in range(avail):
+                e.append(e[-1] + min(1.0, q[i] * scale))
+            expected.append(e)
+        most = max(avail for avail, _, _ in drafts)
+        rates = [num_tokens / self.times.estimate(num_tokens)]
+        for d in range(1, most + 1):
+            rows = num_tokens + sum(min(d, avail) for avail, _, _ in drafts)
+            tokens = num_tokens + sum(e[min(d, len(e) - 1)] for e in expected)
+            rates.append(tokens / (self.times.estimate(rows) + d * self.draft_seconds))
+        best = max(range(len(rates)), key=lambda d: (rates[d], -d))
+        self._decisions += 1
+        if best < most:
+            every = PROBE_EVERY if rates[best + 1] >= PROBE_MIN_RATE * rates[best] else MAX_AGE
+            if self._decisions % every == 0:
+                best += 1
+        return [min(best, avail) for avail, _, _ in drafts]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", nargs="+", default=["repeat", "summarise", "chat"],
                     choices=["repeat", "summarise", "chat"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-fixed", "eagle", "eagle-fixed"],
-                    choices=["none", "ngram-plain", "ngram-one-class",
+                    choices=["none", "ngram-plain", "ngram-one-class", "ngram-one-length",
                              *(m + v for m in ("ngram", "draft", "eagle") for v in ("", "-fixed", "-always"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -181,7 +211,11 @@ def main() -> None:
     if "ngram-plain" in llms:
         llms["ngram-plain"].engine.speculator.proposer.token_classes = None
     if "ngram-one-class" in llms:
-        llms["ngram-one-class"].engine.speculator.proposer = OneClassProposer(llms["ngram-one-class"].engine.speculator.proposer)
+        speculator = llms["ngram-one-class"].engine.speculator
+        speculator.proposer = OneClassProposer(speculator.proposer)
+    if "ngram-one-length" in llms:
+        speculator = llms["ngram-one-length"].engine.speculator
+        speculator.length = OneLengthDraftLength(speculator.length.max_length)
     tok = llms["none"].get_tokenizer()
     for workload in args.workloads:
         for c in args.concurrency:

@@ -44,34 +44,34 @@ def policy(points: dict[int, float], q: list[float], draft_seconds: float = 0.0)
 def test_memory_bound_steps_draft_every_position_that_has_a_chance():
     # Rows cost nothing extra: any expected accepted token raises the rate.
     p = policy({1: 1.0, 5: 1.0}, [0.8, 0.6, 0.4, 0.2])
-    assert p.choose(1, [(4, 1.0, 0)]) == 4
+    assert p.choose(1, [(4, 1.0, 0)]) == [4]
 
 
 def test_compute_bound_steps_draft_only_what_pays():
     # Each extra row costs 0.25 of a step. rate(d) = (1 + q0 + .. + q(d-1)) / (1 + 0.25 d):
     # d=0: 1, d=1: 1.6 / 1.25 = 1.28, d=2: 1.9 / 1.5 = 1.267, d=3: 2.0 / 1.75 = 1.14 -> 1.
     p = policy({1: 1.0, 5: 2.0}, [0.6, 0.3, 0.1, 0.05])
-    assert p.choose(1, [(4, 1.0, 0)]) == 1
+    assert p.choose(1, [(4, 1.0, 0)]) == [1]
     # At acceptance 0.2 no length pays (1.2 / 1.25 < 1).
-    assert policy({1: 1.0, 5: 2.0}, [0.2, 0.1, 0.05, 0.0]).choose(1, [(4, 1.0, 0)]) == 0
+    assert policy({1: 1.0, 5: 2.0}, [0.2, 0.1, 0.05, 0.0]).choose(1, [(4, 1.0, 0)]) == [0]
     # A sequence that drafts twice as well as the average (a copy among chats) makes two positions pay:
     # q scaled by 2 = [1.0, 0.6, 0.2, 0.1]: d=1: 2.0 / 1.25 = 1.6, d=2: 2.6 / 1.5 = 1.73, d=3: 2.8 / 1.75 = 1.6.
-    assert p.choose(1, [(4, 2.0, 0)]) == 2
+    assert p.choose(1, [(4, 2.0, 0)]) == [2]
     # A sequence with fewer drafts caps nothing for the others, and costs only its own rows.
-    assert policy({1: 1.0, 2: 1.0, 8: 1.0}, [0.9, 0.9]).choose(2, [(1, 1.0, 0), (2, 1.0, 0)]) == 2
+    assert policy({1: 1.0, 2: 1.0, 8: 1.0}, [0.9, 0.9]).choose(2, [(1, 1.0, 0), (2, 1.0, 0)]) == [1, 2]
 
 
 def test_the_proposers_time_counts_against_drafting():
     q = [0.5, 0.5]
-    assert policy({1: 1.0, 3: 1.0}, q).choose(1, [(2, 1.0, 0)]) == 2
+    assert policy({1: 1.0, 3: 1.0}, q).choose(1, [(2, 1.0, 0)]) == [2]
     # 0.3 a position: d=1: 1.5 / 1.3 = 1.15, d=2: 2.0 / 1.6 = 1.25; 0.6 a position: 1.5 / 1.6 < 1.
-    assert policy({1: 1.0, 3: 1.0}, q, draft_seconds=0.3).choose(1, [(2, 1.0, 0)]) == 2
-    assert policy({1: 1.0, 3: 1.0}, q, draft_seconds=0.6).choose(1, [(2, 1.0, 0)]) == 0
+    assert policy({1: 1.0, 3: 1.0}, q, draft_seconds=0.3).choose(1, [(2, 1.0, 0)]) == [2]
+    assert policy({1: 1.0, 3: 1.0}, q, draft_seconds=0.6).choose(1, [(2, 1.0, 0)]) == [0]
 
 
 def test_every_probe_th_decision_drafts_one_position_more():
     p = policy({1: 1.0, 5: 2.0}, [0.2, 0.1, 0.05, 0.0])
-    lengths = [p.choose(1, [(4, 1.0, 0)]) for _ in range(3 * PROBE_EVERY)]
+    lengths = [p.choose(1, [(4, 1.0, 0)])[0] for _ in range(3 * PROBE_EVERY)]
     assert lengths.count(1) == 3 and lengths.count(0) == 3 * PROBE_EVERY - 3
 
 
@@ -79,15 +79,15 @@ def test_a_length_far_worse_than_the_best_is_probed_rarely():
     # An H200's decode step replays a graph (1.86 ms) while a step with drafts runs eagerly (13.4 ms): even
     # drafts that are always right (two tokens a step) rate 2 / 13.4 against 1 / 1.86, about 0.28 of the best.
     p = policy({1: 1.86, 2: 13.4}, [1.0, 1.0])
-    lengths = [p.choose(1, [(2, 1.0, 0)]) for _ in range(2 * MAX_AGE)]
+    lengths = [p.choose(1, [(2, 1.0, 0)])[0] for _ in range(2 * MAX_AGE)]
     assert lengths.count(0) == 2 * MAX_AGE - 2 and lengths.count(1) == 2
 
 
 def test_a_step_size_never_timed_without_drafts_goes_without_them_once():
     p = DraftLength(3)
-    assert p.choose(2, [(3, 1.0, 0), (1, 1.0, 0)]) == 0
+    assert p.choose(2, [(3, 1.0, 0), (1, 1.0, 0)]) == [0, 0]
     p.times.observe(2, 1.0)
-    assert p.choose(2, [(3, 1.0, 0), (1, 1.0, 0)]) == 3  # 5 tokens unmeasured: as cheap as 2, so tried
+    assert p.choose(2, [(3, 1.0, 0), (1, 1.0, 0)]) == [3, 1]  # 6 tokens unmeasured: as cheap as 2, so tried
 
 
 def test_record_moves_the_acceptance_of_each_verified_position():
@@ -176,8 +176,14 @@ def test_acceptance_is_kept_per_draft_class_and_each_class_gets_its_own_length()
         p.record(4, 0, draft_class=1)
     assert p.position_acceptance[4] == pytest.approx([1.0] * 4)
     assert max(p.position_acceptance[1]) < 0.01
-    assert p.choose(1, [(4, 1.0, 4)]) == 4
-    lengths = [p.choose(1, [(4, 1.0, 1)]) for _ in range(PROBE_EVERY)]
+    assert p.choose(1, [(4, 1.0, 4)]) == [4]
+    lengths = [p.choose(1, [(4, 1.0, 1)])[0] for _ in range(PROBE_EVERY)]
     assert lengths.count(0) == PROBE_EVERY - 1  # only the probe drafts
     # A class never drafted starts optimistic, so it is tried.
-    assert p.choose(1, [(4, 1.0, 3)]) == 4
+    assert p.choose(1, [(4, 1.0, 3)]) == [4]
+    # In one step each sequence keeps what its own class pays. Two sequences, a row costing 0.25 from 2 up:
+    # the 4-gram's 4 tokens alone give (2 + 4) / 2.0 = 3 tokens a second; one length for both would add
+    # the other's 4 useless rows, (2 + 4) / 3.0 = 2, no better than not drafting (2 / 1.0).
+    p = policy({1: 1.0, 2: 1.0, 6: 2.0}, [1.0] * 4)
+    p.position_acceptance = {4: [1.0] * 4, 1: [0.0] * 4}
+    assert p.choose(2, [(4, 1.0, 1), (4, 1.0, 4)]) == [0, 4]

@@ -8,17 +8,20 @@ all 4 tokens below disable_by_batch_size 4, measured on AVX-512, lost 16-18% on 
 AVX2 (benchmarks/results/speculative_avx2.md, speculative_adaptive_avx2.md).
 
 So the engine times its forward steps by the number of tokens they carry (StepTimes) and the outcome of
-every draft position (DraftLength.record), and before each step picks the draft length d (0..k, capped per
-sequence by the drafts it has) that maximises the expected tokens per second:
+every draft position (DraftLength.record), and before each step picks how many of its draft tokens each
+sequence r keeps, d_r, to maximise the expected tokens per second:
 
-    rate(d) = (n + sum_r E_r(d)) / (t(n + sum_r min(d, d_r)) + d * t_draft)
+    rate = (n + sum_r E_r(d_r)) / (t(n + sum_r d_r) + max_r d_r * t_draft)
 
 n: the step's tokens without drafts; E_r(d): sequence r's expected accepted tokens among its first d drafts
 (the acceptance at each draft position so far among drafts of r's draft's class, scaled by r's own recent
-acceptance against the average);
-t(T): the measured time of a step of T tokens; t_draft: the proposer's measured time per draft position
-(the draft model's or eagle head's; ~0 for n-gram). The rule is SmartSpec's (Liu et al. 2024, "Optimizing
-Speculative Decoding for Serving Large Language Models Using Goodput"), with costs measured, not modelled.
+acceptance against the average); t(T): the measured time of a step of T tokens; t_draft: the proposer's
+measured time per draft position (the draft model's or eagle head's; ~0 for n-gram). A draft token is
+accepted only with all before it, so its expected gain is at most that of the one before it: the best step
+with T draft tokens keeps the T of highest gain over all sequences, and the rule takes the T of the highest
+rate. It is SmartSpec's (Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large Language
+Models Using Goodput") with costs measured, not modelled, and a length per sequence rather than one for
+the step: a copy in a long match drafts while a chat beside it does not.
 
 A draft's class says how far to trust it before it is verified: for prompt lookup, the length of the
 n-gram its continuation follows (replayed on the default model's copies, a 4-token draft after a 4-gram
@@ -28,9 +31,9 @@ short one.
 
 A step whose size without drafts was never measured goes without drafts, to measure it; unmeasured sizes
 with drafts are estimated from the nearest measured ones (optimistically flat above the largest when only
-one is known), so drafting is tried and then measured. Every PROBE_EVERY-th decision drafts one
-position more than the best, to keep the estimates for the next length current (every MAX_AGE-th where
-that length is estimated at under half the best rate), and a step size not seen for MAX_AGE steps is
+one is known), so drafting is tried and then measured. Every PROBE_EVERY-th decision keeps one draft
+token more than the best, to keep the estimates for the next length current (every MAX_AGE-th where
+that is estimated at under half the best rate), and a step size not seen for MAX_AGE steps is
 forgotten, so a length that stopped paying is estimated afresh and tried again.
 """
 from __future__ import annotations
@@ -99,7 +102,7 @@ class StepTimes:
 
 
 class DraftLength:
-    """The draft length a step carries (see the module's docstring)."""
+    """The draft tokens a step carries (see the module's docstring)."""
 
     def __init__(self, max_length: int) -> None:
         self.times = StepTimes()
@@ -130,31 +133,35 @@ class DraftLength:
         else:
             self.draft_seconds += _TIME_WEIGHT * (per_position - self.draft_seconds)
 
-    def choose(self, num_tokens: int, drafts: list[tuple[int, float, int]]) -> int:
+    def choose(self, num_tokens: int, drafts: list[tuple[int, float, int]]) -> list[int]:
         """num_tokens: the step's tokens without drafts; drafts: per sequence that may draft, (draft tokens
-        it has, its acceptance relative to the average, its draft's class). The best length, 0 for none."""
+        it has, its acceptance relative to the average, its draft's class). How many of its draft tokens
+        each sequence keeps (0: none)."""
+        keep = [0] * len(drafts)
         if not self.times.measured(num_tokens):
             # Measure the step without drafts first: every rate is relative to it. (A step with a prefill
             # chunk, whose size seldom repeats, so goes without drafts.)
-            return 0
-        base = self.times.estimate(num_tokens)
-        most = max((avail for avail, _, _ in drafts), default=0)
-        # expected[r][m]: sequence r's expected accepted tokens among its first m drafts
-        expected = []
-        for avail, scale, draft_class in drafts:
+            return keep
+        # Every draft token of every sequence, the likeliest to be accepted first. A token is accepted only
+        # with all before it, so its gain never rises along its draft and each sequence's tokens come in
+        # order: the first T of the list are the best T rows a step can add.
+        ranked: list[tuple[float, int, int]] = []
+        for r, (avail, scale, draft_class) in enumerate(drafts):
             q = self.acceptance_by_position(draft_class)
-            e = [0.0]
+            gain = 1.0
             for i in range(avail):
-                e.append(e[-1] + min(1.0, q[i] * scale))
-            expected.append(e)
-        rates = [num_tokens / base]
-        for d in range(1, most + 1):
-            rows = num_tokens + sum(min(d, avail) for avail, _, _ in drafts)
-            tokens = num_tokens + sum(e[min(d, len(e) - 1)] for e in expected)
-            rates.append(tokens / (self.times.estimate(rows) + d * self.draft_seconds))
-        best = max(range(len(rates)), key=lambda d: (rates[d], -d))  # the shortest of equal rates
+                gain = min(gain, q[i] * scale)  # (moving averages per position can cross: keep it monotone)
+                ranked.append((-gain, i, r))
+        ranked.sort()
+        rates = [num_tokens / self.times.estimate(num_tokens)]
+        tokens, depth = float(num_tokens), 0
+        for added, (neg_gain, i, _) in enumerate(ranked, 1):
+            tokens -= neg_gain
+            depth = max(depth, i + 1)  # the proposer drafts every sequence to the deepest one kept
+            rates.append(tokens / (self.times.estimate(num_tokens + added) + depth * self.draft_seconds))
+        best = max(range(len(rates)), key=lambda t: (rates[t], -t))  # the fewest tokens of equal rates
         self._decisions += 1
-        if best < most:
+        if best < len(ranked):
             # A length estimated at under half the best rate is probed every MAX_AGE-th decision, not every
             # PROBE_EVERY-th: on a GPU a decode step replays a CUDA graph and a step with drafts runs eagerly
             # (1.86 vs 13.4 ms on an H200), and probing every PROBE_EVERY-th step there would cost more than
@@ -162,4 +169,6 @@ class DraftLength:
             every = PROBE_EVERY if rates[best + 1] >= PROBE_MIN_RATE * rates[best] else MAX_AGE
             if self._decisions % every == 0:
                 best += 1
-        return best
+        for _, _, r in ranked[:best]:
+            keep[r] += 1
+        return keep

@@ -79,9 +79,8 @@ class Speculator:
                   for seq in drafting]
         # Without drafts each sequence brings what it has left to compute (1 when it decodes), up to the budget.
         num_tokens = min(self.max_num_batched_tokens, sum(seq.num_tokens - seq.num_computed_tokens for seq in running))
-        d = self.length.choose(num_tokens, drafts)
-        for seq in drafting:
-            del seq.spec_token_ids[d:]
+        for seq, keep in zip(drafting, self.length.choose(num_tokens, drafts)):
+            del seq.spec_token_ids[keep:]
 
     def _propose_one(self, seq: Sequence) -> list[int]:
         if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.prefill_done:
