@@ -15,6 +15,7 @@ ngram-always (all k tokens in every step, no batch limit, no pauses: to find the
 ngram-plain (ngram with tokens matched only as themselves, no whitespace classes: kvserve/spec_decode/ngram.py);
 ngram-one-class (ngram with one acceptance record for all drafts, not one per match length: draft_length.py);
 ngram-one-length (ngram with one draft length for every sequence of a step, not one per sequence);
+ngram-long (ngram with num_speculative_tokens and prompt_lookup_max --ngram-long-k, for copies);
 draft, draft-fixed, draft-always, the same with the draft model (--draft-model, default: the draft shipped
 for the default model, k = --draft-k); eagle, eagle-fixed, eagle-always, the same with the eagle head
 (--eagle-model, default: the shipped head, k = --eagle-k).
@@ -83,6 +84,9 @@ def method_config(method: str, args) -> dict | None:
         cfg = {"method": "draft", "num_speculative_tokens": args.draft_k, "model": args.draft_model}
     elif method.startswith("eagle"):
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_k, "model": args.eagle_model}
+    elif method == "ngram-long":
+        cfg = {"method": "ngram", "num_speculative_tokens": args.ngram_long_k,
+               "prompt_lookup_max": args.ngram_long_k, "prompt_lookup_min": args.prompt_lookup_min}
     else:
         cfg = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
@@ -175,7 +179,7 @@ def main() -> None:
                     choices=["repeat", "summarise", "chat"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-fixed", "eagle", "eagle-fixed"],
-                    choices=["none", "ngram-plain", "ngram-one-class", "ngram-one-length",
+                    choices=["none", "ngram-plain", "ngram-one-class", "ngram-one-length", "ngram-long",
                              *(m + v for m in ("ngram", "draft", "eagle") for v in ("", "-fixed", "-always"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -183,6 +187,8 @@ def main() -> None:
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
+    ap.add_argument("--ngram-long-k", type=int, default=8,
+                    help="num_speculative_tokens and prompt_lookup_max of method ngram-long")
     ap.add_argument("--draft-k", type=int, default=3, help="num_speculative_tokens of the draft methods")
     ap.add_argument("--draft-model", default=None, help="the draft methods' model (default: the shipped draft)")
     ap.add_argument("--eagle-k", type=int, default=1, help="num_speculative_tokens of the eagle methods")
@@ -270,8 +276,11 @@ def main() -> None:
         for by_m in by_c.values():
             for r in by_m.values():
                 del r["token_ids"]
+    ngram = f"n-gram k={args.num_speculative_tokens}, lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}"
+    if "ngram-long" in args.methods:
+        ngram += f" (ngram-long: k={args.ngram_long_k}, lookup {args.prompt_lookup_min}..{args.ngram_long_k})"
     setup = (f"Model: the default SmolLM2-135M-Instruct (dtype {args.dtype}, quantization {args.quantization}); "
-             f"n-gram k={args.num_speculative_tokens}, lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}; "
+             f"{ngram}; "
              f"draft k={args.draft_k} ({args.draft_model or 'the shipped draft'}); "
              f"eagle k={args.eagle_k} ({args.eagle_model or 'the shipped head'}); "
              f"{args.max_tokens} output tokens per request, temperature {args.temperature}; closed loop, "
