@@ -34,9 +34,11 @@ def test_step_times_interpolate_between_measured_counts_and_extrapolate_past_the
 
 
 def policy(points: dict[int, float], q: list[float], draft_seconds: float = 0.0) -> DraftLength:
+    """q[i]: P(draft tokens 0..i all accepted), for class 0."""
     p = DraftLength(len(q))
     p.times = times(points)
-    p.position_acceptance = {0: list(q)}
+    p.continue_rate = {0: [q[i] / q[i - 1] if i and q[i - 1] else (q[i] if not i else 0.0) for i in range(len(q))]}
+    assert p.acceptance_by_position(0) == pytest.approx(q)
     p.draft_seconds = draft_seconds
     return p
 
@@ -94,7 +96,7 @@ def test_record_moves_the_acceptance_of_each_verified_position():
     p = DraftLength(3)
     for _ in range(200):
         p.record(3, 1)  # position 0 always accepted, 1 and 2 never
-    q = p.position_acceptance[0]
+    q = p.acceptance_by_position(0)
     assert q[0] == 1.0
     assert q[1] < 0.01 and q[2] < 0.01
     assert p.acceptance == pytest.approx(1 / 3, abs=0.01)
@@ -174,8 +176,8 @@ def test_acceptance_is_kept_per_draft_class_and_each_class_gets_its_own_length()
     for _ in range(200):
         p.record(4, 4, draft_class=4)
         p.record(4, 0, draft_class=1)
-    assert p.position_acceptance[4] == pytest.approx([1.0] * 4)
-    assert max(p.position_acceptance[1]) < 0.01
+    assert p.acceptance_by_position(4) == pytest.approx([1.0] * 4)
+    assert max(p.acceptance_by_position(1)) < 0.01
     assert p.choose(1, [(4, 1.0, 4)]) == [4]
     lengths = [p.choose(1, [(4, 1.0, 1)])[0] for _ in range(PROBE_EVERY)]
     assert lengths.count(0) == PROBE_EVERY - 1  # only the probe drafts
@@ -185,5 +187,22 @@ def test_acceptance_is_kept_per_draft_class_and_each_class_gets_its_own_length()
     # the 4-gram's 4 tokens alone give (2 + 4) / 2.0 = 3 tokens a second; one length for both would add
     # the other's 4 useless rows, (2 + 4) / 3.0 = 2, no better than not drafting (2 / 1.0).
     p = policy({1: 1.0, 2: 1.0, 6: 2.0}, [1.0] * 4)
-    p.position_acceptance = {4: [1.0] * 4, 1: [0.0] * 4}
+    p.continue_rate = {4: [1.0] * 4, 1: [0.0] * 4}
     assert p.choose(2, [(4, 1.0, 1), (4, 1.0, 4)]) == [0, 4]
+
+
+def test_a_position_never_drafted_continues_at_the_rate_of_the_last_one_that_was():
+    # Only first tokens were ever drafted, accepted half the time: the second is expected to be accepted
+    # with the first half the time too (0.25 in all), not every time the first is.
+    p = DraftLength(4)
+    for _ in range(300):
+        p.record(1, 1)
+        p.record(1, 0)
+    assert p.acceptance_by_position(0) == pytest.approx([0.5, 0.25, 0.125, 0.0625], abs=0.03)
+    # Once the second is drafted and always accepted after the first, it is 0.5 and the rest follow it.
+    for _ in range(300):
+        p.record(2, 2)
+        p.record(2, 0)
+    assert p.acceptance_by_position(0) == pytest.approx([0.5, 0.5, 0.5, 0.5], abs=0.03)
+    # A class never drafted is optimistic: drafting gets tried.
+    assert p.acceptance_by_position(7) == [1.0] * 4

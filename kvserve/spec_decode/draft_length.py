@@ -14,8 +14,8 @@ sequence r keeps, d_r, to maximise the expected tokens per second:
     rate = (n + sum_r E_r(d_r)) / (t(n + sum_r d_r) + max_r d_r * t_draft)
 
 n: the step's tokens without drafts; E_r(d): sequence r's expected accepted tokens among its first d drafts
-(the acceptance at each draft position so far among drafts of r's draft's class, scaled by r's own recent
-acceptance against the average); t(T): the measured time of a step of T tokens; t_draft: the proposer's
+(from the acceptance at each draft position so far among drafts of r's draft's class, scaled by r's own
+recent acceptance against the average); t(T): the measured time of a step of T tokens; t_draft: the proposer's
 measured time per draft position (the draft model's or eagle head's; ~0 for n-gram). A draft token is
 accepted only with all before it, so its expected gain is at most that of the one before it: the best step
 with T draft tokens keeps the T of highest gain over all sequences, and the rule takes the T of the highest
@@ -27,7 +27,10 @@ A draft's class says how far to trust it before it is verified: for prompt looku
 n-gram its continuation follows (replayed on the default model's copies, a 4-token draft after a 4-gram
 had 3.2 tokens accepted on average, after a single token 0.6), for a model's drafts always 0. Acceptance
 by position is kept per class, so a step drafts long after a long match and little or nothing after a
-short one.
+short one. It is kept as the rate at which token i is accepted where all before it were: a position not
+yet drafted in a class is assumed to continue at the rate of the last one that was (the first at 1.0, so
+drafting gets tried). Starting every position at 1.0 instead promised that a class whose first token was
+accepted half the time would keep all later tokens whenever it kept the first.
 
 A step whose size without drafts was never measured goes without drafts, to measure it; unmeasured sizes
 with drafts are estimated from the nearest measured ones (optimistically flat above the largest when only
@@ -107,23 +110,27 @@ class DraftLength:
     def __init__(self, max_length: int) -> None:
         self.times = StepTimes()
         self.max_length = max_length
-        # Per draft class, P(draft token i accepted | it was drafted): optimistic before the class's first
-        # draft, so drafting gets tried.
-        self.position_acceptance: dict[int, list[float]] = {}
+        # Per draft class, P(draft token i accepted | the tokens before it were), None before it is observed.
+        self.continue_rate: dict[int, list[float | None]] = {}
         self.acceptance = 1.0         # accepted / drafted, a moving average over all sequences
         self.draft_seconds = 0.0      # the proposer's time per draft position
         self._decisions = 0
 
     def acceptance_by_position(self, draft_class: int) -> list[float]:
-        q = self.position_acceptance.get(draft_class)
-        if q is None:
-            q = self.position_acceptance[draft_class] = [1.0] * self.max_length
-        return q
+        """[i]: P(draft tokens 0..i all accepted) for a draft of this class."""
+        out, p, c = [], 1.0, 1.0
+        for rate in self.continue_rate.get(draft_class) or [None] * self.max_length:
+            c = c if rate is None else rate  # not yet observed: the last observed position's rate
+            p *= c
+            out.append(p)
+        return out
 
     def record(self, num_drafted: int, num_accepted: int, draft_class: int = 0) -> None:
-        q = self.acceptance_by_position(draft_class)
-        for i in range(num_drafted):
-            q[i] += _POSITION_WEIGHT * ((1.0 if i < num_accepted else 0.0) - q[i])
+        rates = self.continue_rate.setdefault(draft_class, [None] * self.max_length)
+        # Token i's outcome given all before it were accepted is seen for i up to the first rejection.
+        for i in range(min(num_drafted, num_accepted + 1)):
+            old = rates[i] if rates[i] is not None else (rates[i - 1] if i else 1.0)
+            rates[i] = old + _POSITION_WEIGHT * ((1.0 if i < num_accepted else 0.0) - old)
         self.acceptance += _POSITION_WEIGHT * (num_accepted / num_drafted - self.acceptance)
 
     def observe_drafting(self, seconds: float, depth: int) -> None:
@@ -148,10 +155,8 @@ class DraftLength:
         ranked: list[tuple[float, int, int]] = []
         for r, (avail, scale, draft_class) in enumerate(drafts):
             q = self.acceptance_by_position(draft_class)
-            gain = 1.0
             for i in range(avail):
-                gain = min(gain, q[i] * scale)  # (moving averages per position can cross: keep it monotone)
-                ranked.append((-gain, i, r))
+                ranked.append((-min(1.0, q[i] * scale), i, r))
         ranked.sort()
         rates = [num_tokens / self.times.estimate(num_tokens)]
         tokens, depth = float(num_tokens), 0
