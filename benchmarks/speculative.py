@@ -40,7 +40,7 @@ from common import report
 from kvserve import LLM, SamplingParams
 from kvserve.bench.corpus import load_corpus
 from kvserve.kernels import cpu as cpu_kernels
-from kvserve.spec_decode.draft_length import MAX_AGE, PROBE_EVERY, PROBE_MIN_RATE, DraftLength
+from kvserve.spec_decode.draft_length import DraftLength
 from kvserve.spec_decode.ngram import NgramProposer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,12 +164,7 @@ class OneLengthDraftLength(DraftLength):
             rows = num_tokens + sum(min(d, avail) for avail, _, _ in drafts)
             tokens = num_tokens + sum(e[min(d, len(e) - 1)] for e in expected)
             rates.append(tokens / (self.times.estimate(rows) + d * self.draft_seconds))
-        best = max(range(len(rates)), key=lambda d: (rates[d], -d))
-        self._decisions += 1
-        if best < most:
-            every = PROBE_EVERY if rates[best + 1] >= PROBE_MIN_RATE * rates[best] else MAX_AGE
-            if self._decisions % every == 0:
-                best += 1
+        best = self.best_or_probe(rates)
         return [min(best, avail) for avail, _, _ in drafts]
 
 

@@ -164,9 +164,16 @@ class DraftLength:
             tokens -= neg_gain
             depth = max(depth, i + 1)  # the proposer drafts every sequence to the deepest one kept
             rates.append(tokens / (self.times.estimate(num_tokens + added) + depth * self.draft_seconds))
-        best = max(range(len(rates)), key=lambda t: (rates[t], -t))  # the fewest tokens of equal rates
+        best = self.best_or_probe(rates)
+        for _, _, r in ranked[:best]:
+            keep[r] += 1
+        return keep
+
+    def best_or_probe(self, rates: list[float]) -> int:
+        """The index of the highest rate (the lowest of equal ones), or one more on a probing decision."""
+        best = max(range(len(rates)), key=lambda t: (rates[t], -t))
         self._decisions += 1
-        if best < len(ranked):
+        if best + 1 < len(rates):
             # A length estimated at under half the best rate is probed every MAX_AGE-th decision, not every
             # PROBE_EVERY-th: on a GPU a decode step replays a CUDA graph and a step with drafts runs eagerly
             # (1.86 vs 13.4 ms on an H200), and probing every PROBE_EVERY-th step there would cost more than
@@ -174,6 +181,4 @@ class DraftLength:
             every = PROBE_EVERY if rates[best + 1] >= PROBE_MIN_RATE * rates[best] else MAX_AGE
             if self._decisions % every == 0:
                 best += 1
-        for _, _, r in ranked[:best]:
-            keep[r] += 1
-        return keep
+        return best
