@@ -5,7 +5,8 @@ concurrencies, on three workloads, with the acceptance rate per draft position.
     python benchmarks/speculative.py --concurrency 1 --num-requests 2 --max-tokens 8 --workloads repeat   # smoke
 
 Workloads (prompts cut from offline text, chat template applied, greedy unless --temperature):
-  repeat     copy a given text: a Shakespeare passage or a piece of kvserve's own source code
+  repeat     copy a given text: a Shakespeare passage or a piece of kvserve's own source code (a copy may
+             emit its text's token count + 8 tokens: --repeat-max-tokens)
   summarise  summarise a given passage
   chat       open questions, nothing to copy from
 Methods: none; ngram (the adaptive defaults: each step carries only the draft tokens that this engine's
@@ -18,7 +19,9 @@ ngram-one-length (ngram with one draft length for every sequence of a step, not 
 ngram-long (ngram with num_speculative_tokens and prompt_lookup_max --ngram-long-k, for copies);
 draft, draft-fixed, draft-always, the same with the draft model (--draft-model, default: the draft shipped
 for the default model, k = --draft-k); eagle, eagle-fixed, eagle-always, the same with the eagle head
-(--eagle-model, default: the shipped head, k = --eagle-k).
+(--eagle-model, default: the shipped head, k = --eagle-k); eagle-lookup, the head with prompt lookup in
+front of it (lookup --prompt-lookup-min..max drafts where the last tokens occurred before, the head
+elsewhere; k = --eagle-lookup-k for both).
 
 Each (workload, concurrency) runs a closed loop: `concurrency` requests in flight, a new one added when one
 finishes, until --num-requests (at least `concurrency`) are done; --rounds times, the methods taking turns,
@@ -55,7 +58,8 @@ QUESTIONS = [
 CODE_FILES = ["kvserve/engine/block_manager.py", "kvserve/sampling/logits_processors.py", "kvserve/engine/request.py"]
 
 
-def make_prompts(workload: str, n: int, seed: int) -> list[list[dict]]:
+def make_prompts(workload: str, n: int, seed: int) -> list[tuple[list[dict], str | None]]:
+    """n conversations of the workload, each with the text it asks to copy (None unless "repeat")."""
     rng = random.Random(seed)
     corpus = load_corpus() if workload in ("repeat", "summarise") else None
     convs = []
@@ -68,12 +72,14 @@ def make_prompts(workload: str, n: int, seed: int) -> list[list[dict]]:
             else:
                 text, what = corpus.passage(rng.randrange(len(corpus.lines)), 500), "text"
             content = f"Repeat the following {what} exactly, with no comment:\n\n{text}"
+            convs.append(([{"role": "user", "content": content}], text))
+            continue
         elif workload == "summarise":
             content = ("Summarise the following passage in a few sentences:\n\n"
                        + corpus.passage(rng.randrange(len(corpus.lines)), 900))
         else:
             content = QUESTIONS[i % len(QUESTIONS)]
-        convs.append([{"role": "user", "content": content}])
+        convs.append(([{"role": "user", "content": content}], None))
     return convs
 
 
@@ -82,6 +88,9 @@ def method_config(method: str, args) -> dict | None:
         return None
     if method.startswith("draft"):
         cfg = {"method": "draft", "num_speculative_tokens": args.draft_k, "model": args.draft_model}
+    elif method == "eagle-lookup":
+        cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_lookup_k, "model": args.eagle_model,
+               "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
     elif method.startswith("eagle"):
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_k, "model": args.eagle_model}
     elif method == "ngram-long":
@@ -97,7 +106,7 @@ def method_config(method: str, args) -> dict | None:
     return cfg
 
 
-def run_closed_loop(llm: LLM, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> dict:
+def run_closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], concurrency: int) -> dict:
     engine = llm.engine
     engine.reset_prefix_cache()
     before = engine.get_stats()
@@ -108,7 +117,7 @@ def run_closed_loop(llm: LLM, prompts: list[list[int]], params: SamplingParams, 
     while pending or in_flight:
         while pending and len(in_flight) < concurrency:
             i, p = pending.pop(0)
-            engine.add_request(f"r{i}", p, params)
+            engine.add_request(f"r{i}", p, params[i])
             in_flight.add(f"r{i}")
         for out in engine.step():
             if out.finished:
@@ -125,7 +134,8 @@ def run_closed_loop(llm: LLM, prompts: list[list[int]], params: SamplingParams, 
     per_pos = [a - (before.spec_accepted_per_pos[j] if j < len(before.spec_accepted_per_pos) else 0)
                for j, a in enumerate(after.spec_accepted_per_pos)]
     return {
-        "seconds": elapsed, "output_tokens": sum(tokens), "output_tok_s": sum(tokens) / elapsed,
+        "seconds": elapsed, "output_tokens": sum(tokens), "num_requests": len(prompts),
+        "output_tok_s": sum(tokens) / elapsed,
         "tpot_median_ms": 1000 * statistics.median(tpots) if tpots else None,
         "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else None,
@@ -133,6 +143,16 @@ def run_closed_loop(llm: LLM, prompts: list[list[int]], params: SamplingParams, 
         "acceptance_per_position": [a / drafts for a in per_pos] if drafts else [],
         "token_ids": [outputs[i].outputs[0].token_ids for i in range(len(prompts))],
     }
+
+
+def max_tokens(copied: str | None, tok, args) -> int:
+    """--max-tokens, except for a copy under --repeat-max-tokens text: its text's token count + 8, what a
+    client asking for a copy (or an edit) of a text would allow. The default model does not always stop
+    after the text: given 512 tokens, 5 of the 8 copies ran on to the limit, repeating themselves, which
+    is easy for prompt lookup and not what a copy is."""
+    if copied is None or args.repeat_max_tokens != "text":
+        return args.max_tokens if copied is None else int(args.repeat_max_tokens)
+    return len(tok.encode(copied, add_special_tokens=False)) + 8
 
 
 class OneClassProposer:
@@ -174,10 +194,12 @@ def main() -> None:
                     choices=["repeat", "summarise", "chat"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-fixed", "eagle", "eagle-fixed"],
-                    choices=["none", "ngram-plain", "ngram-one-class", "ngram-one-length", "ngram-long",
+                    choices=["none", "ngram-plain", "ngram-one-class", "ngram-one-length", "ngram-long", "eagle-lookup",
                              *(m + v for m in ("ngram", "draft", "eagle") for v in ("", "-fixed", "-always"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128, help="per request of summarise and chat")
+    ap.add_argument("--repeat-max-tokens", default="text",
+                    help='per copy: "text" (its text\'s token count + 8: a whole copy) or a number')
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
@@ -187,6 +209,7 @@ def main() -> None:
     ap.add_argument("--draft-k", type=int, default=3, help="num_speculative_tokens of the draft methods")
     ap.add_argument("--draft-model", default=None, help="the draft methods' model (default: the shipped draft)")
     ap.add_argument("--eagle-k", type=int, default=1, help="num_speculative_tokens of the eagle methods")
+    ap.add_argument("--eagle-lookup-k", type=int, default=4, help="num_speculative_tokens of eagle-lookup")
     ap.add_argument("--eagle-model", default=None, help="the eagle methods' head (default: the shipped head)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
@@ -221,12 +244,12 @@ def main() -> None:
     for workload in args.workloads:
         for c in args.concurrency:
             n = max(c, args.num_requests)
-            prompts = [tok.encode(tok.apply_chat_template(conv), add_special_tokens=False)
-                       for conv in make_prompts(workload, n, args.seed)]
-            params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                                    seed=args.seed if args.temperature > 0 else None)
+            convs = make_prompts(workload, n, args.seed)
+            prompts = [tok.encode(tok.apply_chat_template(conv), add_special_tokens=False) for conv, _ in convs]
+            params = [SamplingParams(temperature=args.temperature, max_tokens=max_tokens(text, tok, args),
+                                     seed=args.seed if args.temperature > 0 else None) for _, text in convs]
             for llm in llms.values():
-                run_closed_loop(llm, prompts[:1], params, 1)  # warm-up
+                run_closed_loop(llm, prompts[:1], params[:1], 1)  # warm-up
             # Rounds: every method once per round, the order rotated each round; a method's ratio to `none`
             # is taken within a round, then the median over rounds (a point's single run at 32 had moved
             # +-15% between identical engines).
@@ -251,9 +274,9 @@ def main() -> None:
     del llms
     gc.collect()
 
-    lines = ["| workload | concurrency | method | output tok/s | x none | x none per round | TPOT median ms | "
-             "acceptance rate | mean acceptance length | acceptance by position | same |",
-             "|---|---:|---|---:|---:|---|---:|---:|---:|---|---|"]
+    lines = ["| workload | concurrency | method | output tokens per request | output tok/s | x none | x none per round | "
+             "TPOT median ms | acceptance rate | mean acceptance length | acceptance by position | same |",
+             "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---|---|"]
     for workload, by_c in results.items():
         for c, by_m in by_c.items():
             for method, r in by_m.items():
@@ -265,7 +288,8 @@ def main() -> None:
                 pos = " / ".join(f"{100 * a:.0f}%" for a in r["acceptance_per_position"])
                 tpot = "" if r["tpot_median_ms"] is None else f"{r['tpot_median_ms']:.1f}"
                 per_round = " / ".join(f"{x:.2f}" for x in r["x_none_rounds"])
-                lines.append(f"| {workload} | {c} | {method} | {r['output_tok_s']:.1f} | {r['x_none']:.2f} | "
+                lines.append(f"| {workload} | {c} | {method} | {r['output_tokens'] / r['num_requests']:.0f} | "
+                             f"{r['output_tok_s']:.1f} | {r['x_none']:.2f} | "
                              f"{per_round} | {tpot} | {rate} | {length} | {pos} | {same} |")
     for by_c in results.values():
         for by_m in by_c.values():
@@ -277,8 +301,12 @@ def main() -> None:
     setup = (f"Model: the default SmolLM2-135M-Instruct (dtype {args.dtype}, quantization {args.quantization}); "
              f"{ngram}; "
              f"draft k={args.draft_k} ({args.draft_model or 'the shipped draft'}); "
-             f"eagle k={args.eagle_k} ({args.eagle_model or 'the shipped head'}); "
-             f"{args.max_tokens} output tokens per request, temperature {args.temperature}; closed loop, "
+             f"eagle k={args.eagle_k} ({args.eagle_model or 'the shipped head'}"
+             + (f"; eagle-lookup k={args.eagle_lookup_k}" if "eagle-lookup" in args.methods else "") + "); "
+             f"at most {args.max_tokens} output tokens per request ("
+             + ("a copy's text's token count + 8 for repeat" if args.repeat_max_tokens == "text"
+                else f"{args.repeat_max_tokens} for repeat")
+             + f"), temperature {args.temperature}; closed loop, "
              f"max(concurrency, {args.num_requests}) requests per run, {args.rounds} rounds (medians; "
              "\"x none\" is the median of the per-round ratios). Load average (1 min) "
              f"{load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 cores; above ~2 the "

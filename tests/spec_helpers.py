@@ -7,6 +7,7 @@ import random
 from kvserve.config import EngineConfig
 from kvserve.engine.block_hash import block_hashes
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.spec_decode.draft_length import MODEL_CLASS
 from tiny_models import TINY_KV
 
 
@@ -34,6 +35,22 @@ class ScriptedProposer:
                 return [t if self.rng.random() >= self.wrong else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
                         for t in out[done:done + max_tokens]]
         return []
+
+
+def count_draft_kinds(engine: LLMEngine) -> dict[str, dict[str, int]]:
+    """Counts, as the engine runs, the verified drafts of prompt lookup ("lookup") and of the draft model or
+    eagle head ("model"): drafts, draft tokens, accepted tokens."""
+    kinds = {kind: {"drafts": 0, "tokens": 0, "accepted": 0} for kind in ("lookup", "model")}
+    record = engine.speculator.record
+
+    def counted(seq, num_drafted, num_accepted):
+        c = kinds["model" if seq.spec_state.draft_class == MODEL_CLASS else "lookup"]
+        c["drafts"] += 1
+        c["tokens"] += num_drafted
+        c["accepted"] += num_accepted
+        record(seq, num_drafted, num_accepted)
+    engine.speculator.record = counted
+    return kinds
 
 
 def num_tokens_now(engine: LLMEngine) -> dict[int, int]:

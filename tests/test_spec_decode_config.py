@@ -4,7 +4,8 @@ import pytest
 
 from kvserve.config import EngineConfig
 from kvserve.entrypoints.cli import build_parser, engine_config
-from kvserve.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+from kvserve.spec_decode.config import (DEFAULT_DISABLE_BY_BATCH_SIZE, DRAFT_DEFAULT_DISABLE_BY_BATCH_SIZE,
+                                       SpeculativeConfig)
 
 
 def test_vllm_fields_and_lookup_defaults():
@@ -20,6 +21,25 @@ def test_vllm_fields_and_lookup_defaults():
     assert off.disable_by_batch_size is None
 
 
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_model_methods_look_up_only_where_bounds_are_given(method):
+    plain = SpeculativeConfig(method=method, num_speculative_tokens=3)
+    assert not plain.uses_lookup and plain.prompt_lookup_min is None
+    both = SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                                    "prompt_lookup_min": 2})
+    assert both.uses_lookup and (both.prompt_lookup_min, both.prompt_lookup_max) == (2, 4)
+    only_min = SpeculativeConfig(method=method, num_speculative_tokens=4, prompt_lookup_min=3)
+    assert (only_min.prompt_lookup_min, only_min.prompt_lookup_max) == (3, 3)
+    assert SpeculativeConfig(method="ngram", num_speculative_tokens=2).uses_lookup
+    # Each kind of draft keeps its own measured batch limit unless the user sets one for both.
+    assert (both.disable_by_batch_size, both.lookup_disable_by_batch_size) == (
+        DRAFT_DEFAULT_DISABLE_BY_BATCH_SIZE, DEFAULT_DISABLE_BY_BATCH_SIZE)
+    given = SpeculativeConfig(method=method, num_speculative_tokens=4, prompt_lookup_max=4, disable_by_batch_size=2)
+    assert (given.disable_by_batch_size, given.lookup_disable_by_batch_size) == (2, 2)
+    with pytest.raises(ValueError, match="unknown field"):
+        SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 4, "lookup_disable_by_batch_size": 2})
+
+
 @pytest.mark.parametrize("value,message", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of 'ngram', 'draft', 'eagle'"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
@@ -29,6 +49,8 @@ def test_vllm_fields_and_lookup_defaults():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
      "prompt_lookup_min (3) must be <= prompt_lookup_max (2)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max must be"),
+    ({"method": "eagle", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 1.5}, "min_acceptance_rate"),
     ({"method": "ngram", "num_speculative_tokens": 2, "adaptive_draft_length": "yes"}, "adaptive_draft_length"),

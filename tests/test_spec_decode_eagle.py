@@ -15,7 +15,8 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.eagle_head import (EagleHead, EagleHeadConfig, EagleHeadReference, load_eagle_head,
                                             read_head, save_head)
 from engine_helpers import assert_no_leaks
-from spec_helpers import abort_mid_speculation, make_draft_file, make_engine, prompts, run_waves
+from spec_helpers import (abort_mid_speculation, check_kv_bookkeeping, count_draft_kinds, make_draft_file, make_engine,
+                          num_tokens_now, prompts, run_waves)
 from test_spec_decode_distribution import BANNED
 from test_spec_decode_draft import assert_same, sampled_acceptance_and_chisquare
 
@@ -174,18 +175,58 @@ def test_greedy_identical_with_prefix_hits(tiny_model_dirs, heads):
     assert_acceptance(engine, "some")  # the second wave's continuations after [7, 8] are new to the head
 
 
+def test_prompt_lookup_in_front_of_the_head(tiny_model_dirs, heads):
+    """Lookup drafts where the last token occurred before, the head elsewhere, in the same steps: greedy
+    tokens and logprobs are non-speculative decoding's (n = 2, chunked prefills, preemptions), and after a
+    step with lookup drafts the head still reads transformers' hidden state of the last token."""
+    path, hf = tiny_model_dirs["llama"]
+    ps = prompts(2, [6, 23, 14, 31])
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    kw = dict(num_kv_blocks=20, max_num_seqs=8)
+    ref = run(make_engine(path, **kw), [[(f"a{i}", p, params) for i, p in enumerate(ps)]])
+    engine = make_engine(path, spec(heads["partial"], prompt_lookup_min=1, prompt_lookup_max=2), **kw)
+    kinds = count_draft_kinds(engine)
+    for i, p in enumerate(ps):
+        engine.add_request(f"a{i}", p, params)
+    got, checked = {}, 0
+    while engine.has_unfinished_requests():
+        before = num_tokens_now(engine)
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out
+        check_kv_bookkeeping(engine, K, before)
+        for seq in engine.scheduler.running:
+            if engine.speculator.draft.can_draft(seq):
+                with torch.no_grad():
+                    want = hf(torch.tensor([seq.token_ids[:-1]]), output_hidden_states=True).hidden_states[-1][0, -1]
+                torch.testing.assert_close(seq.spec_state.feature, want, atol=1e-4, rtol=1e-4)
+                checked += 1
+    assert_same(got, ref)
+    assert_no_leaks(engine)
+    assert kinds["lookup"]["drafts"] > 10 and kinds["model"]["drafts"] > 10 and checked > 50, (kinds, checked)
+    assert engine.get_stats().num_preemptions > 0
+    assert_acceptance(engine, "some")
+
+
 def test_seeded_sampling_identical_to_non_speculative(tiny_model_dirs, heads):
     """Every logits stage, n = 2: the same tokens as without speculation (the head samples with the noise
-    the target will use)."""
+    the target will use), with and without prompt lookup in front of it."""
     path, _ = tiny_model_dirs["llama"]
     ps = prompts(4, [5, 13, 21, 8])
     params = SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
                             presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 3.0, 9: -2.0},
                             min_tokens=5, stop_token_ids=[7], max_tokens=24, seed=11, logprobs=1)
     ref = run(make_engine(path), [[(str(i), p, params) for i, p in enumerate(ps)]])
-    engine = make_engine(path, spec(heads["right"]))
-    got = run(engine, [[(str(i), p, params) for i, p in enumerate(ps)]], check=True)
-    for i in range(len(ps)):
+    for lookup in ({}, {"prompt_lookup_min": 1, "prompt_lookup_max": 2}):
+        engine = make_engine(path, spec(heads["right"], **lookup))
+        kinds = count_draft_kinds(engine)
+        got = run(engine, [[(str(i), p, params) for i, p in enumerate(ps)]], check=True)
+        assert (kinds["lookup"]["drafts"] > 0) == bool(lookup) and kinds["model"]["drafts"] > 0, kinds
+        check_seeded(got, ref, engine, len(ps))
+
+
+def check_seeded(got: dict, ref: dict, engine, num_prompts: int) -> None:
+    for i in range(num_prompts):
         for e, g in zip(ref[str(i)].outputs, got[str(i)].outputs):
             assert g.token_ids == e.token_ids
             assert [list(lp) for lp in g.logprobs] == [list(lp) for lp in e.logprobs]

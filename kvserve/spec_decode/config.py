@@ -10,7 +10,7 @@ given as `LLM(..., speculative_config={...})` or `kvserve serve --speculative-co
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 METHODS = ("ngram", "draft", "eagle")
@@ -42,7 +42,8 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
     # n-gram (prompt lookup): match the last n tokens, n from prompt_lookup_max down to prompt_lookup_min,
-    # against the sequence's earlier tokens and propose what followed the most recent match.
+    # against the sequence's earlier tokens and propose what followed the most recent match. With method
+    # "draft" or "eagle", given bounds turn lookup on in front of the model (uses_lookup).
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     # draft: a Hugging Face directory or GGUF file of a small model with the target's vocabulary, or a
@@ -52,6 +53,9 @@ class SpeculativeConfig:
     # Per step: no drafting when more sequences than this decode (None: always draft). Not given (-1): the
     # method's measured default (DEFAULT_DISABLE_BY_BATCH_SIZE for ngram, DRAFT_DEFAULT_... for draft, eagle).
     disable_by_batch_size: int | None = _METHOD_DEFAULT
+    # The same limit for prompt lookup's drafts: disable_by_batch_size where given or for method "ngram";
+    # for lookup in front of a model, ngram's default (lookup drafts are free to make, a model's are not).
+    lookup_disable_by_batch_size: int | None = field(default=None, init=False)
     # Per request: once at least acceptance_window draft tokens have been verified, a request whose recent
     # acceptance (accepted / drafted, a moving average over about that many drafts) is below
     # min_acceptance_rate stops drafting for a while: 8 steps, doubling while it stays low. 0 disables it.
@@ -70,28 +74,30 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not _is_int(k) or k < 1:
             raise bad("num_speculative_tokens", f"must be an integer >= 1, got {k!r}")
-        if self.method == "ngram":
-            # One bound given: the other defaults to it (a single n), as vLLM does; neither: 2..4.
-            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-                if v is not None and (not _is_int(v) or v < 1):
-                    raise bad(name, f"must be an integer >= 1, got {v!r}")
-            if lo is None and hi is None:
-                lo, hi = 2, 4
+        # Prompt lookup: method "ngram" always (2..4 unless given); "draft" and "eagle" where a bound is given,
+        # and then first: a sequence whose last tokens occurred before drafts their continuation, the model
+        # drafts the others (draft_length.py keeps the two kinds' acceptance apart).
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if v is not None and (not _is_int(v) or v < 1):
+                raise bad(name, f"must be an integer >= 1, got {v!r}")
+        if lo is None and hi is None and self.method == "ngram":
+            lo, hi = 2, 4
+        if lo is not None or hi is not None:
+            # One bound given: the other defaults to it (a single n), as vLLM does.
             lo = hi if lo is None else lo
             hi = lo if hi is None else hi
             if lo > hi:
                 raise bad("prompt_lookup_min", f"({lo}) must be <= prompt_lookup_max ({hi})")
-            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
-        else:
-            for name in ("prompt_lookup_min", "prompt_lookup_max"):
-                if getattr(self, name) is not None:
-                    raise bad(name, f"applies only to method 'ngram', not {self.method!r}")
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
         if self.model is not None and (self.method == "ngram" or not isinstance(self.model, str) or not self.model):
             raise bad("model", "must be a path (a string), and applies only to methods 'draft' and 'eagle'")
-        if self.disable_by_batch_size == _METHOD_DEFAULT:
+        given = self.disable_by_batch_size != _METHOD_DEFAULT
+        if not given:
             self.disable_by_batch_size = (DEFAULT_DISABLE_BY_BATCH_SIZE if self.method == "ngram"
                                           else DRAFT_DEFAULT_DISABLE_BY_BATCH_SIZE)
+        self.lookup_disable_by_batch_size = (self.disable_by_batch_size if given or self.method == "ngram"
+                                             else DEFAULT_DISABLE_BY_BATCH_SIZE)
         b = self.disable_by_batch_size
         if b is not None and (not _is_int(b) or b < 1):
             raise bad("disable_by_batch_size", f"must be an integer >= 1 or null, got {b!r}")
@@ -102,6 +108,10 @@ class SpeculativeConfig:
             raise bad("acceptance_window", f"must be an integer >= 1, got {self.acceptance_window!r}")
         if not isinstance(self.adaptive_draft_length, bool):
             raise bad("adaptive_draft_length", f"must be true or false, got {self.adaptive_draft_length!r}")
+
+    @property
+    def uses_lookup(self) -> bool:
+        return self.prompt_lookup_max is not None
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
@@ -115,7 +125,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = [f.name for f in fields(cls)]
+        known = [f.name for f in fields(cls) if f.init]
         unknown = sorted(set(value) - set(known))
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {known}")

@@ -45,6 +45,7 @@ import bisect
 
 _TIME_WEIGHT = 0.2        # moving-average weight of a new step time
 _POSITION_WEIGHT = 1 / 32  # ... of one draft's outcome at a position
+MODEL_CLASS = 0           # the class of a draft model's (or eagle head's) drafts; prompt lookup's are n >= 1
 PROBE_EVERY = 16
 PROBE_MIN_RATE = 0.5       # below this share of the best rate, a length is probed every MAX_AGE decisions
 MAX_AGE = 256              # steps
@@ -160,9 +161,10 @@ class DraftLength:
         ranked.sort()
         rates = [num_tokens / self.times.estimate(num_tokens)]
         tokens, depth = float(num_tokens), 0
-        for added, (neg_gain, i, _) in enumerate(ranked, 1):
+        for added, (neg_gain, i, r) in enumerate(ranked, 1):
             tokens -= neg_gain
-            depth = max(depth, i + 1)  # the proposer drafts every sequence to the deepest one kept
+            if drafts[r][2] == MODEL_CLASS:  # the model drafts every sequence to the deepest one kept
+                depth = max(depth, i + 1)
             rates.append(tokens / (self.times.estimate(num_tokens + added) + depth * self.draft_seconds))
         best = self.best_or_probe(rates)
         for _, _, r in ranked[:best]:

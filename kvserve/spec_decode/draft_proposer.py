@@ -54,17 +54,18 @@ class DraftProposer:
         return True  # the draft catches up on whatever it has not seen
 
     @torch.inference_mode()
-    def fill(self, sched: SchedulerOutput) -> None:
-        """Replace the placeholder drafts in sched.spec_token_ids by the draft model's tokens."""
+    def fill(self, sched: SchedulerOutput, to_draft: dict[int, int]) -> None:
+        """Draft to_draft[seq_id] tokens for each of those sequences, into sched.spec_token_ids (replacing
+        their placeholders)."""
         seqs = {seq.seq_id: seq for seq, _ in sched.scheduled}
         jobs: list[tuple[Sequence, SpecState, int]] = []
-        for seq_id, placeholders in sched.spec_token_ids.items():
+        for seq_id, num in to_draft.items():
             seq = seqs[seq_id]
             state = spec_state(seq)
             if state.draft_preemptions != seq.num_preemptions:  # new blocks: nothing of the draft's is there
                 state.draft_computed, state.draft_preemptions = 0, seq.num_preemptions
             state.draft_computed = min(state.draft_computed, seq.num_computed_tokens)
-            jobs.append((seq, state, len(placeholders)))
+            jobs.append((seq, state, num))
         if not jobs:
             return
         drafts: dict[int, list[int]] = {seq.seq_id: [] for seq, _, _ in jobs}

@@ -39,10 +39,11 @@ class EagleProposer:
         return state is not None and state.feature is not None and state.feature_num_tokens == seq.num_tokens
 
     @torch.inference_mode()
-    def fill(self, sched: SchedulerOutput) -> None:
-        """Replace the placeholder drafts in sched.spec_token_ids by the head's tokens."""
+    def fill(self, sched: SchedulerOutput, to_draft: dict[int, int]) -> None:
+        """Draft to_draft[seq_id] tokens for each of those sequences, into sched.spec_token_ids (replacing
+        their placeholders)."""
         seqs = {seq.seq_id: seq for seq, _ in sched.scheduled}
-        jobs = [(seqs[seq_id], len(placeholders)) for seq_id, placeholders in sched.spec_token_ids.items()]
+        jobs = [(seqs[seq_id], num) for seq_id, num in to_draft.items()]
         if not jobs:
             return
         drafts: dict[int, list[int]] = {seq.seq_id: [] for seq, _ in jobs}

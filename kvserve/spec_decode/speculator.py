@@ -4,7 +4,9 @@ Before each schedule the engine asks the Speculator to fill `seq.spec_token_ids`
 sequences that decode; the scheduler budgets 1 + len(drafts) tokens for them, the runner verifies the
 drafts, and the engine reports back how many were accepted (`record`). The model-based proposers (method
 "draft", "eagle") draft after the schedule, into the rows it sized (`fill_drafts`); the eagle head also
-gets the target's hidden state after each step (`observe`). Drafting pays only while the step
+gets the target's hidden state after each step (`observe`). With prompt lookup turned on for them
+(SpeculativeConfig.uses_lookup), a sequence whose last tokens occurred before drafts their continuation
+instead, and only the others wait for the model. Drafting pays only while the step
 is memory-bound and the drafts are good: each step carries only as many draft tokens as this engine's
 measured step times say pay (draft_length.py), none above `disable_by_batch_size` sequences, and none
 for a request while its acceptance stays low.
@@ -21,7 +23,7 @@ import torch
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.spec_decode.config import SpeculativeConfig
-from kvserve.spec_decode.draft_length import DraftLength
+from kvserve.spec_decode.draft_length import MODEL_CLASS, DraftLength
 from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.eagle_proposer import EagleProposer
 from kvserve.spec_decode.ngram import NgramProposer
@@ -49,8 +51,8 @@ class Speculator:
         self.max_num_batched_tokens = max_num_batched_tokens
         assert (config.method != "ngram") == (draft is not None)
         self.draft = draft
-        if draft is None:
-            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, token_classes)
+        self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, token_classes)
+                         if config.uses_lookup else None)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.length = DraftLength(config.num_speculative_tokens) if config.adaptive_draft_length else None
         self._step = 0
@@ -58,11 +60,15 @@ class Speculator:
     def propose(self, running: list[Sequence]) -> None:
         """Set spec_token_ids of every running sequence: drafts for those that decode and may draft, [] else."""
         self._step += 1
-        limit = self.config.disable_by_batch_size
-        off = limit is not None and len(running) > limit
+        cfg = self.config
+
+        def allowed(limit: int | None) -> bool:
+            return limit is None or len(running) <= limit
+        lookup = self.proposer is not None and allowed(cfg.lookup_disable_by_batch_size)
+        model = self.draft is not None and allowed(cfg.disable_by_batch_size)
         for seq in running:
-            seq.spec_token_ids = [] if off else self._propose_one(seq)
-        if self.length is not None and not off:
+            seq.spec_token_ids = self._propose_one(seq, lookup, model) if lookup or model else []
+        if self.length is not None and (lookup or model):
             self._cut_to_paying_length(running)
 
     def _cut_to_paying_length(self, running: list[Sequence]) -> None:
@@ -82,7 +88,7 @@ class Speculator:
         for seq, keep in zip(drafting, self.length.choose(num_tokens, drafts)):
             del seq.spec_token_ids[keep:]
 
-    def _propose_one(self, seq: Sequence) -> list[int]:
+    def _propose_one(self, seq: Sequence, lookup: bool, model: bool) -> list[int]:
         if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.prefill_done:
             return []  # still in prefill
         state = seq.spec_state
@@ -95,12 +101,16 @@ class Speculator:
                       self.max_model_len - seq.num_tokens - 1)
         if max_new <= 0:
             return []
-        if self.draft is not None:  # the scheduler sizes the row; fill_drafts() runs the draft model
-            return [PLACEHOLDER] * max_new if self.draft.can_draft(seq) else []
-        draft, match_length = self.proposer.propose_with_length(seq.token_ids, max_new)
-        if draft:
-            spec_state(seq).draft_class = match_length
-        return draft
+        if lookup:
+            draft, match_length = self.proposer.propose_with_length(seq.token_ids, max_new)
+            if draft:
+                spec_state(seq).draft_class = match_length
+                return draft
+        if model and self.draft.can_draft(seq):
+            # The scheduler sizes the row; fill_drafts() runs the draft model.
+            spec_state(seq).draft_class = MODEL_CLASS
+            return [PLACEHOLDER] * max_new
+        return []
 
     def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """The target's hidden state that produced seq's last token (method "eagle")."""
@@ -112,13 +122,15 @@ class Speculator:
         return self.draft is not None
 
     def fill_drafts(self, sched: SchedulerOutput) -> None:
-        """After the schedule: the draft model's tokens for the rows the scheduler kept."""
-        if self.draft is not None and sched.spec_token_ids:
+        """After the schedule: the draft model's tokens for the placeholder rows the scheduler kept."""
+        if self.draft is None:
+            return
+        jobs = {seq_id: len(d) for seq_id, d in sched.spec_token_ids.items() if d and d[0] == PLACEHOLDER}
+        if jobs:
             start = time.perf_counter()
-            self.draft.fill(sched)
+            self.draft.fill(sched, jobs)
             if self.length is not None:
-                depth = max(len(d) for d in sched.spec_token_ids.values())
-                self.length.observe_drafting(time.perf_counter() - start, depth)
+                self.length.observe_drafting(time.perf_counter() - start, max(jobs.values()))
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """The target's forward step over num_tokens tokens (drafts included) took this long."""
