@@ -110,8 +110,8 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                         "drafting), adaptive_draft_length (default true: each step drafts only as many tokens as "
                         "the engine's measured step times say pay). Methods: ngram (prompt lookup), eagle (a head "
                         "over the model's hidden states; shipped for the default model), draft (a small model; "
-                        "'model': PATH). "
-                        "Default: off.")
+                        "'model': PATH); eagle and draft take prompt_lookup_min/max too, to draft by prompt "
+                        "lookup where the text repeats itself and by the model elsewhere. Default: off.")
     p.set_defaults(prefix_caching=True)
 
 

@@ -4,6 +4,8 @@
     {"method": "draft", "num_speculative_tokens": 3}                   # the shipped draft of the default model
     {"method": "draft", "num_speculative_tokens": 3, "model": PATH}    # any draft sharing the target's tokenizer
     {"method": "eagle", "num_speculative_tokens": 1}                   # the head shipped for the default model
+    {"method": "eagle", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+                                       # prompt lookup where the text repeats itself, the head elsewhere
 
 given as `LLM(..., speculative_config={...})` or `kvserve serve --speculative-config '{...}'`.
 """
