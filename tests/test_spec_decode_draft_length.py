@@ -71,6 +71,15 @@ def test_the_proposers_time_counts_against_drafting():
     assert policy({1: 1.0, 3: 1.0}, q, draft_seconds=0.6).choose(1, [(2, 1.0, 0)]) == [0]
 
 
+def test_only_the_models_drafts_pay_its_drafting_time():
+    """Prompt lookup in front of a model: a lookup draft (class 2 here) costs no drafting time, so with a
+    model too slow to pay it still goes at full length, and the model's draft beside it does not."""
+    q = [0.5, 0.5]
+    p = policy({1: 1.0, 2: 1.0, 5: 1.0}, q, draft_seconds=0.6)
+    p.continue_rate[2] = list(p.continue_rate[0])
+    assert p.choose(2, [(2, 1.0, 0), (2, 1.0, 2)]) == [0, 2]
+
+
 def test_every_probe_th_decision_drafts_one_position_more():
     p = policy({1: 1.0, 5: 2.0}, [0.2, 0.1, 0.05, 0.0])
     lengths = [p.choose(1, [(4, 1.0, 0)])[0] for _ in range(3 * PROBE_EVERY)]

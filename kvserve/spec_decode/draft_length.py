@@ -15,8 +15,9 @@ sequence r keeps, d_r, to maximise the expected tokens per second:
 
 n: the step's tokens without drafts; E_r(d): sequence r's expected accepted tokens among its first d drafts
 (from the acceptance at each draft position so far among drafts of r's draft's class, scaled by r's own
-recent acceptance against the average); t(T): the measured time of a step of T tokens; t_draft: the proposer's
-measured time per draft position (the draft model's or eagle head's; ~0 for n-gram). A draft token is
+recent acceptance against the average); t(T): the measured time of a step of T tokens; t_draft: the model's
+measured time per draft position (the draft model's or eagle head's), the max over the sequences it drafts
+for (prompt lookup's drafts cost nothing to make). A draft token is
 accepted only with all before it, so its expected gain is at most that of the one before it: the best step
 with T draft tokens keeps the T of highest gain over all sequences, and the rule takes the T of the highest
 rate. It is SmartSpec's (Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large Language
@@ -159,17 +160,32 @@ class DraftLength:
             for i in range(avail):
                 ranked.append((-min(1.0, q[i] * scale), i, r))
         ranked.sort()
+        # The model drafts every sequence it drafts for to the deepest of their kept tokens, and that time is
+        # the same whatever else the step carries; so each cap on the model's depth is tried (a lookup
+        # draft beside a model too slow to pay still goes), and the best rate over all caps wins.
+        model_depths = [avail for avail, _, draft_class in drafts if draft_class == MODEL_CLASS]
+        caps = range(max(model_depths) + 1) if model_depths and self.draft_seconds > 0 else [None]
+        best_rate, kept, rates = -1.0, ranked, []
+        for cap in caps:
+            subset = ranked if cap is None else [x for x in ranked if drafts[x[2]][2] != MODEL_CLASS or x[1] < cap]
+            cap_rates = self._rates(num_tokens, subset, drafts)
+            if max(cap_rates) > best_rate:
+                best_rate, kept, rates = max(cap_rates), subset, cap_rates
+        for _, _, r in kept[:self.best_or_probe(rates)]:
+            keep[r] += 1
+        return keep
+
+    def _rates(self, num_tokens: int, ranked: list[tuple[float, int, int]],
+               drafts: list[tuple[int, float, int]]) -> list[float]:
+        """[T]: the expected tokens per second of the step that keeps the first T of ranked."""
         rates = [num_tokens / self.times.estimate(num_tokens)]
         tokens, depth = float(num_tokens), 0
         for added, (neg_gain, i, r) in enumerate(ranked, 1):
             tokens -= neg_gain
-            if drafts[r][2] == MODEL_CLASS:  # the model drafts every sequence to the deepest one kept
+            if drafts[r][2] == MODEL_CLASS:
                 depth = max(depth, i + 1)
             rates.append(tokens / (self.times.estimate(num_tokens + added) + depth * self.draft_seconds))
-        best = self.best_or_probe(rates)
-        for _, _, r in ranked[:best]:
-            keep[r] += 1
-        return keep
+        return rates
 
     def best_or_probe(self, rates: list[float]) -> int:
         """The index of the highest rate (the lowest of equal ones), or one more on a probing decision."""
