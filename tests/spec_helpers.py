@@ -7,6 +7,7 @@ import random
 from kvserve.config import EngineConfig
 from kvserve.engine.block_hash import block_hashes
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.draft_length import MODEL_CLASS
 from tiny_models import TINY_KV
 
@@ -156,6 +157,17 @@ def run_waves(engine: LLMEngine, waves, k: int, check: bool = False) -> dict:
                 check_kv_bookkeeping(engine, k, before)
     assert_no_leaks(engine)
     return done
+
+
+PREEMPTING = dict(num_kv_blocks=20, max_num_seqs=8)  # engine arguments: a pool too small for preempting_wave
+
+
+def preempting_wave(path, k: int) -> tuple[list, dict]:
+    """Four prompts, n = 2, greedy with 2 logprobs: with PREEMPTING, chunked prefills and preemptions. The
+    wave, and non-speculative decoding's outputs for it."""
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    wave = [[(f"a{i}", p, params) for i, p in enumerate(prompts(2, [6, 23, 14, 31]))]]
+    return wave, run_waves(make_engine(path, **PREEMPTING), wave, k)
 
 
 def prompts(seed: int, lengths) -> list[list[int]]:

@@ -23,7 +23,8 @@ from kvserve.spec_decode.draft_model import DraftLM, load_draft
 from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.draft_reference import DraftReference
 from engine_helpers import assert_no_leaks, drain
-from spec_helpers import abort_mid_speculation, count_draft_kinds, make_draft_file, make_engine, prompts, run_waves
+from spec_helpers import (PREEMPTING, abort_mid_speculation, count_draft_kinds, make_draft_file, make_engine,
+                          preempting_wave, prompts, run_waves)
 from test_spec_decode_distribution import BANNED, NUM_TOKENS, PRESENCE, TEMPERATURE, TOP_K, target
 
 K = 3
@@ -104,12 +105,8 @@ def assert_acceptance(engine: LLMEngine, kind: str) -> None:
 def test_greedy_identical_with_preemption_and_n(kind, tiny_model_dirs, drafts):
     """Chunked prefills, n = 2, and a pool too small for the batch: the non-speculative tokens and logprobs."""
     path, _ = tiny_model_dirs["llama"]
-    ps = prompts(2, [6, 23, 14, 31])
-    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    kw = dict(num_kv_blocks=20, max_num_seqs=8)
-    wave = [[(f"a{i}", p, params) for i, p in enumerate(ps)]]
-    ref = run(make_engine(path, **kw), wave)
-    engine = make_engine(path, spec(drafts[kind]), **kw)
+    wave, ref = preempting_wave(path, K)
+    engine = make_engine(path, spec(drafts[kind]), **PREEMPTING)
     assert_same(run(engine, wave, check=True), ref)
     assert engine.get_stats().num_preemptions > 0
     assert_acceptance(engine, kind)
@@ -120,12 +117,8 @@ def test_prompt_lookup_in_front_of_the_draft(tiny_model_dirs, drafts):
     (n = 2, chunked prefills, preemptions): the non-speculative tokens and logprobs. The target as its own
     draft stays right every time, so its cache caught up on the tokens that lookup drafted."""
     path, _ = tiny_model_dirs["llama"]
-    ps = prompts(2, [6, 23, 14, 31])
-    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    kw = dict(num_kv_blocks=20, max_num_seqs=8)
-    wave = [[(f"a{i}", p, params) for i, p in enumerate(ps)]]
-    ref = run(make_engine(path, **kw), wave)
-    engine = make_engine(path, spec(drafts["self"], prompt_lookup_min=1, prompt_lookup_max=2), **kw)
+    wave, ref = preempting_wave(path, K)
+    engine = make_engine(path, spec(drafts["self"], prompt_lookup_min=1, prompt_lookup_max=2), **PREEMPTING)
     kinds = count_draft_kinds(engine)
     assert_same(run(engine, wave, check=True), ref)
     assert engine.get_stats().num_preemptions > 0

@@ -15,8 +15,8 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.eagle_head import (EagleHead, EagleHeadConfig, EagleHeadReference, load_eagle_head,
                                             read_head, save_head)
 from engine_helpers import assert_no_leaks
-from spec_helpers import (abort_mid_speculation, check_kv_bookkeeping, count_draft_kinds, make_draft_file, make_engine,
-                          num_tokens_now, prompts, run_waves)
+from spec_helpers import (PREEMPTING, abort_mid_speculation, check_kv_bookkeeping, count_draft_kinds, make_draft_file,
+                          make_engine, num_tokens_now, preempting_wave, prompts, run_waves)
 from test_spec_decode_distribution import BANNED
 from test_spec_decode_draft import assert_same, sampled_acceptance_and_chisquare
 
@@ -120,6 +120,19 @@ def test_eagle_head_matches_the_reference(tiny_model_dirs, heads):
         assert torch.equal(head.greedy_tokens(got_normed), tensors["vocab_ids"][ref.logits(want_f).argmax(-1)])
 
 
+def check_head_inputs(engine, hf) -> int:
+    """After a step: every running sequence that may draft holds transformers' final hidden state at the
+    position that produced its last token. How many were checked."""
+    checked = 0
+    for seq in engine.scheduler.running:
+        if engine.speculator.draft.can_draft(seq):
+            with torch.no_grad():
+                want = hf(torch.tensor([seq.token_ids[:-1]]), output_hidden_states=True).hidden_states[-1][0, -1]
+            torch.testing.assert_close(seq.spec_state.feature, want, atol=1e-4, rtol=1e-4)
+            checked += 1
+    return checked
+
+
 def test_head_reads_the_targets_hidden_state_of_the_last_token(tiny_model_dirs, heads):
     """After every step (prefill chunks, accepted runs, preemptions), a sequence that may draft holds
     transformers' final hidden state at the position that produced its last token."""
@@ -131,12 +144,7 @@ def test_head_reads_the_targets_hidden_state_of_the_last_token(tiny_model_dirs, 
     checked = 0
     while engine.has_unfinished_requests():
         engine.step()
-        for seq in engine.scheduler.running:
-            if engine.speculator.draft.can_draft(seq):
-                with torch.no_grad():
-                    want = hf(torch.tensor([seq.token_ids[:-1]]), output_hidden_states=True).hidden_states[-1][0, -1]
-                torch.testing.assert_close(seq.spec_state.feature, want, atol=1e-4, rtol=1e-4)
-                checked += 1
+        checked += check_head_inputs(engine, hf)
     assert checked > 50
     assert engine.get_stats().num_preemptions > 0
     assert_no_leaks(engine)
@@ -146,12 +154,8 @@ def test_head_reads_the_targets_hidden_state_of_the_last_token(tiny_model_dirs, 
 def test_greedy_identical_with_preemption_and_n(kind, tiny_model_dirs, heads):
     """Chunked prefills, n = 2, and a pool too small for the batch: the non-speculative tokens and logprobs."""
     path, _ = tiny_model_dirs["llama"]
-    ps = prompts(2, [6, 23, 14, 31])
-    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    kw = dict(num_kv_blocks=20, max_num_seqs=8)
-    wave = [[(f"a{i}", p, params) for i, p in enumerate(ps)]]
-    ref = run(make_engine(path, **kw), wave)
-    engine = make_engine(path, spec(heads[kind]), **kw)
+    wave, ref = preempting_wave(path, K)
+    engine = make_engine(path, spec(heads[kind]), **PREEMPTING)
     assert_same(run(engine, wave, check=True), ref)
     assert engine.get_stats().num_preemptions > 0
     assert_acceptance(engine, {"right": "all", "partial": "some", "wrong": "none"}[kind])
@@ -180,14 +184,11 @@ def test_prompt_lookup_in_front_of_the_head(tiny_model_dirs, heads):
     tokens and logprobs are non-speculative decoding's (n = 2, chunked prefills, preemptions), and after a
     step with lookup drafts the head still reads transformers' hidden state of the last token."""
     path, hf = tiny_model_dirs["llama"]
-    ps = prompts(2, [6, 23, 14, 31])
-    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    kw = dict(num_kv_blocks=20, max_num_seqs=8)
-    ref = run(make_engine(path, **kw), [[(f"a{i}", p, params) for i, p in enumerate(ps)]])
-    engine = make_engine(path, spec(heads["partial"], prompt_lookup_min=1, prompt_lookup_max=2), **kw)
+    wave, ref = preempting_wave(path, K)
+    engine = make_engine(path, spec(heads["partial"], prompt_lookup_min=1, prompt_lookup_max=2), **PREEMPTING)
     kinds = count_draft_kinds(engine)
-    for i, p in enumerate(ps):
-        engine.add_request(f"a{i}", p, params)
+    for rid, p, params in wave[0]:
+        engine.add_request(rid, p, params)
     got, checked = {}, 0
     while engine.has_unfinished_requests():
         before = num_tokens_now(engine)
@@ -195,12 +196,7 @@ def test_prompt_lookup_in_front_of_the_head(tiny_model_dirs, heads):
             if out.finished:
                 got[out.request_id] = out
         check_kv_bookkeeping(engine, K, before)
-        for seq in engine.scheduler.running:
-            if engine.speculator.draft.can_draft(seq):
-                with torch.no_grad():
-                    want = hf(torch.tensor([seq.token_ids[:-1]]), output_hidden_states=True).hidden_states[-1][0, -1]
-                torch.testing.assert_close(seq.spec_state.feature, want, atol=1e-4, rtol=1e-4)
-                checked += 1
+        checked += check_head_inputs(engine, hf)
     assert_same(got, ref)
     assert_no_leaks(engine)
     assert kinds["lookup"]["drafts"] > 10 and kinds["model"]["drafts"] > 10 and checked > 50, (kinds, checked)
