@@ -1,7 +1,8 @@
 """The draft length a step carries (kvserve/spec_decode/draft_length.py): the length that maximises expected
 tokens per second under the engine's measured step times, worked out by hand here; and through the engine,
 where a step's cost grows with its tokens (a compute-bound machine, made by a sleep per token) drafting
-stops for drafts that fail, and where it does not (the tiny model's steps) good drafts go at full length."""
+stops for drafts that fail, and where it does not (every step reports the same time) good drafts go at
+full length."""
 import random
 import time
 
@@ -115,9 +116,11 @@ K = 4
 
 
 def run_with_drafts(path, wrong: float, seconds_per_token: float, adaptive: bool,
-                    params: SamplingParams | None = None):
+                    params: SamplingParams | None = None, step_seconds: float | None = None):
     """One request (greedy unless params says otherwise) with and without speculation: the stats of the
-    speculative engine, once its output equals the other's and no block leaked."""
+    speculative engine, once its output equals the other's and no block leaked. step_seconds: the time
+    every step reports to the speculator, whatever it carried (a memory-bound machine, without the noise
+    of real time)."""
     params = params or SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     prompt = [random.Random(2).randrange(256) for _ in range(6)]
     ref = drain(_add(make_engine(path), prompt, params))["r"].outputs[0].token_ids
@@ -131,6 +134,9 @@ def run_with_drafts(path, wrong: float, seconds_per_token: float, adaptive: bool
             time.sleep(seconds_per_token * sched.num_batched_tokens)
             return execute(sched)
         engine.runner.execute = slow_execute
+    if step_seconds is not None:
+        observe = engine.speculator.observe_step
+        engine.speculator.observe_step = lambda num_tokens, _seconds: observe(num_tokens, step_seconds)
     out = drain(_add(engine, prompt, params))["r"].outputs[0].token_ids
     assert out == ref
     assert_no_leaks(engine)
@@ -154,7 +160,7 @@ def test_compute_bound_steps_stop_drafting_tokens_that_fail(tiny_model_dirs):
 
 def test_cheap_rows_and_right_drafts_go_at_full_length(tiny_model_dirs):
     path, _ = tiny_model_dirs["llama"]
-    s = run_with_drafts(path, 0.0, 0.0, adaptive=True)
+    s = run_with_drafts(path, 0.0, 0.0, adaptive=True, step_seconds=0.01)
     assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens
     assert s.spec_accepted_per_pos[K - 1] >= 0.9 * s.spec_num_drafts  # almost every draft was K long
 
