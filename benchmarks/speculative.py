@@ -2,7 +2,7 @@
 concurrencies, on three workloads, with the acceptance rate per draft position.
 
     python benchmarks/speculative.py                                   # the full run (long on 2 cores)
-    python benchmarks/speculative.py --concurrency 1 --num-requests 2 --max-tokens 8 --workloads repeat   # smoke
+    python benchmarks/speculative.py --concurrency 1 --num-requests 2 --repeat-max-tokens 8 --workloads repeat   # smoke
 
 Workloads (prompts cut from offline text, chat template applied, greedy unless --temperature):
   repeat     copy a given text: a Shakespeare passage or a piece of kvserve's own source code (a copy may
