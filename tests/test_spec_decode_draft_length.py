@@ -38,7 +38,8 @@ def policy(points: dict[int, float], q: list[float], draft_seconds: float = 0.0)
     """q[i]: P(draft tokens 0..i all accepted), for class 0."""
     p = DraftLength(len(q))
     p.times = times(points)
-    p.continue_rate = {0: [q[i] / q[i - 1] if i and q[i - 1] else (q[i] if not i else 0.0) for i in range(len(q))]}
+    # The rate of token i given the ones before it: q[i] / q[i - 1] (0 once a position is never reached).
+    p.continue_rate = {0: [q[0]] + [q[i] / q[i - 1] if q[i - 1] else 0.0 for i in range(1, len(q))]}
     assert p.acceptance_by_position(0) == pytest.approx(q)
     p.draft_seconds = draft_seconds
     return p
