@@ -9,7 +9,8 @@ Workloads (prompts cut from offline text, chat template applied, greedy unless -
              emit its text's token count + 8 tokens: --repeat-max-tokens)
   summarise  summarise a given passage
   chat       open questions, nothing to copy from
-Methods: none; ngram (the adaptive defaults: each step carries only the draft tokens that this engine's
+Methods: none; none-control (a second engine without speculation: its ratio to `none` is this host's
+noise between identical engines, the yardstick for every other ratio); ngram (the adaptive defaults: each step carries only the draft tokens that this engine's
 measured step times say pay, none above disable_by_batch_size running sequences, per-request pauses on low
 acceptance); ngram-fixed (the same, but every step drafts all k tokens: adaptive_draft_length false);
 ngram-always (all k tokens in every step, no batch limit, no pauses: to find the crossover batch size);
@@ -27,7 +28,11 @@ Each (workload, concurrency) runs a closed loop: `concurrency` requests in fligh
 finishes, until --num-requests (at least `concurrency`) are done; --rounds times, the methods taking turns,
 and the table gives medians over the rounds. TPOT per request is (last token time -
 first token time) / (output tokens - 1); the table gives the median. "same" says whether every greedy
-output equals that of `none` (it must; a "no" is a bug).
+output equals that of `none` (it must; a "no" is a bug). "steps" and "rejected rows" (draft tokens the
+target computed and rejected) say how much forward work a run did beside `none`'s, and "outside the model"
+the run's time per step outside the target's forward passes and logits (scheduling, drafting,
+verification, sampling, Python): a method with `none`'s steps, no rejected rows and `none`'s time outside
+the model did what `none` did, and its ratio to `none` is this host's noise (see none-control).
 """
 from __future__ import annotations
 
@@ -84,7 +89,7 @@ def make_prompts(workload: str, n: int, seed: int) -> list[tuple[list[dict], str
 
 
 def method_config(method: str, args) -> dict | None:
-    if method == "none":
+    if method in ("none", "none-control"):
         return None
     if method.startswith("draft"):
         cfg = {"method": "draft", "num_speculative_tokens": args.draft_k, "model": args.draft_model}
@@ -106,10 +111,32 @@ def method_config(method: str, args) -> dict | None:
     return cfg
 
 
-def run_closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], concurrency: int) -> dict:
+class TargetTimer:
+    """Seconds the engine spends in the target model's forward passes and logits (wrapped in place), so that
+    a run's time outside them (scheduling, drafting, verification, sampling, Python) can be told apart."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.seconds = 0.0
+        model = llm.engine.runner.model
+        model.forward = self._timed(model.forward)
+        model.compute_logits = self._timed(model.compute_logits)
+
+    def _timed(self, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return call
+
+
+def run_closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
+                    timer: TargetTimer) -> dict:
     engine = llm.engine
     engine.reset_prefix_cache()
     before = engine.get_stats()
+    in_model = timer.seconds
     pending = list(enumerate(prompts))
     in_flight: set[str] = set()
     outputs = {}
@@ -124,6 +151,7 @@ def run_closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingPar
                 in_flight.discard(out.request_id)
                 outputs[int(out.request_id[1:])] = out
     elapsed = time.perf_counter() - t0
+    in_model = timer.seconds - in_model
     after = engine.get_stats()
     tokens = [len(outputs[i].outputs[0].token_ids) for i in range(len(prompts))]
     tpots = [(o.metrics.last_token_time - o.metrics.first_token_time) / (n - 1)
@@ -135,6 +163,8 @@ def run_closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingPar
                for j, a in enumerate(after.spec_accepted_per_pos)]
     return {
         "seconds": elapsed, "output_tokens": sum(tokens), "num_requests": len(prompts),
+        "steps": after.num_steps - before.num_steps, "rejected_rows": drafted - accepted,
+        "outside_model_ms_per_step": 1000 * (elapsed - in_model) / max(1, after.num_steps - before.num_steps),
         "output_tok_s": sum(tokens) / elapsed,
         "tpot_median_ms": 1000 * statistics.median(tpots) if tpots else None,
         "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
@@ -194,7 +224,7 @@ def main() -> None:
                     choices=["repeat", "summarise", "chat"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-fixed", "eagle", "eagle-fixed"],
-                    choices=["none", "ngram-plain", "ngram-one-class", "ngram-one-length", "ngram-long", "eagle-lookup",
+                    choices=["none", "none-control", "ngram-plain", "ngram-one-class", "ngram-one-length", "ngram-long", "eagle-lookup",
                              *(m + v for m in ("ngram", "draft", "eagle") for v in ("", "-fixed", "-always"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
     ap.add_argument("--max-tokens", type=int, default=128, help="per request of summarise and chat")
@@ -240,6 +270,7 @@ def main() -> None:
     if "ngram-one-length" in llms:
         speculator = llms["ngram-one-length"].engine.speculator
         speculator.length = OneLengthDraftLength(speculator.length.max_length)
+    timers = {method: TargetTimer(llm) for method, llm in llms.items()}
     tok = llms["none"].get_tokenizer()
     for workload in args.workloads:
         for c in args.concurrency:
@@ -248,8 +279,8 @@ def main() -> None:
             prompts = [tok.encode(tok.apply_chat_template(conv), add_special_tokens=False) for conv, _ in convs]
             params = [SamplingParams(temperature=args.temperature, max_tokens=max_tokens(text, tok, args),
                                      seed=args.seed if args.temperature > 0 else None) for _, text in convs]
-            for llm in llms.values():
-                run_closed_loop(llm, prompts[:1], params[:1], 1)  # warm-up
+            for method, llm in llms.items():
+                run_closed_loop(llm, prompts[:1], params[:1], 1, timers[method])  # warm-up
             # Rounds: every method once per round, the order rotated each round; a method's ratio to `none`
             # is taken within a round, then the median over rounds (a point's single run at 32 had moved
             # +-15% between identical engines).
@@ -257,7 +288,7 @@ def main() -> None:
             for k in range(args.rounds):
                 order = list(llms)[k % len(llms):] + list(llms)[:k % len(llms)]
                 for method in order:
-                    r = run_closed_loop(llms[method], prompts, params, c)
+                    r = run_closed_loop(llms[method], prompts, params, c, timers[method])
                     rounds[method].append(r)
                     print(f"{workload:9s} c={c:<3d} round {k} {method:13s} {r['output_tok_s']:7.1f} tok/s "
                           f"TPOT {r['tpot_median_ms'] or 0:6.1f} ms  acceptance {r['acceptance_rate']}", flush=True)
@@ -269,14 +300,18 @@ def main() -> None:
                 r["x_none"] = statistics.median(r["x_none_rounds"])
                 tpots = [x["tpot_median_ms"] for x in runs if x["tpot_median_ms"] is not None]
                 r["tpot_median_ms"] = statistics.median(tpots) if tpots else None
+                r["steps"] = statistics.median(x["steps"] for x in runs)
+                r["rejected_rows"] = statistics.median(x["rejected_rows"] for x in runs)
+                r["outside_model_ms_per_step"] = statistics.median(x["outside_model_ms_per_step"] for x in runs)
                 r["same"] = all(x["token_ids"] == b["token_ids"] for x, b in zip(runs, rounds["none"]))
                 results.setdefault(workload, {}).setdefault(str(c), {})[method] = r
     del llms
     gc.collect()
 
     lines = ["| workload | concurrency | method | output tokens per request | output tok/s | x none | x none per round | "
-             "TPOT median ms | acceptance rate | mean acceptance length | acceptance by position | same |",
-             "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---|---|"]
+             "TPOT median ms | steps | rejected rows | outside the model, ms per step | acceptance rate | mean acceptance length | "
+             "acceptance by position | same |",
+             "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for workload, by_c in results.items():
         for c, by_m in by_c.items():
             for method, r in by_m.items():
@@ -290,7 +325,9 @@ def main() -> None:
                 per_round = " / ".join(f"{x:.2f}" for x in r["x_none_rounds"])
                 lines.append(f"| {workload} | {c} | {method} | {r['output_tokens'] / r['num_requests']:.0f} | "
                              f"{r['output_tok_s']:.1f} | {r['x_none']:.2f} | "
-                             f"{per_round} | {tpot} | {rate} | {length} | {pos} | {same} |")
+                             f"{per_round} | {tpot} | {r['steps']:g} | {r['rejected_rows']:g} | "
+                             f"{r['outside_model_ms_per_step']:.2f} | {rate} | {length} | "
+                             f"{pos} | {same} |")
     for by_c in results.values():
         for by_m in by_c.values():
             for r in by_m.values():

@@ -1,0 +1,173 @@
+"""What each extra row of a speculative verification step costs on this machine, part by part.
+
+A decode step at one stream computes one row (token); a step verifying k drafts computes 1 + k rows of the
+same sequence. Where the step is memory-bound, the extra rows ride along with the weights already read;
+where the matmuls are compute-bound (two AVX2 cores) each row costs its own multiply-adds. This times the
+parts of a step of the default model (SmolLM2-135M-Instruct, its Q4_1 weights kept quantized) at 1 to 9
+rows, with the engine's own kernels and weights:
+
+  matmuls    the decoder stack's 120 projections (qkv, o, gate_up, down in each of 30 layers)
+  lm_head    the logits of every row (the tied embedding, 49152 x 576)
+  attention  paged attention of every row over --context tokens of one sequence, 30 layers, each its own
+             cache (bfloat16, the engine's choice on a CPU)
+
+The three run in that order in every repetition, as in a step, each timed on its own: so the LM head's
+30 MB come from DRAM after the stack's 66 MB have passed, not from a cache that a loop of it alone keeps warm.
+
+Beside them, in the same rounds, the engine's whole one-row decode step at that context (norms, rotary,
+KV writes, sampling and Python included). The row counts take turns within each of --rounds rounds and the table gives each part's fastest round
+(this host's speed drifts; the fastest round is the least disturbed) and the median.
+
+    python benchmarks/verify_rows.py                 # results/verify_rows_<isa>.{json,md}
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from common import report
+from kvserve import LLM, SamplingParams
+from kvserve.kernels import cpu as cpu_kernels
+
+WEIGHTS_PER_LAYER = 14                    # kvserve/kernels/cpu/decoder_stack.cpp's order
+PROJECTIONS = {"qkv": 1, "o": 4, "gate_up": 8, "down": 11}  # index of each projection's quantized weight
+
+
+def timed(fn, repeat: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t0) / repeat
+
+
+def timed_in_turn(parts: dict, repeat: int) -> dict[str, float]:
+    """Mean seconds of each part, the parts called one after another, repeat times (after one untimed pass)."""
+    for fn in parts.values():
+        fn()
+    seconds = dict.fromkeys(parts, 0.0)
+    for _ in range(repeat):
+        for name, fn in parts.items():
+            t0 = time.perf_counter()
+            fn()
+            seconds[name] += time.perf_counter() - t0
+    return {name: t / repeat for name, t in seconds.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 3, 5, 9])
+    ap.add_argument("--context", type=int, default=400, help="tokens each row attends to (a copy's ~300-token "
+                    "prompt plus its output so far)")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--repeat", type=int, default=20, help="calls per timing")
+    args = ap.parse_args()
+    if not cpu_kernels.available():
+        raise SystemExit("verify_rows.py times the native CPU kernels, and none are built here")
+
+    llm = LLM()
+    model = llm.engine.runner.model
+    stack = model.native_stack
+    if stack is None:
+        raise SystemExit("the default model did not get the native decoder stack here")
+    ops = cpu_kernels.ops()
+    w = stack.weights
+    layers = len(model.layers)
+    hidden = model.config.hidden_size
+    attn = model.layers[0].self_attn
+    heads, kv_heads, head_dim = attn.num_heads, model.config.num_key_value_heads, model.config.head_dim
+
+    def projection(layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        i = layer * WEIGHTS_PER_LAYER + PROJECTIONS[name]
+        qs, scales, mins = w[i], w[i + 1], w[i + 2]
+        op = ops.quant_linear_x16 if qs.dim() == 4 else ops.quant_linear_x8
+        return op(x, qs, scales, mins)
+
+    # One sequence's K/V in every layer: --context tokens in blocks of 16, scattered as a pool hands them out.
+    bs = 16
+    num_blocks = (args.context + bs - 1) // bs
+    k_caches = [torch.randn(kv_heads, 4 * num_blocks, bs, head_dim).to(torch.bfloat16) for _ in range(layers)]
+    v_caches = [torch.randn_like(k) for k in k_caches]
+    table = torch.randperm(4 * num_blocks)[:num_blocks].view(1, -1).contiguous()
+    scale = head_dim ** -0.5
+
+    def parts(r: int) -> dict:
+        x = {n: torch.randn(r, hidden if n != "down" else model.config.intermediate_size) for n in PROJECTIONS}
+        h = torch.randn(r, hidden)
+        q = torch.randn(r, heads, head_dim)
+        out = torch.empty_like(q)
+        row_token = torch.arange(r)
+        row_seq = torch.zeros(r, dtype=torch.int64)
+        row_len = torch.arange(args.context - r + 1, args.context + 1)  # causal: row i sees one more key
+
+        def matmuls() -> None:
+            for layer in range(layers):
+                for name in PROJECTIONS:
+                    projection(layer, name, x[name])
+
+        def attention() -> None:
+            for k_cache, v_cache in zip(k_caches, v_caches):
+                ops.paged_attention_(q, out, k_cache, v_cache, row_token, row_seq, row_len, table, scale, 0)
+
+        return {"matmuls": matmuls, "lm_head": lambda: model.compute_logits(h), "attention": attention}
+
+    engine = llm.engine
+    prompt = torch.randint(1000, 20000, (args.context,)).tolist()
+
+    def decode_step() -> float:
+        """Seconds of one engine step decoding one sequence at --context tokens (its prompt is cached after the
+        first round, so each round's prefill is one token)."""
+        engine.add_request("verify-rows", prompt, SamplingParams(max_tokens=args.repeat + 2, ignore_eos=True))
+        engine.step()  # the prompt (cached after the first round)
+        t = timed(engine.step, args.repeat)
+        engine.abort_request(["verify-rows"])
+        return t
+
+    fns = {r: parts(r) for r in args.rows}
+    step_times: list[float] = []
+    times: dict[int, dict[str, list[float]]] = {r: {p: [] for p in fns[r]} for r in args.rows}
+    with torch.inference_mode():
+        for k in range(args.rounds):
+            for r in args.rows:
+                for part, t in timed_in_turn(fns[r], args.repeat).items():
+                    times[r][part].append(t)
+            step_times.append(decode_step())
+            print(f"round {k}: " + ", ".join(
+                f"{r} rows {1e3 * sum(times[r][p][-1] for p in times[r]):.2f} ms" for r in args.rows)
+                + f"; engine decode step {1e3 * step_times[-1]:.2f} ms", flush=True)
+
+    best = {r: {p: min(v) for p, v in times[r].items()} for r in args.rows}
+    median = {r: {p: statistics.median(v) for p, v in times[r].items()} for r in args.rows}
+    first = args.rows[0]
+    lines = ["| rows | matmuls ms | lm_head ms | attention ms | sum ms | x 1 row | each row beyond the first, ms "
+             "(matmuls / lm_head / attention) | sum, medians ms |",
+             "|---:|---:|---:|---:|---:|---:|---|---:|"]
+    results = {}
+    for r in args.rows:
+        b = best[r]
+        total, total_first = sum(b.values()), sum(best[first].values())
+        extra = "" if r == first else " / ".join(f"{1e3 * (b[p] - best[first][p]) / (r - first):.2f}" for p in b)
+        lines.append(f"| {r} | {1e3 * b['matmuls']:.2f} | {1e3 * b['lm_head']:.2f} | {1e3 * b['attention']:.2f} | "
+                     f"{1e3 * total:.2f} | {total / total_first:.2f} | {extra} | {1e3 * sum(median[r].values()):.2f} |")
+        results[str(r)] = {"best_s": b, "median_s": median[r], "all_s": times[r]}
+    results["engine_decode_step_s"] = step_times
+    def layout(layer) -> str:
+        segments = getattr(layer, "segments", None) or []
+        return "/".join(f"{s.layout} in {s.tile}-row tiles" for s in segments) or "float"
+    setup = (f"Model: the default SmolLM2-135M-Instruct (the file's blocks kept: projections "
+             f"{layout(model.layers[0].mlp.gate_up_proj)}, lm_head {layout(model.lm_head)}), "
+             f"{layers} layers, {heads} query / {kv_heads} KV heads of {head_dim}; attention over {args.context} "
+             f"tokens, bfloat16 KV cache. Fastest of {args.rounds} rounds of {args.repeat} repetitions (the "
+             "last column: medians), the row counts taking turns in each round. The parts leave out the norms, "
+             "rotary, KV writes, sampling and Python of a step: the engine's whole one-row decode step at this "
+             f"context took {1e3 * min(step_times):.2f} ms in its fastest round ({1e3 * statistics.median(step_times):.2f} "
+             "median) in the same rounds.")
+    report(f"verify_rows_{cpu_kernels.isa()}", "Cost of a verification step's rows, part by part", args, setup,
+           "\n".join(lines), results, isa=None, script="verify_rows")
+
+
+if __name__ == "__main__":
+    main()
