@@ -10,9 +10,10 @@ Workloads (prompts cut from offline text, chat template applied, greedy unless -
   summarise  summarise a given passage
   chat       open questions, nothing to copy from
 Methods: none; none-control (a second engine without speculation: its ratio to `none` is this host's
-noise between identical engines, the yardstick for every other ratio); ngram (the adaptive defaults: each step carries only the draft tokens that this engine's
-measured step times say pay, none above disable_by_batch_size running sequences, per-request pauses on low
-acceptance); ngram-fixed (the same, but every step drafts all k tokens: adaptive_draft_length false);
+noise between identical engines, the yardstick for every other ratio); ngram (the adaptive defaults: each
+step carries only the draft tokens that this engine's measured step times say pay, none above
+disable_by_batch_size running sequences, per-request pauses on low acceptance); ngram-fixed (the same,
+but every step drafts all k tokens: adaptive_draft_length false);
 ngram-always (all k tokens in every step, no batch limit, no pauses: to find the crossover batch size);
 ngram-plain (ngram with tokens matched only as themselves, no whitespace classes: kvserve/spec_decode/ngram.py);
 ngram-one-class (ngram with one acceptance record for all drafts, not one per match length: draft_length.py);
@@ -153,6 +154,7 @@ def run_closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingPar
     elapsed = time.perf_counter() - t0
     in_model = timer.seconds - in_model
     after = engine.get_stats()
+    steps = after.num_steps - before.num_steps
     tokens = [len(outputs[i].outputs[0].token_ids) for i in range(len(prompts))]
     tpots = [(o.metrics.last_token_time - o.metrics.first_token_time) / (n - 1)
              for o, n in ((outputs[i], tokens[i]) for i in range(len(prompts))) if n > 1]
@@ -163,8 +165,8 @@ def run_closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingPar
                for j, a in enumerate(after.spec_accepted_per_pos)]
     return {
         "seconds": elapsed, "output_tokens": sum(tokens), "num_requests": len(prompts),
-        "steps": after.num_steps - before.num_steps, "rejected_rows": drafted - accepted,
-        "outside_model_ms_per_step": 1000 * (elapsed - in_model) / max(1, after.num_steps - before.num_steps),
+        "steps": steps, "rejected_rows": drafted - accepted,
+        "outside_model_ms_per_step": 1000 * (elapsed - in_model) / max(1, steps),
         "output_tok_s": sum(tokens) / elapsed,
         "tpot_median_ms": 1000 * statistics.median(tpots) if tpots else None,
         "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
@@ -224,7 +226,8 @@ def main() -> None:
                     choices=["repeat", "summarise", "chat"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-fixed", "eagle", "eagle-fixed"],
-                    choices=["none", "none-control", "ngram-plain", "ngram-one-class", "ngram-one-length", "ngram-long", "eagle-lookup",
+                    choices=["none", "none-control", "ngram-plain", "ngram-one-class", "ngram-one-length",
+                             "ngram-long", "eagle-lookup",
                              *(m + v for m in ("ngram", "draft", "eagle") for v in ("", "-fixed", "-always"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
     ap.add_argument("--max-tokens", type=int, default=128, help="per request of summarise and chat")
@@ -309,8 +312,8 @@ def main() -> None:
     gc.collect()
 
     lines = ["| workload | concurrency | method | output tokens per request | output tok/s | x none | x none per round | "
-             "TPOT median ms | steps | rejected rows | outside the model, ms per step | acceptance rate | mean acceptance length | "
-             "acceptance by position | same |",
+             "TPOT median ms | steps | rejected rows | outside the model, ms per step | acceptance rate | "
+             "mean acceptance length | acceptance by position | same |",
              "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for workload, by_c in results.items():
         for c, by_m in by_c.items():

@@ -15,8 +15,9 @@ The three run in that order in every repetition, as in a step, each timed on its
 30 MB come from DRAM after the stack's 66 MB have passed, not from a cache that a loop of it alone keeps warm.
 
 Beside them, in the same rounds, the engine's whole one-row decode step at that context (norms, rotary,
-KV writes, sampling and Python included). The row counts take turns within each of --rounds rounds and the table gives each part's fastest round
-(this host's speed drifts; the fastest round is the least disturbed) and the median.
+KV writes, sampling and Python included). The row counts take turns within each of --rounds rounds, and
+the table gives each part's fastest round (this host's speed drifts; the fastest round is the least
+disturbed) and the median.
 
     python benchmarks/verify_rows.py                 # results/verify_rows_<isa>.{json,md}
 """
@@ -34,6 +35,12 @@ from kvserve.kernels import cpu as cpu_kernels
 
 WEIGHTS_PER_LAYER = 14                    # kvserve/kernels/cpu/decoder_stack.cpp's order
 PROJECTIONS = {"qkv": 1, "o": 4, "gate_up": 8, "down": 11}  # index of each projection's quantized weight
+
+
+def layout(layer) -> str:
+    """How a linear layer's weight is stored, e.g. "q4 in 16-row tiles"."""
+    segments = getattr(layer, "segments", None) or []
+    return "/".join(f"{s.layout} in {s.tile}-row tiles" for s in segments) or "float"
 
 
 def timed(fn, repeat: int) -> float:
@@ -151,22 +158,20 @@ def main() -> None:
         total, total_first = sum(b.values()), sum(best[first].values())
         extra = "" if r == first else " / ".join(f"{1e3 * (b[p] - best[first][p]) / (r - first):.2f}" for p in b)
         lines.append(f"| {r} | {1e3 * b['matmuls']:.2f} | {1e3 * b['lm_head']:.2f} | {1e3 * b['attention']:.2f} | "
-                     f"{1e3 * total:.2f} | {total / total_first:.2f} | {extra} | {1e3 * sum(median[r].values()):.2f} |")
+                     f"{1e3 * total:.2f} | {total / total_first:.2f} | {extra} | "
+                     f"{1e3 * sum(median[r].values()):.2f} |")
         results[str(r)] = {"best_s": b, "median_s": median[r], "all_s": times[r]}
     results["engine_decode_step_s"] = step_times
-    def layout(layer) -> str:
-        segments = getattr(layer, "segments", None) or []
-        return "/".join(f"{s.layout} in {s.tile}-row tiles" for s in segments) or "float"
     setup = (f"Model: the default SmolLM2-135M-Instruct (the file's blocks kept: projections "
              f"{layout(model.layers[0].mlp.gate_up_proj)}, lm_head {layout(model.lm_head)}), "
              f"{layers} layers, {heads} query / {kv_heads} KV heads of {head_dim}; attention over {args.context} "
              f"tokens, bfloat16 KV cache. Fastest of {args.rounds} rounds of {args.repeat} repetitions (the "
              "last column: medians), the row counts taking turns in each round. The parts leave out the norms, "
              "rotary, KV writes, sampling and Python of a step: the engine's whole one-row decode step at this "
-             f"context took {1e3 * min(step_times):.2f} ms in its fastest round ({1e3 * statistics.median(step_times):.2f} "
-             "median) in the same rounds.")
+             f"context took {1e3 * min(step_times):.2f} ms in its fastest round "
+             f"({1e3 * statistics.median(step_times):.2f} median) in the same rounds.")
     report(f"verify_rows_{cpu_kernels.isa()}", "Cost of a verification step's rows, part by part", args, setup,
-           "\n".join(lines), results, isa=None, script="verify_rows")
+           "\n".join(lines), results, script="verify_rows")
 
 
 if __name__ == "__main__":
