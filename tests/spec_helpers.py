@@ -139,9 +139,10 @@ def make_engine(path, spec=None, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(path), speculative_config=spec, **kw))
 
 
-def run_waves(engine: LLMEngine, waves, k: int, check: bool = False) -> dict:
+def run_waves(engine: LLMEngine, waves, k: int, check: bool = False, after_step=None) -> dict:
     """Each wave's requests are added once the previous wave has finished; returns outputs by id. With
-    check, the KV bookkeeping of k-token drafts is verified after every step; no block may leak."""
+    check, the KV bookkeeping of k-token drafts is verified after every step; after_step(engine), if given,
+    runs after every step too; no block may leak."""
     from engine_helpers import assert_no_leaks
 
     done = {}
@@ -155,6 +156,8 @@ def run_waves(engine: LLMEngine, waves, k: int, check: bool = False) -> dict:
                     done[out.request_id] = out
             if check:
                 check_kv_bookkeeping(engine, k, before)
+            if after_step is not None:
+                after_step(engine)
     assert_no_leaks(engine)
     return done
 

@@ -15,8 +15,8 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.eagle_head import (EagleHead, EagleHeadConfig, EagleHeadReference, load_eagle_head,
                                             read_head, save_head)
 from engine_helpers import assert_no_leaks
-from spec_helpers import (PREEMPTING, abort_mid_speculation, check_kv_bookkeeping, count_draft_kinds, make_draft_file,
-                          make_engine, num_tokens_now, preempting_wave, prompts, run_waves)
+from spec_helpers import (PREEMPTING, abort_mid_speculation, count_draft_kinds, make_draft_file, make_engine,
+                          preempting_wave, prompts, run_waves)
 from test_spec_decode_distribution import BANNED
 from test_spec_decode_draft import assert_same, sampled_acceptance_and_chisquare
 
@@ -187,18 +187,10 @@ def test_prompt_lookup_in_front_of_the_head(tiny_model_dirs, heads):
     wave, ref = preempting_wave(path, K)
     engine = make_engine(path, spec(heads["partial"], prompt_lookup_min=1, prompt_lookup_max=2), **PREEMPTING)
     kinds = count_draft_kinds(engine)
-    for rid, p, params in wave[0]:
-        engine.add_request(rid, p, params)
-    got, checked = {}, 0
-    while engine.has_unfinished_requests():
-        before = num_tokens_now(engine)
-        for out in engine.step():
-            if out.finished:
-                got[out.request_id] = out
-        check_kv_bookkeeping(engine, K, before)
-        checked += check_head_inputs(engine, hf)
+    checks: list[int] = []  # sequences whose head input was checked, per step
+    got = run_waves(engine, wave, K, check=True, after_step=lambda e: checks.append(check_head_inputs(e, hf)))
     assert_same(got, ref)
-    assert_no_leaks(engine)
+    checked = sum(checks)
     assert kinds["lookup"]["drafts"] > 10 and kinds["model"]["drafts"] > 10 and checked > 50, (kinds, checked)
     assert engine.get_stats().num_preemptions > 0
     assert_acceptance(engine, "some")
