@@ -45,6 +45,7 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
 from common import report
 from kvserve import LLM, SamplingParams
 from kvserve.bench.corpus import load_corpus
@@ -114,13 +115,16 @@ def method_config(method: str, args) -> dict | None:
 
 class TargetTimer:
     """Seconds the engine spends in the target model's forward passes and logits (wrapped in place), so that
-    a run's time outside them (scheduling, drafting, verification, sampling, Python) can be told apart."""
+    a run's time outside them (scheduling, drafting, verification, sampling, Python) can be told apart.
+    On the CPU only: a GPU's forward returns before its work is done, and a graph replay calls neither."""
 
     def __init__(self, llm: LLM) -> None:
         self.seconds = 0.0
-        model = llm.engine.runner.model
-        model.forward = self._timed(model.forward)
-        model.compute_logits = self._timed(model.compute_logits)
+        self.enabled = llm.engine.device.type == "cpu"
+        if self.enabled:
+            model = llm.engine.runner.model
+            model.forward = self._timed(model.forward)
+            model.compute_logits = self._timed(model.compute_logits)
 
     def _timed(self, fn):
         def call(*args, **kwargs):
@@ -166,7 +170,7 @@ def run_closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingPar
     return {
         "seconds": elapsed, "output_tokens": sum(tokens), "num_requests": len(prompts),
         "steps": steps, "rejected_rows": drafted - accepted,
-        "outside_model_ms_per_step": 1000 * (elapsed - in_model) / max(1, steps),
+        "outside_model_ms_per_step": 1000 * (elapsed - in_model) / max(1, steps) if timer.enabled else None,
         "output_tok_s": sum(tokens) / elapsed,
         "tpot_median_ms": 1000 * statistics.median(tpots) if tpots else None,
         "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
@@ -218,6 +222,56 @@ class OneLengthDraftLength(DraftLength):
             rates.append(tokens / (self.times.estimate(rows) + d * self.draft_seconds))
         best = self.best_or_probe(rates)
         return [min(best, avail) for avail, _, _ in drafts]
+
+
+def write_report(args, results: dict, device: torch.device, load_before: tuple[float, float, float]) -> None:
+    """The table and results/<name>.{json,md} for the workloads measured so far (written after each one, so
+    that a run cut short, as on a GPU lease, keeps what it finished)."""
+    lines = ["| workload | concurrency | method | output tokens per request | output tok/s | x none | x none per round | "
+             "TPOT median ms | steps | rejected rows | outside the model, ms per step | acceptance rate | "
+             "mean acceptance length | acceptance by position | same |",
+             "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for workload, by_c in results.items():
+        for c, by_m in by_c.items():
+            for method, r in by_m.items():
+                same = "yes" if r["same"] else "no"
+                if args.temperature > 0 and method != "none":
+                    same = "(sampled)"
+                rate = "" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%"
+                length = "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
+                pos = " / ".join(f"{100 * a:.0f}%" for a in r["acceptance_per_position"])
+                tpot = "" if r["tpot_median_ms"] is None else f"{r['tpot_median_ms']:.1f}"
+                outside = "n/a" if r["outside_model_ms_per_step"] is None else f"{r['outside_model_ms_per_step']:.2f}"
+                per_round = " / ".join(f"{x:.2f}" for x in r["x_none_rounds"])
+                lines.append(f"| {workload} | {c} | {method} | {r['output_tokens'] / r['num_requests']:.0f} | "
+                             f"{r['output_tok_s']:.1f} | {r['x_none']:.2f} | "
+                             f"{per_round} | {tpot} | {r['steps']:g} | {r['rejected_rows']:g} | "
+                             f"{outside} | {rate} | {length} | "
+                             f"{pos} | {same} |")
+    saved = {w: {c: {m: {k: v for k, v in r.items() if k != "token_ids"} for m, r in by_m.items()}
+                 for c, by_m in by_c.items()} for w, by_c in results.items()}
+    ngram = f"n-gram k={args.num_speculative_tokens}, lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}"
+    if "ngram-long" in args.methods:
+        ngram += f" (ngram-long: k={args.ngram_long_k}, lookup {args.prompt_lookup_min}..{args.ngram_long_k})"
+    setup = (f"Model: the default SmolLM2-135M-Instruct (dtype {args.dtype}, quantization {args.quantization}); "
+             f"{ngram}; "
+             f"draft k={args.draft_k} ({args.draft_model or 'the shipped draft'}); "
+             f"eagle k={args.eagle_k} ({args.eagle_model or 'the shipped head'}"
+             + (f"; eagle-lookup k={args.eagle_lookup_k}" if "eagle-lookup" in args.methods else "") + "); "
+             f"at most {args.max_tokens} output tokens per request ("
+             + ("a copy's text's token count + 8 for repeat" if args.repeat_max_tokens == "text"
+                else f"{args.repeat_max_tokens} for repeat")
+             + f"), temperature {args.temperature}; closed loop, "
+             f"max(concurrency, {args.num_requests}) requests per run, {args.rounds} rounds (medians; "
+             "\"x none\" is the median of the per-round ratios). Load average (1 min) "
+             f"{load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (above the core count the "
+             "machine was shared and the figures are noisy).")
+    if device.type == "cuda":
+        setup = (f"GPU: {torch.cuda.get_device_name(device)} (torch {torch.__version__}, CUDA graphs for decode and "
+                 f"verification steps; \"outside the model\" is not measured on a GPU). {setup}")
+    else:
+        setup = f"CPU kernels: {(cpu_kernels.isa() or 'none (torch paths)').upper()}. {setup}"
+    report(args.name, "Speculative decoding", args, setup, "\n".join(lines), saved, script="speculative")
 
 
 def main() -> None:
@@ -274,6 +328,7 @@ def main() -> None:
         speculator = llms["ngram-one-length"].engine.speculator
         speculator.length = OneLengthDraftLength(speculator.length.max_length)
     timers = {method: TargetTimer(llm) for method, llm in llms.items()}
+    device = llms["none"].engine.device
     tok = llms["none"].get_tokenizer()
     for workload in args.workloads:
         for c in args.concurrency:
@@ -305,54 +360,13 @@ def main() -> None:
                 r["tpot_median_ms"] = statistics.median(tpots) if tpots else None
                 r["steps"] = statistics.median(x["steps"] for x in runs)
                 r["rejected_rows"] = statistics.median(x["rejected_rows"] for x in runs)
-                r["outside_model_ms_per_step"] = statistics.median(x["outside_model_ms_per_step"] for x in runs)
+                outside = [x["outside_model_ms_per_step"] for x in runs if x["outside_model_ms_per_step"] is not None]
+                r["outside_model_ms_per_step"] = statistics.median(outside) if outside else None
                 r["same"] = all(x["token_ids"] == b["token_ids"] for x, b in zip(runs, rounds["none"]))
                 results.setdefault(workload, {}).setdefault(str(c), {})[method] = r
+        write_report(args, results, device, load_before)
     del llms
     gc.collect()
-
-    lines = ["| workload | concurrency | method | output tokens per request | output tok/s | x none | x none per round | "
-             "TPOT median ms | steps | rejected rows | outside the model, ms per step | acceptance rate | "
-             "mean acceptance length | acceptance by position | same |",
-             "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
-    for workload, by_c in results.items():
-        for c, by_m in by_c.items():
-            for method, r in by_m.items():
-                same = "yes" if r["same"] else "no"
-                if args.temperature > 0 and method != "none":
-                    same = "(sampled)"
-                rate = "" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%"
-                length = "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
-                pos = " / ".join(f"{100 * a:.0f}%" for a in r["acceptance_per_position"])
-                tpot = "" if r["tpot_median_ms"] is None else f"{r['tpot_median_ms']:.1f}"
-                per_round = " / ".join(f"{x:.2f}" for x in r["x_none_rounds"])
-                lines.append(f"| {workload} | {c} | {method} | {r['output_tokens'] / r['num_requests']:.0f} | "
-                             f"{r['output_tok_s']:.1f} | {r['x_none']:.2f} | "
-                             f"{per_round} | {tpot} | {r['steps']:g} | {r['rejected_rows']:g} | "
-                             f"{r['outside_model_ms_per_step']:.2f} | {rate} | {length} | "
-                             f"{pos} | {same} |")
-    for by_c in results.values():
-        for by_m in by_c.values():
-            for r in by_m.values():
-                del r["token_ids"]
-    ngram = f"n-gram k={args.num_speculative_tokens}, lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}"
-    if "ngram-long" in args.methods:
-        ngram += f" (ngram-long: k={args.ngram_long_k}, lookup {args.prompt_lookup_min}..{args.ngram_long_k})"
-    setup = (f"Model: the default SmolLM2-135M-Instruct (dtype {args.dtype}, quantization {args.quantization}); "
-             f"{ngram}; "
-             f"draft k={args.draft_k} ({args.draft_model or 'the shipped draft'}); "
-             f"eagle k={args.eagle_k} ({args.eagle_model or 'the shipped head'}"
-             + (f"; eagle-lookup k={args.eagle_lookup_k}" if "eagle-lookup" in args.methods else "") + "); "
-             f"at most {args.max_tokens} output tokens per request ("
-             + ("a copy's text's token count + 8 for repeat" if args.repeat_max_tokens == "text"
-                else f"{args.repeat_max_tokens} for repeat")
-             + f"), temperature {args.temperature}; closed loop, "
-             f"max(concurrency, {args.num_requests}) requests per run, {args.rounds} rounds (medians; "
-             "\"x none\" is the median of the per-round ratios). Load average (1 min) "
-             f"{load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 cores; above ~2 the "
-             "machine was shared and the figures are noisy).")
-    setup = f"CPU kernels: {(cpu_kernels.isa() or 'none (torch paths)').upper()}. {setup}"
-    report(args.name, "Speculative decoding", args, setup, "\n".join(lines), results, script="speculative")
 
 
 if __name__ == "__main__":

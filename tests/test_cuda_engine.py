@@ -1,5 +1,6 @@
-"""The engine on an NVIDIA GPU (skipped without CUDA): Triton attention, CUDA graphs for decode, bf16 and
-float32, against transformers; graphs against eager; preemption and prefix-cache hits; sampling that
+"""The engine on an NVIDIA GPU (skipped without CUDA): Triton attention, CUDA graphs for decode and
+verification steps, bf16 and float32, against transformers; graphs against eager; preemption and prefix-cache
+hits; sampling that
 reproduces under a seed; and a decode step that reads nothing back from the GPU before its sampled ids.
 
 The Triton kernels' own tests (test_triton_attention.py, test_cuda_graph_padding.py and the `triton`
@@ -108,17 +109,49 @@ def test_cuda_graphs_give_the_eager_steps_tokens(tiny_model_dirs) -> None:
     graphed = cuda_engine(path, "float32")
     replays = []
     run_graph = graphed.runner.graphs.run
-    graphed.runner.graphs.run = lambda inputs: replays.append(len(inputs.input_ids)) or run_graph(inputs)
+    graphed.runner.graphs.run = lambda inputs, shape, **kw: replays.append(len(inputs.input_ids)) or run_graph(
+        inputs, shape, **kw)
     a = run(graphed, prompts, params)
     eager = cuda_engine(path, "float32", enforce_eager=True)
     assert eager.runner.graphs is None
     b = run(eager, prompts, params)
-    assert len(replays) > MAX_NEW and any(n not in graphed.runner.graphs.sizes for n in replays)  # padded ones
+    assert len(replays) > MAX_NEW and any(n not in graphed.runner.graphs.sizes[1] for n in replays)  # padded ones
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
             for t in lx:
                 assert lx[t].logprob == pytest.approx(ly[t].logprob, abs=1e-4)
+
+
+def test_cuda_verification_graphs_give_the_eager_steps_tokens(tiny_model_dirs) -> None:
+    """Speculative decoding with drafts right and wrong at every position, with verification graphs (rows
+    of 1 to 4 tokens padded to 4, padded batches) and with --enforce-eager: the greedy tokens of an engine
+    without speculation; the KV bookkeeping checked after every step; verification graphs really ran, rows
+    padded among them; no block leaks."""
+    from spec_helpers import ScriptedProposer, prompts, run_waves
+
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(7, [5, 13, 9, 22, 4])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    wave = [[(str(i), p, params) for i, p in enumerate(ps)]]
+    ref = run_waves(cuda_engine(path, "float32"), wave, 0)
+    spec = dict(method="ngram", num_speculative_tokens=3, disable_by_batch_size=None, min_acceptance_rate=0.0,
+                adaptive_draft_length=False)
+    shapes = []
+    for eager in (False, True):
+        engine = cuda_engine(path, "float32", speculative_config=spec, enforce_eager=eager)
+        engine.speculator.proposer = ScriptedProposer({tuple(p): ref[str(i)].outputs[0].token_ids
+                                                       for i, p in enumerate(ps)}, 0.3)
+        if not eager:
+            run_graph = engine.runner.graphs.run
+            engine.runner.graphs.run = lambda inputs, shape, **kw: shapes.append(
+                (shape, set(inputs.query_lens))) or run_graph(inputs, shape, **kw)
+        got = run_waves(engine, wave, 3, check=True)
+        stats = engine.get_stats()
+        assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+        for i in range(len(ps)):
+            assert got[str(i)].outputs[0].token_ids == ref[str(i)].outputs[0].token_ids, (eager, i)
+    assert any(shape[1] == 4 and lens != {4} for shape, lens in shapes)
 
 
 def test_cuda_preemption_keeps_greedy_tokens(tiny_model_dirs) -> None:
@@ -185,7 +218,7 @@ def test_cuda_decode_step_reads_back_only_the_sampled_ids(tiny_model_dirs) -> No
     engine.step()
     replays = []
     run_graph = engine.runner.graphs.run
-    engine.runner.graphs.run = lambda inputs: replays.append(1) or run_graph(inputs)
+    engine.runner.graphs.run = lambda inputs, shape, **kw: replays.append(1) or run_graph(inputs, shape, **kw)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -1,12 +1,12 @@
-"""Decode CUDA graphs without a GPU: the bucketing and padding as pure functions, and what a replay
-repeats (DecodeGraphs.load + forward over the persistent buffers) run with the Triton kernels under the
-interpreter against the ordinary eager step. The capture and replay themselves need CUDA."""
+"""Step CUDA graphs without a GPU: the bucketing and padding as pure functions, and what a replay repeats
+(StepGraphs.load + forward over the persistent buffers) run with the Triton kernels under the interpreter
+against the ordinary eager step, for decode steps and for verification steps of rows padded to one width.
+The capture and replay themselves need CUDA."""
 from __future__ import annotations
 
-import pytest
 import torch
 
-from kvserve.worker.cuda_graphs import DecodeInputs, capture_sizes, is_pure_decode, padded_size
+from kvserve.worker.cuda_graphs import StepInputs, capture_sizes, padded_size, samples_every_token
 
 
 def test_capture_sizes_and_padding_bucket() -> None:
@@ -22,36 +22,67 @@ def test_capture_sizes_and_padding_bucket() -> None:
 
 
 def test_decode_inputs_padding_rows_write_nothing() -> None:
-    step = DecodeInputs([5, 6], [9, 2], [37, 10], [10, 3], [[4, 7, 9], [2]])
-    p = step.padded(4)
+    step = StepInputs([5, 6], [9, 2], [37, 10], [1, 1], [10, 3], [[4, 7, 9], [2]])
+    p = step.padded(4, 1)
     assert p.input_ids == [5, 6, 0, 0] and p.positions == [9, 2, 0, 0]
-    assert p.slots == [37, 10, -1, -1] and p.seq_lens == [10, 3, 1, 1]
+    assert p.slots == [37, 10, -1, -1] and p.seq_lens == [10, 3, 1, 1] and p.query_lens == [1] * 4
     assert p.tables_tensor().tolist() == [[4, 7, 9], [2, 0, 0], [0, 0, 0], [0, 0, 0]]
-    assert step.padded(2) == step
+    assert step.padded(2, 1) == step
+    assert step.padded_rows(1) == [0, 1]
 
 
-def test_only_pure_decode_steps_use_graphs() -> None:
-    assert is_pure_decode([1, 1, 1], 3, False)
-    assert not is_pure_decode([1, 4, 1], 3, False)      # a chunk or speculative row
-    assert not is_pure_decode([1, 1], 1, False)          # a row not sampled (a prefill's last chunk pending)
-    assert not is_pure_decode([1, 1], 2, True)           # prompt logprobs need hidden states
-    assert not is_pure_decode([], 0, False)
+def test_verification_rows_padded_at_their_ends() -> None:
+    """Rows of 1 and 3 tokens as width 3: the short row's padding follows its token at its position, writes
+    nothing and lengthens the row by 2, so its token's position (length minus the tokens after it) stays 9."""
+    step = StepInputs([5, 6, 7, 8], [9, 2, 3, 4], [37, 10, 11, 12], [1, 3], [10, 5], [[4, 7, 9], [2]])
+    p = step.padded(4, 3)
+    assert p.input_ids == [5, 0, 0, 6, 7, 8] + [0] * 6
+    assert p.positions == [9, 9, 9, 2, 3, 4] + [0] * 6
+    assert p.slots == [37, -1, -1, 10, 11, 12] + [-1] * 6
+    assert p.query_lens == [3] * 4 and p.seq_lens == [12, 5, 3, 3]
+    assert step.padded_rows(3) == [0, 3, 4, 5]
 
 
-def test_triton_decode_graph_inputs_match_eager_step(tiny_model_dirs) -> None:
-    """Padded to a captured size, a decode step's logits are the eager step's and the padding rows leave
-    the KV cache untouched; a later, smaller step over the same buffers (stale table columns) too."""
+def test_only_steps_that_sample_every_token_use_graphs() -> None:
+    assert samples_every_token([1, 1, 1], 3, False)
+    assert samples_every_token([1, 4, 1], 6, False)      # a verification row: its last token and 3 drafts
+    assert not samples_every_token([1, 4, 1], 3, False)  # a prefill chunk samples at most its last token
+    assert not samples_every_token([1, 1], 1, False)     # a row not sampled (a prefill's last chunk pending)
+    assert not samples_every_token([1, 1], 2, True)      # prompt logprobs need hidden states
+    assert not samples_every_token([], 0, False)
+
+
+def test_shape_for_picks_the_smallest_captured_shape() -> None:
+    from kvserve.worker.cuda_graphs import StepGraphs
+    graphs = StepGraphs.__new__(StepGraphs)  # the bucketing only: no model, no buffers
+    graphs.sizes = {1: capture_sizes(16), 5: capture_sizes(4)}
+    graphs.widths, graphs.max_cols, graphs.block_size = [1, 5], 4, 16  # max_model_len 64
+    assert graphs.shape_for([1, 1, 1], [10, 20, 30]) == (4, 1)
+    assert graphs.shape_for([1] * 16, [10] * 16) == (16, 1)
+    assert graphs.shape_for([1] * 17, [10] * 17) is None            # more rows than captured
+    assert graphs.shape_for([1, 3, 1], [10, 20, 30]) == (4, 5)
+    assert graphs.shape_for([2] * 5, [10] * 5) is None              # verification captured up to 4 rows
+    assert graphs.shape_for([6], [10]) is None                      # wider than any graph
+    assert graphs.shape_for([2, 1], [61, 10]) == (2, 5)             # padded to 64 keys: the table's end
+    assert graphs.shape_for([2, 1], [62, 10]) is None               # 65: past it, so eager
+
+
+def test_triton_step_graph_inputs_match_eager_step(tiny_model_dirs) -> None:
+    """Padded to a captured shape, a decode or verification step's logits and hidden states are the eager
+    step's, and padding (tokens and rows) leaves the KV cache untouched; later, smaller steps over the same
+    buffers (stale table columns and tokens) too."""
     from triton_helpers import triton_device
     device = triton_device()
     from paged_helpers import PagedSeqs, make_backend, make_kv_caches
 
     from kvserve.models.loader import load_model
-    from kvserve.worker.cuda_graphs import DecodeGraphs
+    from kvserve.worker.cuda_graphs import StepGraphs
 
     path, _ = tiny_model_dirs["llama"]
     loaded = load_model(str(path), torch.float32, device)
     model, cfg = loaded.model, loaded.config
-    backend = make_backend(model, cfg, 16, 4, kind="triton", device=device)
+    bs = 4
+    backend = make_backend(model, cfg, 16, bs, kind="triton", device=device)
     caches = make_kv_caches(backend)
     seqs = PagedSeqs(backend)
     g = torch.Generator().manual_seed(0)
@@ -60,27 +91,78 @@ def test_triton_decode_graph_inputs_match_eager_step(tiny_model_dirs) -> None:
         ids, pos, meta = seqs.batch({0: rand(9), 1: rand(2), 2: rand(5)})
         model(ids, pos, meta, caches)
         graph_caches = [(k.clone(), v.clone()) for k, v in caches]
-        graphs = DecodeGraphs(model, backend, graph_caches, 4, 64, 4)
-        for step in ({0: rand(1), 1: rand(1), 2: rand(1)}, {1: rand(1)}):
+        graphs = StepGraphs(model, backend, graph_caches, 4, 64, bs, verify_width=3, verify_max_seqs=2)
+        steps = [({0: rand(1), 1: rand(1), 2: rand(1)}, (4, 1)),
+                 ({0: rand(3), 2: rand(1)}, (2, 3)),            # a verification row beside a decode row
+                 ({1: rand(2)}, (1, 3)),
+                 ({1: rand(1)}, (1, 1))]
+        for step, want_shape in steps:
             before = {s: seqs.lens[s] for s in step}
             ids, pos, meta = seqs.batch(step)
-            want = model.compute_logits(model(ids, pos, meta, caches))
-            bs = 4
-            inputs = DecodeInputs(ids.tolist(), pos.tolist(),
-                                  [seqs.blocks[s][p // bs] * bs + p % bs for s, p in before.items()],
-                                  [seqs.lens[s] for s in step], [list(seqs.blocks[s]) for s in step])
+            want_hidden = model(ids, pos, meta, caches)
+            want = model.compute_logits(want_hidden)
+            slots = [seqs.blocks[s][p // bs] * bs + p % bs for s, b in before.items() for p in range(b, seqs.lens[s])]
+            inputs = StepInputs(ids.tolist(), pos.tolist(), slots, [len(t) for t in step.values()],
+                                [seqs.lens[s] for s in step], [list(seqs.blocks[s]) for s in step])
             snapshot = [(k.clone(), v.clone()) for k, v in graph_caches]
-            size = graphs.load(inputs)
-            assert size == {3: 4, 1: 1}[len(step)]
-            got = graphs.forward(size)[:len(step)]
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            shape = graphs.shape_for(inputs.query_lens, inputs.seq_lens)
+            assert shape == want_shape
+            graphs.load(inputs, shape)
+            hidden, logits = graphs.forward(shape)
+            rows = inputs.padded_rows(shape[1])
+            torch.testing.assert_close(logits[rows], want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(hidden[rows], want_hidden, atol=1e-5, rtol=1e-5)
             # The step's own slots hold its K/V (as eager wrote them, up to the batch shape's rounding); every
-            # other slot is as it was: the padding rows (slot -1) wrote nothing.
+            # other slot is as it was: the padding (slot -1) wrote nothing.
             others = torch.ones(16 * bs, dtype=torch.bool)
-            others[inputs.slots] = False
+            others[slots] = False
             for (k, v), (gk, gv), (k0, v0) in zip(caches, graph_caches, snapshot):
                 for new, eager, old in ((gk, k, k0), (gv, v, v0)):
                     new, eager, old = (x.flatten(0, 1) for x in (new, eager, old))  # [slot, Hkv, D]
-                    torch.testing.assert_close(new[inputs.slots], eager[inputs.slots], atol=1e-5, rtol=1e-5)
-                    assert not torch.equal(new[inputs.slots], old[inputs.slots])
+                    torch.testing.assert_close(new[slots], eager[slots], atol=1e-5, rtol=1e-5)
+                    assert not torch.equal(new[slots], old[slots])
                     assert torch.equal(new[others], old[others])
+
+
+def test_engine_steps_through_graph_inputs_give_the_eager_tokens(tiny_model_dirs) -> None:
+    """The engine with its decode and verification steps sent through StepGraphs (load + forward, what a
+    replay repeats, standing in for capture and replay) under Triton's interpreter: drafts right and wrong at
+    every position give the greedy tokens of an engine without graphs or speculation, with the KV
+    bookkeeping checked after every step; decode and padded verification shapes both ran; no block leaks.
+    On CUDA, test_cuda_engine.py runs the real graphs."""
+    from triton_helpers import triton_device
+    device = triton_device()
+    from spec_helpers import ScriptedProposer, make_engine, prompts, run_waves
+
+    from kvserve.sampling_params import SamplingParams
+    from kvserve.worker.cuda_graphs import StepGraphs
+
+    class ForwardNotReplay(StepGraphs):
+        def replay(self, shape):
+            return self.forward(shape)
+
+        def run(self, inputs, shape, want_hidden=False):
+            shapes.append((shape, set(inputs.query_lens)))
+            return super().run(inputs, shape, want_hidden)
+
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(7, [5, 13, 9])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    wave = [[(str(i), p, params) for i, p in enumerate(ps)]]
+    kw = dict(device=str(device), attention_backend="triton", max_num_seqs=4)
+    ref = run_waves(make_engine(path, **kw), wave, 0)
+    spec = dict(method="ngram", num_speculative_tokens=3, disable_by_batch_size=None, min_acceptance_rate=0.0,
+                adaptive_draft_length=False)
+    engine = make_engine(path, spec, **kw)
+    engine.speculator.proposer = ScriptedProposer({tuple(p): ref[str(i)].outputs[0].token_ids
+                                                   for i, p in enumerate(ps)}, 0.3)
+    runner, shapes = engine.runner, []
+    runner.graphs = ForwardNotReplay(runner.model, runner.attn_backend, runner.kv_caches, 4,
+                                     engine.max_model_len, runner.block_size, verify_width=4, verify_max_seqs=4)
+    got = run_waves(engine, wave, 3, check=True)
+    assert any(shape[1] == 1 for shape, _ in shapes)
+    assert any(shape[1] == 4 and lens != {4} for shape, lens in shapes)  # verification rows padded to 4
+    stats = engine.get_stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    for i in range(len(ps)):
+        assert got[str(i)].outputs[0].token_ids == ref[str(i)].outputs[0].token_ids

@@ -106,7 +106,9 @@ class LLMEngine:
         if self.kv_cache_dtype == FP8:  # before graph capture: the graphs take the scales as constants
             self._calibrate_kv_scales(self.runner, draft)
         if self.device.type == "cuda" and not config.enforce_eager and self.runner.attn_backend.name == "triton":
-            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+            verify_seqs = 0 if spec is None else spec.max_drafting_seqs or config.max_num_seqs
+            self.runner.capture_graphs(config.max_num_seqs, self.max_model_len,
+                                       1 + spec.num_speculative_tokens if spec is not None else None, verify_seqs)
         self.speculator = None
         if spec is not None:
             classes = whitespace_classes(self.tokenizer, mc.vocab_size) if spec.method == "ngram" else None

@@ -115,6 +115,12 @@ class SpeculativeConfig:
     def uses_lookup(self) -> bool:
         return self.prompt_lookup_max is not None
 
+    @property
+    def max_drafting_seqs(self) -> int | None:
+        """The most sequences a step may draft for (None: no limit): what verification graphs are captured up to."""
+        limits = [self.disable_by_batch_size] + ([self.lookup_disable_by_batch_size] if self.uses_lookup else [])
+        return None if None in limits else max(limits)
+
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
         """From a dict or its JSON text; unknown keys are errors (a typo must not silently disable speculation)."""

@@ -1,16 +1,23 @@
-"""CUDA graphs for pure-decode steps (one new token per sequence, every sequence sampled): the model's
-forward and its logits, captured once per padded batch size and replayed, so a decode step costs a few
-copies and one graph launch instead of hundreds of kernel launches from Python. --enforce-eager turns
-them off; other steps (prefill, chunks, speculative rows, prompt logprobs) always run eagerly.
+"""CUDA graphs for decode and verification steps (every token of every row sampled: one new token per
+sequence, or its last token and its drafts): the model's forward, hidden states and logits, captured once
+per padded shape and replayed, so such a step costs a few copies and one graph launch instead of hundreds
+of kernel launches from Python. --enforce-eager turns them off; other steps (prefill, chunks, prompt
+logprobs) always run eagerly.
 
-A step of n sequences runs in the graph of the smallest captured size >= n. Its inputs go into persistent
-buffers that the graph reads; the padding rows are one-token sequences at position 0 with block 0 as their
-table and slot -1, so they write nothing to the cache (the KV write kernel skips slot -1) and their
-logits, which read block 0's first key, are sliced away. Only the Triton backend is captured: its
-metadata is the step's own tensors plus a tile schedule that, for decode, is the same for every step of
-one size. The split-KV count is fixed per graph from max_model_len.
+A shape is (rows, width): `rows` sequences of `width` tokens each. Width 1 is a decode step, captured at
+every size up to max_num_seqs; with speculative decoding, width 1 + k (k: num_speculative_tokens) is a
+verification step, captured up to the most sequences that may draft in one step. A step runs in the
+smallest captured shape that holds it: each row is padded at its end to the width, then padding rows are
+added. Padding tokens write nothing to the cache (slot -1: the KV write kernel skips it) and their outputs
+are dropped; a padded row's length grows by its padding, so its real tokens keep their positions in the
+attention kernel (a token's position is its row's length minus the tokens after it) and see only keys up to
+their own. A padding row is `width` tokens at position 0 with block 0 as its table. On a GPU where an
+extra row of a small batch is nearly free, padding a 2-token row to 5 costs less than a graph per width.
 
-The padding and bucketing are pure functions, tested on the CPU; DecodeGraphs itself needs CUDA.
+Only the Triton backend is captured: its metadata is the step's own tensors plus a tile schedule that is
+the same for every step of one shape. The split-KV count is fixed per graph from max_model_len.
+
+The padding and bucketing are pure functions, tested on the CPU; StepGraphs itself needs CUDA to capture.
 """
 from __future__ import annotations
 
@@ -37,21 +44,36 @@ def padded_size(num_seqs: int, sizes: list[int]) -> int | None:
 
 
 @dataclass
-class DecodeInputs:
-    """One decode step's per-sequence inputs, as host lists."""
+class StepInputs:
+    """One step's rows as host lists, tokens flat in row order; row i has query_lens[i] tokens."""
     input_ids: list[int]
     positions: list[int]
     slots: list[int]
+    query_lens: list[int]
     seq_lens: list[int]
     block_tables: list[list[int]]
 
-    def padded(self, size: int) -> DecodeInputs:
-        """The same step as `size` rows: padding rows are 1-token sequences at position 0 in block 0 that
-        write nothing (slot -1)."""
-        pad = size - len(self.input_ids)
-        assert pad >= 0
-        return DecodeInputs(self.input_ids + [0] * pad, self.positions + [0] * pad, self.slots + [-1] * pad,
-                            self.seq_lens + [1] * pad, self.block_tables + [[0]] * pad)
+    def padded(self, size: int, width: int) -> StepInputs:
+        """The same step as `size` rows of `width` tokens. A row's padding tokens follow its own (token 0 at
+        its last position, slot -1) and lengthen it; padding rows are `width` tokens at position 0 in block 0
+        that write nothing."""
+        extra = size - len(self.query_lens)
+        assert extra >= 0 and max(self.query_lens) <= width
+        if width == 1:  # decode: no row needs padding (the hot case, kept to list concatenation)
+            ids, pos, slots, seq_lens = self.input_ids, self.positions, self.slots, self.seq_lens
+        else:
+            ids, pos, slots, seq_lens = [], [], [], []
+            i = 0
+            for n, length in zip(self.query_lens, self.seq_lens):
+                pad = width - n
+                ids += self.input_ids[i:i + n] + [0] * pad
+                pos += self.positions[i:i + n] + [self.positions[i + n - 1]] * pad
+                slots += self.slots[i:i + n] + [-1] * pad
+                seq_lens.append(length + pad)
+                i += n
+        fill = extra * width
+        return StepInputs(ids + [0] * fill, pos + [0] * fill, slots + [-1] * fill, [width] * size,
+                          seq_lens + [width] * extra, self.block_tables + [[0]] * extra)
 
     def tables_tensor(self) -> torch.Tensor:
         """[rows, widest table] int64, zero-filled."""
@@ -61,84 +83,127 @@ class DecodeInputs:
             out[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
         return out
 
-
-def is_pure_decode(query_lens: list[int], num_sampled: int, has_prompt_logprobs: bool) -> bool:
-    """What a captured graph can run: one token per sequence, each one sampled, no prompt logprobs."""
-    return (bool(query_lens) and all(n == 1 for n in query_lens) and num_sampled == len(query_lens)
-            and not has_prompt_logprobs)
+    def padded_rows(self, width: int) -> list[int]:
+        """Where each real token lands in the padded step, in order."""
+        return [i * width + j for i, n in enumerate(self.query_lens) for j in range(n)]
 
 
-class DecodeGraphs:
-    """Captured decode graphs for one model, Triton attention backend and KV pool. Capture and replay need
+def samples_every_token(query_lens: list[int], num_sampled: int, has_prompt_logprobs: bool) -> bool:
+    """What a captured graph can run: rows whose every token is sampled (a decode token, or a last token and
+    its drafts), no prompt logprobs. A prefill chunk samples at most its last token."""
+    return bool(query_lens) and num_sampled == sum(query_lens) and not has_prompt_logprobs
+
+
+class StepGraphs:
+    """Captured step graphs for one model, Triton attention backend and KV pool. Capture and replay need
     CUDA; load and forward, what a replay repeats, run anywhere the backend does (the tests: the CPU,
     under Triton's interpreter)."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_caches: list[KVCache],
-                 max_num_seqs: int, max_model_len: int, block_size: int) -> None:
-        assert backend.name == "triton", "decode graphs need metadata that is the step's own tensors"
+                 max_num_seqs: int, max_model_len: int, block_size: int,
+                 verify_width: int | None = None, verify_max_seqs: int = 0) -> None:
+        """verify_width: 1 + num_speculative_tokens, captured for steps of up to verify_max_seqs sequences;
+        None: decode graphs only."""
+        assert backend.name == "triton", "step graphs need metadata that is the step's own tensors"
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = {1: capture_sizes(max_num_seqs)}
+        if verify_width is not None and verify_width > 1 and verify_max_seqs > 0:
+            self.sizes[verify_width] = capture_sizes(min(verify_max_seqs, max_num_seqs))
+        self.widths = sorted(self.sizes)
         self.max_model_len = max_model_len
         self.block_size = block_size
-        n, dev = self.sizes[-1], backend.device
+        self.max_cols = -(-max_model_len // block_size)
+        n, dev = max(s[-1] * w for w, s in self.sizes.items()), backend.device
         i64 = dict(dtype=torch.int64, device=dev)
         self.input_ids = torch.zeros(n, **i64)
         self.positions = torch.zeros(n, **i64)
         self.slots = torch.full((n,), -1, **i64)
-        self.seq_lens = torch.ones(n, **i64)
-        self.query_start_loc = torch.arange(n + 1, **i64)   # one token per row, for every step
-        self.block_tables = torch.zeros((n, -(-max_model_len // block_size)), **i64)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self._metas: dict[int, object] = {}                  # kept alive: the graphs read their tensors
+        rows = self.sizes[1][-1]
+        self.seq_lens = torch.ones(rows, **i64)
+        self.block_tables = torch.zeros((rows, self.max_cols), **i64)
+        self.query_start_loc = {w: torch.arange(0, rows * w + 1, w, **i64) for w in self.widths}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (hidden, logits)
+        self._metas: dict[tuple[int, int], object] = {}  # kept alive: the graphs read their tensors
 
-    def can_run(self, num_seqs: int) -> bool:
-        return num_seqs <= self.sizes[-1]
+    def shape_for(self, query_lens: list[int], seq_lens: list[int]) -> tuple[int, int] | None:
+        """The captured (rows, width) that holds this step; None: none does, run eagerly."""
+        longest = max(query_lens)
+        for width in self.widths:
+            if width >= longest:
+                break
+        else:
+            return None
+        size = padded_size(len(query_lens), self.sizes[width])
+        if size is None:
+            return None
+        # A padded row's keys must stay inside its table: rows near max_model_len run eagerly.
+        if width > 1 and max(s + width - q for s, q in zip(seq_lens, query_lens)) > self.max_cols * self.block_size:
+            return None
+        return size, width
 
-    def load(self, inputs: DecodeInputs) -> int:
-        """The step's inputs, padded, into the persistent buffers; returns the padded size. Table columns
-        past this step's widest stay stale: no row reads past its own length."""
-        size = padded_size(len(inputs.input_ids), self.sizes)
-        assert size is not None
-        p = inputs.padded(size)
-        host = torch.tensor([p.input_ids, p.positions, p.slots, p.seq_lens], dtype=torch.int64)
-        for buf, row in zip((self.input_ids, self.positions, self.slots, self.seq_lens), host):
-            buf[:size].copy_(row, non_blocking=True)
+    def load(self, inputs: StepInputs, shape: tuple[int, int]) -> None:
+        """The step's inputs, padded to `shape`, into the persistent buffers. Table columns past this step's
+        widest stay stale: no row reads past its own length."""
+        size, width = shape
+        p = inputs.padded(size, width)
+        n = size * width
+        tokens = torch.tensor([p.input_ids, p.positions, p.slots], dtype=torch.int64)
+        for buf, row in zip((self.input_ids, self.positions, self.slots), tokens):
+            buf[:n].copy_(row, non_blocking=True)
+        self.seq_lens[:size].copy_(torch.tensor(p.seq_lens, dtype=torch.int64), non_blocking=True)
         tables = p.tables_tensor()
         self.block_tables[:size, :tables.shape[1]].copy_(tables, non_blocking=True)
-        return size
 
-    def forward(self, size: int) -> torch.Tensor:
-        """What a graph of this size records: the model over the buffers' first `size` rows, then logits."""
-        meta = self._metas.get(size)
+    def forward(self, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a graph of this shape records: the model over the buffers' first rows, then logits."""
+        size, width = shape
+        n = size * width
+        meta = self._metas.get(shape)
         if meta is None:
-            batch = StepBatch(self.slots[:size], self.query_start_loc[:size + 1], self.seq_lens[:size],
-                              self.block_tables[:size], list(range(size + 1)), [1] * size, self.block_size)
-            # Built once per size, outside any capture: the tile schedule is a host-to-device copy that is the
-            # same for every decode step of this size; the split count serves any length up to max_model_len.
-            meta = self._metas[size] = self.backend.build_metadata(batch, max_seq_len=self.max_model_len)
-        hidden = self.model(self.input_ids[:size], self.positions[:size], meta, self.kv_caches)
-        return self.model.compute_logits(hidden)
+            batch = StepBatch(self.slots[:n], self.query_start_loc[width][:size + 1], self.seq_lens[:size],
+                              self.block_tables[:size], list(range(0, n + 1, width)), [width] * size,
+                              self.block_size)
+            # Built once per shape, outside any capture: the tile schedule is a host-to-device copy that is the
+            # same for every step of this shape; the split count serves any length up to max_model_len.
+            meta = self._metas[shape] = self.backend.build_metadata(batch, max_seq_len=self.max_model_len)
+        hidden = self.model(self.input_ids[:n], self.positions[:n], meta, self.kv_caches)
+        return hidden, self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Largest first, all sizes sharing one memory pool (a smaller graph's buffers fit in a larger's)."""
+        """Largest first, all shapes sharing one memory pool (a smaller graph's buffers fit in a larger's)."""
         dev = self.backend.device
         assert dev.type == "cuda"
         pool = None
-        for size in reversed(self.sizes):
-            self.forward(size)  # warm-up outside the graph: metadata, Triton compiles, cuBLAS picks kernels
+        shapes = sorted(((s, w) for w, sizes in self.sizes.items() for s in sizes),
+                        key=lambda sw: sw[0] * sw[1], reverse=True)
+        for shape in shapes:
+            self.forward(shape)  # warm-up outside the graph: metadata, Triton compiles, cuBLAS picks kernels
             torch.cuda.synchronize(dev)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self.forward(size)
+                self.outputs[shape] = self.forward(shape)
             pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[shape] = graph
         torch.cuda.synchronize(dev)
 
+    def replay(self, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graph of this shape over the loaded buffers: its (hidden, logits) outputs."""
+        self.graphs[shape].replay()
+        return self.outputs[shape]
+
     @torch.inference_mode()
-    def run(self, inputs: DecodeInputs) -> torch.Tensor:
-        """The step's float32 logits [n, vocab] (a view into the graph's output: use before the next run)."""
-        size = self.load(inputs)
-        self.graphs[size].replay()
-        return self.logits[size][:len(inputs.input_ids)]
+    def run(self, inputs: StepInputs, shape: tuple[int, int], want_hidden: bool = False
+            ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The step's float32 logits, one row per real token in order (a view into the graph's output for
+        decode: use it before the next run), and with want_hidden its hidden states (a copy: the eagle head
+        may read a sequence's after later replays)."""
+        self.load(inputs, shape)
+        hidden, logits = self.replay(shape)
+        size, width = shape
+        if width == 1:
+            n = len(inputs.query_lens)
+            return (hidden[:n].clone() if want_hidden else None), logits[:n]
+        rows = torch.tensor(inputs.padded_rows(width), dtype=torch.int64).to(logits.device, non_blocking=True)
+        return (hidden[rows] if want_hidden else None), logits[rows]

@@ -20,7 +20,7 @@ from kvserve.sampling.logprobs import compute_prompt_logprobs
 from kvserve.sampling.sampler import Sampler, SamplingInputs
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.verify import num_accepted, rewind_generator
-from kvserve.worker.cuda_graphs import DecodeInputs, is_pure_decode
+from kvserve.worker.cuda_graphs import StepInputs, samples_every_token
 from kvserve.worker.memory_profile import worst_case_batch
 
 
@@ -46,16 +46,18 @@ class ModelRunner:
         self.attn_backend = make_attention_backend(attention_backend, model, kv_spec, num_blocks, device, dtype)
         self.kv_caches = self.attn_backend.allocate_kv_caches()
         self.sampler = Sampler()
-        self.graphs = None  # DecodeGraphs once capture_decode_graphs ran (CUDA, Triton backend)
+        self.graphs = None  # StepGraphs once capture_graphs ran (CUDA, Triton backend)
         self.keep_hidden = False  # return the sampled rows' hidden states (the eagle head reads them)
         if device.type == "cpu":
             cpu_kernels.available()  # build (or load) the native kernel now, not in a first request's step
 
-    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """CUDA graphs for pure-decode steps (kvserve/worker/cuda_graphs.py); after the KV pool is final."""
-        from kvserve.worker.cuda_graphs import DecodeGraphs
-        self.graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, max_num_seqs, max_model_len,
-                                   self.block_size)
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, verify_width: int | None = None,
+                       verify_max_seqs: int = 0) -> None:
+        """CUDA graphs for decode steps and, with verify_width (1 + num_speculative_tokens), for verification
+        steps of up to verify_max_seqs sequences (kvserve/worker/cuda_graphs.py); after the KV pool is final."""
+        from kvserve.worker.cuda_graphs import StepGraphs
+        self.graphs = StepGraphs(self.model, self.attn_backend, self.kv_caches, max_num_seqs, max_model_len,
+                                 self.block_size, verify_width, verify_max_seqs)
         self.graphs.capture()
 
     @torch.inference_mode()
@@ -118,11 +120,14 @@ class ModelRunner:
 
         result = ModelRunnerOutput(sampled={}, prompt_logprobs={})
         graphs = self.graphs
-        if (graphs is not None and not self.keep_hidden and graphs.can_run(len(seq_lens))
-                and is_pure_decode([n for _, n in sched.scheduled], len(sample_rows), bool(prompt_lp))):
-            logits = graphs.run(DecodeInputs(input_ids, positions, slot_mapping, seq_lens,
-                                             [seq.block_table for seq, _ in sched.scheduled]))
-            sampled_hidden = None
+        query_lens = [n for _, n in sched.scheduled]
+        shape = (graphs.shape_for(query_lens, seq_lens)
+                 if graphs is not None and samples_every_token(query_lens, len(sample_rows), bool(prompt_lp))
+                 else None)
+        if shape is not None:  # every token is sampled, so the sampled rows are all rows, in order
+            sampled_hidden, logits = graphs.run(StepInputs(input_ids, positions, slot_mapping, query_lens, seq_lens,
+                                                           [seq.block_table for seq, _ in sched.scheduled]),
+                                                shape, want_hidden=self.keep_hidden)
         else:
             logits, sampled_hidden = self._forward_eager(sched, input_ids, positions, slot_mapping,
                                                          query_start_loc, seq_lens, sample_rows, prompt_lp, result)

