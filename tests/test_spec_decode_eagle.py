@@ -150,6 +150,29 @@ def test_head_reads_the_targets_hidden_state_of_the_last_token(tiny_model_dirs, 
     assert_no_leaks(engine)
 
 
+def test_hidden_states_only_where_the_head_may_draft(tiny_model_dirs, heads):
+    """With disable_by_batch_size 2, steps of more running sequences hand the head no hidden states, steps
+    of 2 or fewer do. Every draft is accepted (none read a stale state: a sequence without a fresh one does
+    not draft), and the greedy tokens are non-speculative decoding's."""
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(2, [6, 23, 14, 31])
+    wave = [[(str(i), p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=1))
+             for i, (p, m) in enumerate(zip(ps, [4, 8, 30, 30]))]]
+    ref = run(make_engine(path), wave)
+    engine = make_engine(path, spec(heads["right"], disable_by_batch_size=2))
+    seen = []  # per step: running sequences, hidden states kept
+    execute = engine.runner.execute
+
+    def spy(sched):
+        seen.append((len(engine.scheduler.running), engine.runner.keep_hidden))
+        return execute(sched)
+    engine.runner.execute = spy
+    assert_same(run(engine, wave, check=True), ref)
+    assert any(n > 2 for n, _ in seen) and any(n <= 2 for n, _ in seen)
+    assert all(keep == (n <= 2) for n, keep in seen)
+    assert_acceptance(engine, "all")
+
+
 @pytest.mark.parametrize("kind", ["right", "partial", "wrong"])
 def test_greedy_identical_with_preemption_and_n(kind, tiny_model_dirs, heads):
     """Chunked prefills, n = 2, and a pool too small for the batch: the non-speculative tokens and logprobs."""

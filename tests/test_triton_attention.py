@@ -72,7 +72,8 @@ def run_steps(H: int, Hkv: int, D: int, bs: int, window: int | None, dtype: torc
               block_n: int | None = None) -> None:
     """Run steps of new-token counts per sequence (0: not in this step's batch is not modelled; every
     sequence is in every step) through TritonBackend.forward and check every output row.
-    num_splits: force split-KV with that many parts on every step (the backend itself splits only decodes)."""
+    num_splits: force split-KV with that many parts on every step (the backend itself splits only steps of
+    short rows: decodes and verification)."""
     g = torch.Generator().manual_seed(seed)
     num_seqs = len(steps[0])
     spec = KVCacheSpec(1, bs, Hkv, D, kv_dtype)
@@ -160,9 +161,10 @@ def test_triton_split_kv_bfloat16_fp8() -> None:
     run_steps(8, 1, 32, 8, None, torch.bfloat16, FP8, [[30, 17], [1, 1]], num_splits=2, block_n=16)
 
 
-def test_triton_backend_splits_long_decodes_only(monkeypatch) -> None:
-    """The backend's own choice: a long-context decode batch on a GPU with SMs to fill is split, a step with
-    prefill rows is not, and the split decode still matches the reference."""
+def test_triton_backend_splits_long_decodes_and_verification_steps_only(monkeypatch) -> None:
+    """The backend's own choice: a long-context decode batch on a GPU with SMs to fill is split, and so is a
+    verification step (rows of a few tokens); a step with prefill rows is not; the split steps still match
+    the reference."""
     seen: list[int] = []
     launch = pa.paged_attention
 
@@ -174,8 +176,10 @@ def test_triton_backend_splits_long_decodes_only(monkeypatch) -> None:
                         lambda programs, longest, sms, block_n: num_kv_splits(programs, longest, sms, block_n,
                                                                               min_keys_per_split=16))
     monkeypatch.setattr(TritonBackend, "__init__", _with_sms(TritonBackend.__init__, 8))
-    run_steps(4, 2, 16, 4, None, torch.float32, torch.float32, [[40, 3], [1, 1]], block_n=16)
-    assert seen == [1, 2]  # prefill step unsplit; decode: 2 seqs x 2 KV heads = 4 programs, 2 parts fill 8 SMs
+    run_steps(4, 2, 16, 4, None, torch.float32, torch.float32, [[40, 3], [1, 1], [4, 2], [17, 1]], block_n=16)
+    # Prefill step unsplit; decode: 2 seqs x 2 KV heads = 4 programs, 2 parts fill 8 SMs; rows of 4 and 2
+    # tokens: one tile each, split the same way; a 17-token chunk beside a decode: unsplit.
+    assert seen == [1, 2, 2, 1]
 
 
 def _with_sms(init, num_sms: int):

@@ -102,7 +102,6 @@ class LLMEngine:
             head = load_eagle_head(spec.model, loaded, self.dtype, self.device,
                                    draft_quantization(config.quantization, self.device))
             draft = EagleProposer(head, self.device, self.eos_token_ids)
-            self.runner.keep_hidden = True
         if self.kv_cache_dtype == FP8:  # before graph capture: the graphs take the scales as constants
             self._calibrate_kv_scales(self.runner, draft)
         if self.device.type == "cuda" and not config.enforce_eager and self.runner.attn_backend.name == "triton":
@@ -281,6 +280,8 @@ class LLMEngine:
         self._last_step_tokens = sched.num_batched_tokens
         if sched.is_empty:
             return []
+        if self.speculator is not None:
+            self.runner.keep_hidden = self.speculator.wants_hidden(len(self.scheduler.running))
         now = started = time.monotonic()
         for seq, _ in sched.scheduled:
             m = self.requests[seq.request_id].metrics

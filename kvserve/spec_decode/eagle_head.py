@@ -181,7 +181,7 @@ def load_eagle_head(path: str | Path | None, target: LoadedModel, dtype: torch.d
     cfg = dataclasses.replace(target.config, intermediate_size=hcfg.intermediate_size)
     quant = QuantConfig(quantization, 32, dtype, device)
     with torch.device(device):
-        model = EagleHead(cfg, hcfg, embed, tensors["vocab_ids"], quant).to(dtype)
+        model = EagleHead(cfg, hcfg, embed, tensors["vocab_ids"].to(device), quant).to(dtype)
     model.load_weights(tensors)
     pack_float_weights(model)
     return model.eval().requires_grad_(False)

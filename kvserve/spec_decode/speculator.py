@@ -112,6 +112,13 @@ class Speculator:
             return [PLACEHOLDER] * max_new
         return []
 
+    def wants_hidden(self, num_running: int) -> bool:
+        """Whether a step of this many running sequences should hand the target's hidden states to the eagle
+        head: only where the head may draft for that many in the next step (above, gathering and storing
+        every sequence's state each step pays for drafts that never come)."""
+        limit = self.config.disable_by_batch_size
+        return isinstance(self.draft, EagleProposer) and (limit is None or num_running <= limit)
+
     def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """The target's hidden state that produced seq's last token (method "eagle")."""
         self.draft.observe(seq, hidden)

@@ -1,6 +1,7 @@
 """The Triton backend: a block-major KV cache ([num_blocks, block_size, Hkv, D]) and one attention kernel
 for every row kind (paged_attention.py), fed by a tile schedule built once per step. Pure-decode steps
-with long contexts and too few tiles to fill the GPU split each tile's keys across programs (split-KV).
+with long contexts and too few tiles to fill the GPU split each tile's keys across programs (split-KV), and so
+do verification steps (rows of 1 + k tokens).
 
 The metadata's device tensors are the StepBatch's own (no per-step copies), so a CUDA graph captured over
 a StepBatch of persistent buffers reads each replay's values (kvserve/worker/cuda_graphs.py)."""
@@ -21,6 +22,11 @@ class TritonMetadata(AttentionMetadata):
     # Per tile height (BLOCK_Q, which depends on the layer's GQA group): which sequence and first token.
     tiles: dict[int, tuple[torch.Tensor, torch.Tensor]]
     num_splits: dict[int, int]        # per tile height: split-KV parts (1: none)
+
+
+# Steps whose rows are all at most this many tokens (decodes, speculative verification rows) may split their
+# keys; prefill chunks never do: their many tiles fill the GPU already, and splitting them was never measured.
+SPLIT_MAX_QUERY_LEN = 16
 
 
 class TritonBackend(AttentionBackend):
@@ -47,7 +53,10 @@ class TritonBackend(AttentionBackend):
         dev = batch.slot_mapping.device
         tiles = {bq: schedule_tiles(batch.query_start_loc_list, bq, dev) for bq in set(self._block_q.values())}
         splits = {bq: 1 for bq in tiles}
-        if batch.num_tokens == batch.num_seqs:  # pure decode: one tile per sequence, the case split-KV is for
+        starts = batch.query_start_loc_list
+        if max(b - a for a, b in zip(starts, starts[1:])) <= SPLIT_MAX_QUERY_LEN:
+            # Decode and verification steps: a tile or two per sequence, the case split-KV is for (unsplit, one
+            # sequence of the default model verifying 4 drafts is 2 tiles x 3 KV heads: 6 programs on 132 SMs).
             longest = max_seq_len if max_seq_len is not None else max(batch.seq_lens_list)
             splits = {bq: num_kv_splits(len(seq) * self.kv_spec.num_kv_heads, longest, self.num_sms,
                                         self.block_n)
