@@ -11,8 +11,9 @@ smallest captured shape that holds it: each row is padded at its end to the widt
 added. Padding tokens write nothing to the cache (slot -1: the KV write kernel skips it) and their outputs
 are dropped; a padded row's length grows by its padding, so its real tokens keep their positions in the
 attention kernel (a token's position is its row's length minus the tokens after it) and see only keys up to
-their own. A padding row is `width` tokens at position 0 with block 0 as its table. On a GPU where an
-extra row of a small batch is nearly free, padding a 2-token row to 5 costs less than a graph per width.
+their own. A padding row is `width` tokens at position 0 with block 0 as its table. One width per step
+kind keeps the graphs to two sets; the price is that a step verifying one draft token costs a full-width
+one (on an H200, 4 sequences: 2.19 ms at width 5 against 1.57 at width 1, benchmarks/gpu_verify_step.py).
 
 Only the Triton backend is captured: its metadata is the step's own tensors plus a tile schedule that is
 the same for every step of one shape. The split-KV count is fixed per graph from max_model_len.
