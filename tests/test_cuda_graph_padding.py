@@ -4,6 +4,8 @@ against the ordinary eager step, for decode steps and for verification steps of 
 The capture and replay themselves need CUDA."""
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from kvserve.worker.cuda_graphs import StepInputs, capture_sizes, padded_size, samples_every_token
@@ -63,6 +65,9 @@ def test_shape_for_picks_the_smallest_captured_shape() -> None:
     assert graphs.shape_for([1, 3, 1], [10, 20, 30]) == (4, 5)
     assert graphs.shape_for([2] * 5, [10] * 5) is None              # verification captured up to 4 rows
     assert graphs.shape_for([6], [10]) is None                      # wider than any graph
+    assert graphs.step_tokens(3, 3, 0) == 4 and graphs.step_tokens(3, 3, 2) == 20  # what those steps run
+    assert graphs.step_tokens(5, 5, 1) is None                       # eager: 5 rows, verification up to 4
+    assert graphs.step_tokens(3, 10, 0) is None                      # eager: rows still in prefill
     assert graphs.shape_for([2, 1], [61, 10]) == (2, 5)             # padded to 64 keys: the table's end
     assert graphs.shape_for([2, 1], [62, 10]) is None               # 65: past it, so eager
 
@@ -156,10 +161,15 @@ def test_engine_steps_through_graph_inputs_give_the_eager_tokens(tiny_model_dirs
     engine = make_engine(path, spec, **kw)
     engine.speculator.proposer = ScriptedProposer({tuple(p): ref[str(i)].outputs[0].token_ids
                                                    for i, p in enumerate(ps)}, 0.3)
-    runner, shapes = engine.runner, []
+    runner, shapes, timed = engine.runner, [], []
     runner.graphs = ForwardNotReplay(runner.model, runner.attn_backend, runner.kv_caches, 4,
                                      engine.max_model_len, runner.block_size, verify_width=4, verify_max_seqs=4)
+    observe_step = engine.speculator.observe_step
+    engine.speculator.observe_step = lambda n, seconds: timed.append(n) or observe_step(n, seconds)
     got = run_waves(engine, wave, 3, check=True)
+    # Each graph step's time is kept under the tokens its padded shape ran, as step_tokens predicts them.
+    ran = Counter(size * width for (size, width), _ in shapes)
+    assert ran and not ran - Counter(timed)
     assert any(shape[1] == 1 for shape, _ in shapes)
     assert any(shape[1] == 4 and lens != {4} for shape, lens in shapes)  # verification rows padded to 4
     stats = engine.get_stats()

@@ -65,6 +65,23 @@ def test_compute_bound_steps_draft_only_what_pays():
     assert policy({1: 1.0, 2: 1.0, 8: 1.0}, [0.9, 0.9]).choose(2, [(1, 1.0, 0), (2, 1.0, 0)]) == [1, 2]
 
 
+def test_graph_steps_cost_full_width_from_the_first_draft_token():
+    """With CUDA graphs a step of 4 decoding sequences runs 4 x 1 tokens, or 4 x 5 once any of them drafts
+    (times as measured on an H200: 1.57 and 2.19 ms). One chat-like draft (cumulative acceptance 57 / 33 /
+    19 / 9%, 1.18 tokens expected) does not pay for the wider step: (4 + 1.18) / 2.19 < 4 / 1.57. A copy's
+    (2.84 expected) does, and then at full length: past the first token the rows are free."""
+    def graph(seqs: int, tokens: int, drafts: int) -> int:
+        return seqs * (5 if drafts else 1)
+    chat, copy = [0.57, 0.33, 0.19, 0.09], [0.86, 0.74, 0.67, 0.57]
+    for q, want in ((chat, [0, 0, 0, 0]), (copy, [4, 0, 0, 0])):
+        p = policy({4: 1.57, 20: 2.19}, q)
+        p.step_tokens = graph
+        assert p.choose(4, [(4, 1.0, 0)] + [(0, 1.0, 0)] * 3, num_seqs=4) == want
+    # Timed by their own token counts instead (as before graphs had shapes), the same steps made one chat
+    # draft token look cheap: t(5) interpolated between 4 and 8 tokens, where the graph had cost 2.19 ms.
+    assert policy({4: 1.57, 8: 2.19}, chat).choose(4, [(4, 1.0, 0)] + [(0, 1.0, 0)] * 3) == [1, 0, 0, 0]
+
+
 def test_the_proposers_time_counts_against_drafting():
     q = [0.5, 0.5]
     assert policy({1: 1.0, 3: 1.0}, q).choose(1, [(2, 1.0, 0)]) == [2]

@@ -111,7 +111,8 @@ class LLMEngine:
         self.speculator = None
         if spec is not None:
             classes = whitespace_classes(self.tokenizer, mc.vocab_size) if spec.method == "ngram" else None
-            self.speculator = Speculator(spec, self.max_model_len, config.max_num_batched_tokens, draft, classes)
+            self.speculator = Speculator(spec, self.max_model_len, config.max_num_batched_tokens, draft, classes,
+                                         step_tokens=self.runner.step_tokens)
         self.requests: dict[str, Request] = {}
         self._accumulators: dict[str, RequestOutputAccumulator] = {}   # only for callers of step()
         self._seq_ids = itertools.count()
@@ -290,7 +291,7 @@ class LLMEngine:
         result = self.runner.execute(sched)
         now = time.monotonic()
         if self.speculator is not None:
-            self.speculator.observe_step(sched.num_batched_tokens, now - started)
+            self.speculator.observe_step(self.runner.last_step_tokens, now - started)
 
         touched: dict[str, Request] = {}
         for seq, n in sched.scheduled:

@@ -11,13 +11,14 @@ So the engine times its forward steps by the number of tokens they carry (StepTi
 every draft position (DraftLength.record), and before each step picks how many of its draft tokens each
 sequence r keeps, d_r, to maximise the expected tokens per second:
 
-    rate = (n + sum_r E_r(d_r)) / (t(n + sum_r d_r) + max_r d_r * t_draft)
+    rate = (n + sum_r E_r(d_r)) / (t(run(n, sum_r d_r)) + max_r d_r * t_draft)
 
-n: the step's tokens without drafts; E_r(d): sequence r's expected accepted tokens among its first d drafts
-(from the acceptance at each draft position so far among drafts of r's draft's class, scaled by r's own
-recent acceptance against the average); t(T): the measured time of a step of T tokens; t_draft: the model's
-measured time per draft position (the draft model's or eagle head's), the max over the sequences it drafts
-for (prompt lookup's drafts cost nothing to make). A draft token is
+n: the step's tokens without drafts; run(n, D): the tokens the step will run with D draft tokens, n + D
+unless CUDA graphs pad it to a captured shape (StepTokens); E_r(d): sequence r's expected accepted tokens
+among its first d drafts (from the acceptance at each draft position so far among drafts of r's draft's
+class, scaled by r's own recent acceptance against the average); t(T): the measured time of a step that ran
+T tokens; t_draft: the model's measured time per draft position (the draft model's or eagle head's), the
+max over the sequences it drafts for (prompt lookup's drafts cost nothing to make). A draft token is
 accepted only with all before it, so its expected gain is at most that of the one before it: the best step
 with T draft tokens keeps the T of highest gain over all sequences, and the rule takes the T of the highest
 rate. It is SmartSpec's (Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large Language
@@ -43,6 +44,7 @@ forgotten, so a length that stopped paying is estimated afresh and tried again.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 _TIME_WEIGHT = 0.2        # moving-average weight of a new step time
 _POSITION_WEIGHT = 1 / 32  # ... of one draft's outcome at a position
@@ -50,6 +52,12 @@ MODEL_CLASS = 0           # the class of a draft model's (or eagle head's) draft
 PROBE_EVERY = 16
 PROBE_MIN_RATE = 0.5       # below this share of the best rate, a length is probed every MAX_AGE decisions
 MAX_AGE = 256              # steps
+
+# (sequences, tokens without drafts, draft tokens) -> the tokens the step will run, what StepTimes keys its time
+# by. Its own tokens where steps run as they come; a captured graph's padded shape on a GPU, where a step
+# with any draft runs every row at full width, so a step's cost jumps at the first draft token and then stays
+# flat, which interpolating between token counts would not guess.
+StepTokens = Callable[[int, int, int], int]
 
 
 class StepTimes:
@@ -109,8 +117,9 @@ class StepTimes:
 class DraftLength:
     """The draft tokens a step carries (see the module's docstring)."""
 
-    def __init__(self, max_length: int) -> None:
+    def __init__(self, max_length: int, step_tokens: StepTokens | None = None) -> None:
         self.times = StepTimes()
+        self.step_tokens = step_tokens
         self.max_length = max_length
         # Per draft class, P(draft token i accepted | the tokens before it were), None before it is observed.
         self.continue_rate: dict[int, list[float | None]] = {}
@@ -142,12 +151,13 @@ class DraftLength:
         else:
             self.draft_seconds += _TIME_WEIGHT * (per_position - self.draft_seconds)
 
-    def choose(self, num_tokens: int, drafts: list[tuple[int, float, int]]) -> list[int]:
+    def choose(self, num_tokens: int, drafts: list[tuple[int, float, int]], num_seqs: int | None = None
+               ) -> list[int]:
         """num_tokens: the step's tokens without drafts; drafts: per sequence that may draft, (draft tokens
-        it has, its acceptance relative to the average, its draft's class). How many of its draft tokens
-        each sequence keeps (0: none)."""
+        it has, its acceptance relative to the average, its draft's class); num_seqs: the step's sequences
+        (for step_tokens). How many of its draft tokens each sequence keeps (0: none)."""
         keep = [0] * len(drafts)
-        if not self.times.measured(num_tokens):
+        if not self.times.measured(self._run_tokens(num_seqs, num_tokens, 0)):
             # Measure the step without drafts first: every rate is relative to it. (A step with a prefill
             # chunk, whose size seldom repeats, so goes without drafts.)
             return keep
@@ -168,23 +178,29 @@ class DraftLength:
         best_rate, kept, rates = -1.0, ranked, []
         for cap in caps:
             subset = ranked if cap is None else [x for x in ranked if drafts[x[2]][2] != MODEL_CLASS or x[1] < cap]
-            cap_rates = self._rates(num_tokens, subset, drafts)
+            cap_rates = self._rates(num_seqs, num_tokens, subset, drafts)
             if max(cap_rates) > best_rate:
                 best_rate, kept, rates = max(cap_rates), subset, cap_rates
         for _, _, r in kept[:self.best_or_probe(rates)]:
             keep[r] += 1
         return keep
 
-    def _rates(self, num_tokens: int, ranked: list[tuple[float, int, int]],
+    def _run_tokens(self, num_seqs: int | None, num_tokens: int, num_drafts: int) -> int:
+        if self.step_tokens is None or num_seqs is None:
+            return num_tokens + num_drafts
+        return self.step_tokens(num_seqs, num_tokens, num_drafts)
+
+    def _rates(self, num_seqs: int | None, num_tokens: int, ranked: list[tuple[float, int, int]],
                drafts: list[tuple[int, float, int]]) -> list[float]:
         """[T]: the expected tokens per second of the step that keeps the first T of ranked."""
-        rates = [num_tokens / self.times.estimate(num_tokens)]
+        rates = [num_tokens / self.times.estimate(self._run_tokens(num_seqs, num_tokens, 0))]
         tokens, depth = float(num_tokens), 0
         for added, (neg_gain, i, r) in enumerate(ranked, 1):
             tokens -= neg_gain
             if drafts[r][2] == MODEL_CLASS:
                 depth = max(depth, i + 1)
-            rates.append(tokens / (self.times.estimate(num_tokens + added) + depth * self.draft_seconds))
+            run = self._run_tokens(num_seqs, num_tokens, added)
+            rates.append(tokens / (self.times.estimate(run) + depth * self.draft_seconds))
         return rates
 
     def best_or_probe(self, rates: list[float]) -> int:
@@ -193,9 +209,9 @@ class DraftLength:
         self._decisions += 1
         if best + 1 < len(rates):
             # A length estimated at under half the best rate is probed every MAX_AGE-th decision, not every
-            # PROBE_EVERY-th: on a GPU a decode step replays a CUDA graph and a step with drafts runs eagerly
-            # (1.86 vs 13.4 ms on an H200), and probing every PROBE_EVERY-th step there would cost more than
-            # speculation gains.
+            # PROBE_EVERY-th: where a step with drafts costs many times one without (on an H200 before
+            # verification steps had CUDA graphs: 13.4 ms eager against a 1.86 ms decode graph), probing every
+            # PROBE_EVERY-th step would cost more than speculation gains.
             every = PROBE_EVERY if rates[best + 1] >= PROBE_MIN_RATE * rates[best] else MAX_AGE
             if self._decisions % every == 0:
                 best += 1

@@ -23,7 +23,7 @@ import torch
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.spec_decode.config import SpeculativeConfig
-from kvserve.spec_decode.draft_length import MODEL_CLASS, DraftLength
+from kvserve.spec_decode.draft_length import MODEL_CLASS, DraftLength, StepTokens
 from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.eagle_proposer import EagleProposer
 from kvserve.spec_decode.ngram import NgramProposer
@@ -44,8 +44,10 @@ class SpecDecodeStats:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, max_num_batched_tokens: int,
-                 draft: DraftProposer | EagleProposer | None = None, token_classes: np.ndarray | None = None) -> None:
-        """token_classes: for method "ngram", what each token id is matched as (ngram.whitespace_classes)."""
+                 draft: DraftProposer | EagleProposer | None = None, token_classes: np.ndarray | None = None,
+                 step_tokens: StepTokens | None = None) -> None:
+        """token_classes: for method "ngram", what each token id is matched as (ngram.whitespace_classes);
+        step_tokens: the tokens a step will run, what its time is keyed by (ModelRunner.step_tokens)."""
         self.config = config
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -54,7 +56,8 @@ class Speculator:
         self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, token_classes)
                          if config.uses_lookup else None)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
-        self.length = DraftLength(config.num_speculative_tokens) if config.adaptive_draft_length else None
+        self.length = (DraftLength(config.num_speculative_tokens, step_tokens) if config.adaptive_draft_length
+                       else None)
         self._step = 0
 
     def propose(self, running: list[Sequence]) -> None:
@@ -85,7 +88,7 @@ class Speculator:
                   for seq in drafting]
         # Without drafts each sequence brings what it has left to compute (1 when it decodes), up to the budget.
         num_tokens = min(self.max_num_batched_tokens, sum(seq.num_tokens - seq.num_computed_tokens for seq in running))
-        for seq, keep in zip(drafting, self.length.choose(num_tokens, drafts)):
+        for seq, keep in zip(drafting, self.length.choose(num_tokens, drafts, len(running))):
             del seq.spec_token_ids[keep:]
 
     def _propose_one(self, seq: Sequence, lookup: bool, model: bool) -> list[int]:
@@ -140,7 +143,8 @@ class Speculator:
                 self.length.observe_drafting(time.perf_counter() - start, max(jobs.values()))
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """The target's forward step over num_tokens tokens (drafts included) took this long."""
+        """The target's forward step over num_tokens tokens (drafts and a graph's padding included) took this
+        long."""
         if self.length is not None:
             self.length.times.observe(num_tokens, seconds)
 

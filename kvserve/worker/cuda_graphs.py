@@ -143,6 +143,16 @@ class StepGraphs:
             return None
         return size, width
 
+    def step_tokens(self, num_seqs: int, num_tokens: int, num_drafts: int) -> int | None:
+        """The tokens a captured graph runs for a step of num_seqs decoding sequences (num_tokens of them)
+        carrying num_drafts draft tokens in all: any draft makes it a full-width verification step. None: such
+        a step runs eagerly (rows still in prefill, more sequences than captured)."""
+        width = 1 if num_drafts == 0 else self.widths[-1]
+        if num_tokens != num_seqs or width == 1 and num_drafts:
+            return None
+        size = padded_size(num_seqs, self.sizes[width])
+        return None if size is None else size * width
+
     def load(self, inputs: StepInputs, shape: tuple[int, int]) -> None:
         """The step's inputs, padded to `shape`, into the persistent buffers. Table columns past this step's
         widest stay stale: no row reads past its own length."""

@@ -48,6 +48,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graphs = None  # StepGraphs once capture_graphs ran (CUDA, Triton backend)
         self.keep_hidden = False  # return the sampled rows' hidden states (the eagle head reads them)
+        self.last_step_tokens = 0  # the tokens the last step ran: a captured graph's padded shape, else its own
         if device.type == "cpu":
             cpu_kernels.available()  # build (or load) the native kernel now, not in a first request's step
 
@@ -59,6 +60,13 @@ class ModelRunner:
         self.graphs = StepGraphs(self.model, self.attn_backend, self.kv_caches, max_num_seqs, max_model_len,
                                  self.block_size, verify_width, verify_max_seqs)
         self.graphs.capture()
+
+    def step_tokens(self, num_seqs: int, num_tokens: int, num_drafts: int) -> int:
+        """The tokens a step of num_seqs sequences, num_tokens without drafts and num_drafts draft tokens, will
+        run (what its time is keyed by, draft_length.StepTimes): a captured graph's padded shape (on a GPU
+        any draft makes a 4-sequence step a 4 x 5 one), else the step's own tokens."""
+        padded = self.graphs.step_tokens(num_seqs, num_tokens, num_drafts) if self.graphs is not None else None
+        return num_tokens + num_drafts if padded is None else padded
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_seqs: int) -> torch.Tensor:
@@ -124,6 +132,7 @@ class ModelRunner:
         shape = (graphs.shape_for(query_lens, seq_lens)
                  if graphs is not None and samples_every_token(query_lens, len(sample_rows), bool(prompt_lp))
                  else None)
+        self.last_step_tokens = len(input_ids) if shape is None else shape[0] * shape[1]
         if shape is not None:  # every token is sampled, so the sampled rows are all rows, in order
             sampled_hidden, logits = graphs.run(StepInputs(input_ids, positions, slot_mapping, query_lens, seq_lens,
                                                            [seq.block_table for seq, _ in sched.scheduled]),
