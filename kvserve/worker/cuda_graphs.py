@@ -127,31 +127,33 @@ class StepGraphs:
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (hidden, logits)
         self._metas: dict[tuple[int, int], object] = {}  # kept alive: the graphs read their tensors
 
-    def shape_for(self, query_lens: list[int], seq_lens: list[int]) -> tuple[int, int] | None:
-        """The captured (rows, width) that holds this step; None: none does, run eagerly."""
-        longest = max(query_lens)
+    def _captured(self, num_rows: int, longest: int) -> tuple[int, int] | None:
+        """The smallest captured (rows, width) with num_rows rows of up to `longest` tokens; None: none."""
         for width in self.widths:
             if width >= longest:
-                break
-        else:
-            return None
-        size = padded_size(len(query_lens), self.sizes[width])
-        if size is None:
+                size = padded_size(num_rows, self.sizes[width])
+                return None if size is None else (size, width)
+        return None
+
+    def shape_for(self, query_lens: list[int], seq_lens: list[int]) -> tuple[int, int] | None:
+        """The captured (rows, width) that holds this step; None: none does, run eagerly."""
+        shape = self._captured(len(query_lens), max(query_lens))
+        if shape is None:
             return None
         # A padded row's keys must stay inside its table: rows near max_model_len run eagerly.
+        width = shape[1]
         if width > 1 and max(s + width - q for s, q in zip(seq_lens, query_lens)) > self.max_cols * self.block_size:
             return None
-        return size, width
+        return shape
 
     def step_tokens(self, num_seqs: int, num_tokens: int, num_drafts: int) -> int | None:
         """The tokens a captured graph runs for a step of num_seqs decoding sequences (num_tokens of them)
         carrying num_drafts draft tokens in all: any draft makes it a full-width verification step. None: such
         a step runs eagerly (rows still in prefill, more sequences than captured)."""
-        width = 1 if num_drafts == 0 else self.widths[-1]
-        if num_tokens != num_seqs or width == 1 and num_drafts:
+        if num_tokens != num_seqs:
             return None
-        size = padded_size(num_seqs, self.sizes[width])
-        return None if size is None else size * width
+        shape = self._captured(num_seqs, 2 if num_drafts else 1)  # a draft: some row of at least 2 tokens
+        return None if shape is None else shape[0] * shape[1]
 
     def load(self, inputs: StepInputs, shape: tuple[int, int]) -> None:
         """The step's inputs, padded to `shape`, into the persistent buffers. Table columns past this step's
