@@ -12,11 +12,9 @@ the matmuls are a real step's; the cache writes, a few hundred bytes, are left o
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-from common import report
+from common import median_seconds, report
 
 from kvserve import LLM
 from kvserve.attention.triton import backend as triton_backend
@@ -65,12 +63,8 @@ def main() -> None:
             end.record()
             end.synchronize()
             gpu_ms = start.elapsed_time(end) / args.repeats
-            walls = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                graphs.run(inputs, shape)[1].argmax(-1).tolist()  # as a step reads its tokens back
-                walls.append(1000 * (time.perf_counter() - t0))
-            wall_ms = statistics.median(walls)
+            # As a step reads its tokens back.
+            wall_ms = 1000 * median_seconds(lambda: graphs.run(inputs, shape)[1].argmax(-1).tolist(), args.repeats)
             base = base or gpu_ms
             results[f"{size}x{width}"] = {"gpu_ms": gpu_ms, "run_wall_ms": wall_ms}
             lines.append(f"| {size} | {width} | {gpu_ms:.3f} | {wall_ms:.3f} | {gpu_ms / base:.2f} |")

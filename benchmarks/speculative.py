@@ -38,7 +38,6 @@ the model did what `none` did, and its ratio to `none` is this host's noise (see
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import random
 import statistics
@@ -365,8 +364,6 @@ def main() -> None:
                 r["same"] = all(x["token_ids"] == b["token_ids"] for x, b in zip(runs, rounds["none"]))
                 results.setdefault(workload, {}).setdefault(str(c), {})[method] = r
         write_report(args, results, device, load_before)
-    del llms
-    gc.collect()
 
 
 if __name__ == "__main__":

@@ -43,14 +43,6 @@ def layout(layer) -> str:
     return "/".join(f"{s.layout} in {s.tile}-row tiles" for s in segments) or "float"
 
 
-def timed(fn, repeat: int) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - t0) / repeat
-
-
 def timed_in_turn(parts: dict, repeat: int) -> dict[str, float]:
     """Mean seconds of each part, the parts called one after another, repeat times (after one untimed pass)."""
     for fn in parts.values():
@@ -129,7 +121,7 @@ def main() -> None:
         first round, so each round's prefill is one token)."""
         engine.add_request("verify-rows", prompt, SamplingParams(max_tokens=args.repeat + 2, ignore_eos=True))
         engine.step()  # the prompt (cached after the first round)
-        t = timed(engine.step, args.repeat)
+        t = timed_in_turn({"step": engine.step}, args.repeat)["step"]
         engine.abort_request(["verify-rows"])
         return t
 
