@@ -38,6 +38,25 @@ class ScriptedProposer:
         return []
 
 
+def every_step_ngram(k: int) -> dict:
+    """Prompt lookup drafting k tokens in every step: no batch limit, no pauses, no length rule."""
+    return {"method": "ngram", "num_speculative_tokens": k, "disable_by_batch_size": None,
+            "min_acceptance_rate": 0.0, "adaptive_draft_length": False}
+
+
+def scripted(prompt_list, outs, wrong: float) -> ScriptedProposer:
+    """A ScriptedProposer drafting each prompt's output in outs (CompletionOutputs, in prompt order)."""
+    return ScriptedProposer({tuple(p): o.token_ids for p, o in zip(prompt_list, outs)}, wrong)
+
+
+def reference_and_drafts(path, prompt_list, params, wrong, **kw):
+    """Non-speculative decoding's outputs for the prompts (an engine made with kw), and a ScriptedProposer
+    drafting them with each draft token wrong with probability `wrong`."""
+    ref = run_waves(make_engine(path, **kw), [[(str(i), p, params) for i, p in enumerate(prompt_list)]], 0)
+    outs = [ref[str(i)].outputs[0] for i in range(len(prompt_list))]
+    return outs, scripted(prompt_list, outs, wrong)
+
+
 def count_draft_kinds(engine: LLMEngine) -> dict[str, dict[str, int]]:
     """Counts, as the engine runs, the verified drafts of prompt lookup ("lookup") and of the draft model or
     eagle head ("model"): drafts, draft tokens, accepted tokens."""

@@ -128,20 +128,17 @@ def test_cuda_verification_graphs_give_the_eager_steps_tokens(tiny_model_dirs) -
     of 1 to 4 tokens padded to 4, padded batches) and with --enforce-eager: the greedy tokens of an engine
     without speculation; the KV bookkeeping checked after every step; verification graphs really ran, rows
     padded among them; no block leaks."""
-    from spec_helpers import ScriptedProposer, prompts, run_waves
+    from spec_helpers import every_step_ngram, prompts, reference_and_drafts, run_waves, scripted
 
     path, _ = tiny_model_dirs["llama"]
     ps = prompts(7, [5, 13, 9, 22, 4])
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     wave = [[(str(i), p, params) for i, p in enumerate(ps)]]
-    ref = run_waves(cuda_engine(path, "float32"), wave, 0)
-    spec = dict(method="ngram", num_speculative_tokens=3, disable_by_batch_size=None, min_acceptance_rate=0.0,
-                adaptive_draft_length=False)
+    ref, _ = reference_and_drafts(path, ps, params, 0.3, device="cuda", max_num_seqs=8)  # as cuda_engine's
     shapes = []
     for eager in (False, True):
-        engine = cuda_engine(path, "float32", speculative_config=spec, enforce_eager=eager)
-        engine.speculator.proposer = ScriptedProposer({tuple(p): ref[str(i)].outputs[0].token_ids
-                                                       for i, p in enumerate(ps)}, 0.3)
+        engine = cuda_engine(path, "float32", speculative_config=every_step_ngram(3), enforce_eager=eager)
+        engine.speculator.proposer = scripted(ps, ref, 0.3)
         if not eager:
             run_graph = engine.runner.graphs.run
             engine.runner.graphs.run = lambda inputs, shape, **kw: shapes.append(
@@ -150,7 +147,7 @@ def test_cuda_verification_graphs_give_the_eager_steps_tokens(tiny_model_dirs) -
         stats = engine.get_stats()
         assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
         for i in range(len(ps)):
-            assert got[str(i)].outputs[0].token_ids == ref[str(i)].outputs[0].token_ids, (eager, i)
+            assert got[str(i)].outputs[0].token_ids == ref[i].token_ids, (eager, i)
     assert any(shape[1] == 4 and lens != {4} for shape, lens in shapes)
 
 

@@ -137,7 +137,7 @@ def test_engine_steps_through_graph_inputs_give_the_eager_tokens(tiny_model_dirs
     On CUDA, test_cuda_engine.py runs the real graphs."""
     from triton_helpers import triton_device
     device = triton_device()
-    from spec_helpers import ScriptedProposer, make_engine, prompts, run_waves
+    from spec_helpers import every_step_ngram, make_engine, prompts, reference_and_drafts, run_waves
 
     from kvserve.sampling_params import SamplingParams
     from kvserve.worker.cuda_graphs import StepGraphs
@@ -155,12 +155,9 @@ def test_engine_steps_through_graph_inputs_give_the_eager_tokens(tiny_model_dirs
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     wave = [[(str(i), p, params) for i, p in enumerate(ps)]]
     kw = dict(device=str(device), attention_backend="triton", max_num_seqs=4)
-    ref = run_waves(make_engine(path, **kw), wave, 0)
-    spec = dict(method="ngram", num_speculative_tokens=3, disable_by_batch_size=None, min_acceptance_rate=0.0,
-                adaptive_draft_length=False)
-    engine = make_engine(path, spec, **kw)
-    engine.speculator.proposer = ScriptedProposer({tuple(p): ref[str(i)].outputs[0].token_ids
-                                                   for i, p in enumerate(ps)}, 0.3)
+    ref, proposer = reference_and_drafts(path, ps, params, 0.3, **kw)
+    engine = make_engine(path, every_step_ngram(3), **kw)
+    engine.speculator.proposer = proposer
     runner, shapes, timed = engine.runner, [], []
     runner.graphs = ForwardNotReplay(runner.model, runner.attn_backend, runner.kv_caches, 4,
                                      engine.max_model_len, runner.block_size, verify_width=4, verify_max_seqs=4)
@@ -175,4 +172,4 @@ def test_engine_steps_through_graph_inputs_give_the_eager_tokens(tiny_model_dirs
     stats = engine.get_stats()
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     for i in range(len(ps)):
-        assert got[str(i)].outputs[0].token_ids == ref[str(i)].outputs[0].token_ids
+        assert got[str(i)].outputs[0].token_ids == ref[i].token_ids

@@ -8,23 +8,17 @@ import pytest
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 from engine_helpers import assert_no_leaks, drain
-from spec_helpers import ScriptedProposer, check_kv_bookkeeping, make_engine, num_tokens_now, prompts, run_waves
+from spec_helpers import (ScriptedProposer, check_kv_bookkeeping, every_step_ngram, make_engine, num_tokens_now,
+                          prompts, reference_and_drafts, run_waves)
 
 K = 4
-NGRAM = {"method": "ngram", "num_speculative_tokens": K, "disable_by_batch_size": None,
-         "min_acceptance_rate": 0.0, "adaptive_draft_length": False}
+NGRAM = every_step_ngram(K)
 
 
 def run(engine: LLMEngine, waves, check: bool = False) -> dict:
     return run_waves(engine, waves, K, check)
 
 
-
-
-def reference_and_drafts(path, prompt_list, params, wrong, **kw):
-    ref = run(make_engine(path, **kw), [[(str(i), p, params) for i, p in enumerate(prompt_list)]])
-    outs = [ref[str(i)].outputs[0] for i in range(len(prompt_list))]
-    return outs, ScriptedProposer({tuple(p): o.token_ids for p, o in zip(prompt_list, outs)}, wrong)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
