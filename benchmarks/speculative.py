@@ -23,7 +23,8 @@ draft, draft-fixed, draft-always, the same with the draft model (--draft-model, 
 for the default model, k = --draft-k); eagle, eagle-fixed, eagle-always, the same with the eagle head
 (--eagle-model, default: the shipped head, k = --eagle-k); eagle-lookup, the head with prompt lookup in
 front of it (lookup --prompt-lookup-min..max drafts where the last tokens occurred before, the head
-elsewhere; k = --eagle-lookup-k for both).
+elsewhere; k = --eagle-lookup-k for both); eagle-b, eagle with a second head (--eagle-b-model, e.g. an
+earlier one) for two heads side by side in one run.
 
 Each (workload, concurrency) runs a closed loop: `concurrency` requests in flight, a new one added when one
 finishes, until --num-requests (at least `concurrency`) are done; --rounds times, the methods taking turns,
@@ -97,6 +98,8 @@ def method_config(method: str, args) -> dict | None:
     elif method == "eagle-lookup":
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_lookup_k, "model": args.eagle_model,
                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    elif method == "eagle-b":
+        cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_k, "model": args.eagle_b_model}
     elif method.startswith("eagle"):
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_k, "model": args.eagle_model}
     elif method == "ngram-long":
@@ -256,7 +259,8 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
              f"{ngram}; "
              f"draft k={args.draft_k} ({args.draft_model or 'the shipped draft'}); "
              f"eagle k={args.eagle_k} ({args.eagle_model or 'the shipped head'}"
-             + (f"; eagle-lookup k={args.eagle_lookup_k}" if "eagle-lookup" in args.methods else "") + "); "
+             + (f"; eagle-lookup k={args.eagle_lookup_k}" if "eagle-lookup" in args.methods else "")
+             + (f"; eagle-b: {args.eagle_b_model}" if "eagle-b" in args.methods else "") + "); "
              f"at most {args.max_tokens} output tokens per request ("
              + ("a copy's text's token count + 8 for repeat" if args.repeat_max_tokens == "text"
                 else f"{args.repeat_max_tokens} for repeat")
@@ -280,7 +284,7 @@ def main() -> None:
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-fixed", "eagle", "eagle-fixed"],
                     choices=["none", "none-control", "ngram-plain", "ngram-one-class", "ngram-one-length",
-                             "ngram-long", "eagle-lookup",
+                             "ngram-long", "eagle-lookup", "eagle-b",
                              *(m + v for m in ("ngram", "draft", "eagle") for v in ("", "-fixed", "-always"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
     ap.add_argument("--max-tokens", type=int, default=128, help="per request of summarise and chat")
@@ -297,6 +301,7 @@ def main() -> None:
     ap.add_argument("--eagle-k", type=int, default=1, help="num_speculative_tokens of the eagle methods")
     ap.add_argument("--eagle-lookup-k", type=int, default=4, help="num_speculative_tokens of eagle-lookup")
     ap.add_argument("--eagle-model", default=None, help="the eagle methods' head (default: the shipped head)")
+    ap.add_argument("--eagle-b-model", default=None, help="method eagle-b's head (default: the shipped head)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--num-threads", type=int, default=None)

@@ -1,13 +1,14 @@
 """Train the eagle head shipped for the default model (speculative decoding, method "eagle").
 
-    nice -n 10 python benchmarks/train_eagle.py          # the shipped head (see results/train_eagle.md for its times)
-    python benchmarks/train_eagle.py --num-prompts 40 --num-texts 10 --steps 20 --out /tmp/h.safetensors   # smoke
+    nice -n 10 python benchmarks/train_eagle.py --dtype bfloat16   # the shipped head (results/train_eagle.md: its times)
+    python benchmarks/train_eagle.py --num-prompts 40 --num-texts 10 --steps 20 --out /tmp/h.safetensors \
+        --data-cache /tmp/smoke-data.pt --feature-cache /tmp/smoke-features.pt --name train_eagle_smoke   # smoke
 
 Data: train_draft.py's (the target, SmolLM2-135M-Instruct Q4_1, answers offline chat, summarise and
 repeat prompts greedily; its top-1 choice at every position is the label; same prompts, same held-out
 split, same cache). Features: the target's final hidden state (after the last norm) at every position,
-from a forward of its dequantized weights in plain torch under bfloat16 autocast (draft_reference.py with
-all 30 layers). Cached in --feature-cache.
+from a forward of its dequantized weights in plain torch (draft_reference.py with all 30 layers; bfloat16
+autocast where torch has AVX-512, else float32: --dtype). Cached in --feature-cache.
 
 Training (kvserve/spec_decode/eagle_head.py, EagleHeadReference.training_loss): from each position's
 feature and the next token, the head predicts the next feature and the target's next choice, then drafts
@@ -73,7 +74,7 @@ def target_features(args, rows: list[dict], key: dict) -> tuple[list[torch.Tenso
         ids = torch.zeros((len(batch), max(map(len, batch))), dtype=torch.int64)
         for j, r in enumerate(batch):
             ids[j, :len(r)] = torch.tensor(r)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
             h = target.hidden(ids)
         for j, i in enumerate(order[b:b + 8]):
             feats[i] = h[j, :len(batch[j])].to(torch.bfloat16)
@@ -105,9 +106,10 @@ def acceptance(head: EagleHeadReference, rows: list[tuple], k: int) -> dict:
     per_pos, num_drafts = [0] * k, 0
     for ids, labels, feats, answer_start, _ in rows:
         # A draft from position t: the feature at t and token t + 1 (both the target's); tokens t + 2.. drafted.
-        starts = torch.arange(max(answer_start - 1, 0), ids.shape[0] - k - 1)
-        if len(starts) == 0:
+        first, end = max(answer_start - 1, 0), ids.shape[0] - k - 1
+        if end <= first:  # an answer shorter than a draft
             continue
+        starts = torch.arange(first, end)
         f, tok = feats[starts].float(), ids[starts + 1]
         alive = torch.ones(len(starts), dtype=torch.bool)
         for j in range(k):
@@ -145,9 +147,16 @@ def main() -> None:
     ap.add_argument("--held-out", type=float, default=0.1)
     ap.add_argument("--max-tokens", type=int, default=128, help="length of the target's answers")
     ap.add_argument("--gen-batch", type=int, default=64)
+    ap.add_argument("--train-rows", type=int, default=None,
+                    help="train on the first this many training rows only (their target features cost ~0.6 s a "
+                         "row in float32 on two AVX2 cores); default: all")
     ap.add_argument("--max-len", type=int, default=512, help="tokens of each row the head trains on (its end)")
     ap.add_argument("--vocab", type=int, default=4096, help="tokens the head predicts")
     ap.add_argument("--intermediate", type=int, default=1536, help="the head's MLP width")
+    ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                    help="features and training under bfloat16 autocast or in float32; auto: bfloat16 where "
+                         "torch has AVX-512 kernels (with AVX2 only, on Zen 3, bfloat16 training steps took "
+                         "over twice as long)")
     ap.add_argument("--unroll", type=int, default=3, help="drafting steps trained per position")
     ap.add_argument("--feature-weight", type=float, default=0.5)
     ap.add_argument("--steps", type=int, default=500)
@@ -157,19 +166,25 @@ def main() -> None:
     ap.add_argument("--data-cache", type=str, default="/tmp/kvserve-eagle-data.pt")
     ap.add_argument("--feature-cache", type=str, default="/tmp/kvserve-eagle-features.pt")
     ap.add_argument("--out", type=str, default=str(SHIPPED_HEAD))
+    ap.add_argument("--name", type=str, default="train_eagle", help="results/<name>.{json,md}")
     ap.add_argument("--data-only", action="store_true", help="generate the data and features, then stop")
     args = ap.parse_args()
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "float32"
     torch.manual_seed(args.seed)
 
     train_rows, held_rows, t_data = load_data(args)
+    all_train_rows = train_rows  # the head's vocabulary comes from all of them
+    if args.train_rows is not None:
+        train_rows = train_rows[:args.train_rows]
     key = {"data": [args.seed, args.num_prompts, args.num_texts, args.held_out, args.max_tokens, args.chat_subjects],
-           "max_len": args.max_len}
+           "train_rows": args.train_rows, "max_len": args.max_len, "dtype": args.dtype}
     feats, t_feat = target_features(args, train_rows + held_rows, key)
     if args.data_only:
         return
     fcfg, embedding, _, eos_ids = target_tensors([])
 
-    counts = torch.bincount(torch.tensor([t for r in train_rows for t in r["labels"]]), minlength=fcfg.vocab_size)
+    counts = torch.bincount(torch.tensor([t for r in all_train_rows for t in r["labels"]]), minlength=fcfg.vocab_size)
     rank = counts.clone()
     rank[eos_ids] = rank.max() + 1  # always predictable
     vocab_ids = rank.argsort(descending=True)[:args.vocab].sort().values
@@ -185,7 +200,8 @@ def main() -> None:
     head = initial_head(hcfg, embedding, vocab_ids, args.seed)
     before = acceptance(head, held, args.k)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps,
+                                                pct_start=max(0.05, 2 / args.steps))  # warm-up of 2+ steps (torch needs 1+)
     rng = random.Random(args.seed)
     order: list[int] = []
     t0 = time.monotonic()
@@ -196,7 +212,7 @@ def main() -> None:
                 order = list(range(len(train)))
                 rng.shuffle(order)
             ids, labels, f, _, _ = train[order.pop()]
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
                 loss = loss + head.training_loss(ids, labels, f.float(), args.unroll, args.feature_weight) * len(ids)
             n += len(ids)
         loss = loss / n
@@ -233,7 +249,8 @@ def main() -> None:
              f"x {args.unroll} drafting steps, {t_train:.0f} s. Acceptance teacher-forced on {len(held)} held-out "
              f"answers, greedy, k = {args.k}, per position: the fraction of drafts whose first i + 1 tokens are "
              f"accepted (before training: {before['mean_accepted']:.2f} accepted of {args.k}).")
-    report("train_eagle", "Eagle head for SmolLM2-135M-Instruct: held-out acceptance", args, setup, table, training)
+    report(args.name, "Eagle head for SmolLM2-135M-Instruct: held-out acceptance", args, setup, table, training,
+           script="train_eagle")
 
 
 if __name__ == "__main__":
