@@ -1,6 +1,6 @@
 """Train the eagle head shipped for the default model (speculative decoding, method "eagle").
 
-    nice -n 10 python benchmarks/train_eagle.py --dtype bfloat16   # the shipped head (results/train_eagle.md: its times)
+    nice -n 10 python benchmarks/train_eagle.py --dtype bfloat16   # the shipped head (results/train_eagle.md)
     python benchmarks/train_eagle.py --num-prompts 40 --num-texts 10 --steps 20 --out /tmp/h.safetensors \
         --data-cache /tmp/smoke-data.pt --feature-cache /tmp/smoke-features.pt --name train_eagle_smoke   # smoke
 
@@ -8,7 +8,7 @@ Data: train_draft.py's (the target, SmolLM2-135M-Instruct Q4_1, answers offline 
 repeat prompts greedily; its top-1 choice at every position is the label; same prompts, same held-out
 split, same cache). Features: the target's final hidden state (after the last norm) at every position,
 from a forward of its dequantized weights in plain torch (draft_reference.py with all 30 layers; bfloat16
-autocast where torch has AVX-512, else float32: --dtype). Cached in --feature-cache.
+autocast where the CPU has native bfloat16, else float32: --dtype). Cached in --feature-cache.
 
 Training (kvserve/spec_decode/eagle_head.py, EagleHeadReference.training_loss): from each position's
 feature and the next token, the head predicts the next feature and the target's next choice, then drafts
@@ -34,6 +34,7 @@ from common import report
 from train_draft import make_prompts, generate, target_tensors
 from kvserve.spec_decode.draft_reference import DraftReference
 from kvserve.spec_decode.eagle_head import SHIPPED_HEAD, EagleHeadConfig, EagleHeadReference, save_head
+from kvserve.utils.device import cpu_has_native_bf16
 
 NUM_TARGET_LAYERS = 30
 
@@ -155,8 +156,8 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=1536, help="the head's MLP width")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                     help="features and training under bfloat16 autocast or in float32; auto: bfloat16 where "
-                         "torch has AVX-512 kernels (with AVX2 only, on Zen 3, bfloat16 training steps took "
-                         "over twice as long)")
+                         "the CPU has native bfloat16, as the engine's --dtype auto (with AVX2 only, on Zen 3, a "
+                         "bfloat16 training step took over 30 s, a float32 one ~4 s)")
     ap.add_argument("--unroll", type=int, default=3, help="drafting steps trained per position")
     ap.add_argument("--feature-weight", type=float, default=0.5)
     ap.add_argument("--steps", type=int, default=500)
@@ -170,7 +171,7 @@ def main() -> None:
     ap.add_argument("--data-only", action="store_true", help="generate the data and features, then stop")
     args = ap.parse_args()
     if args.dtype == "auto":
-        args.dtype = "bfloat16" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "float32"
+        args.dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     torch.manual_seed(args.seed)
 
     train_rows, held_rows, t_data = load_data(args)
@@ -200,8 +201,9 @@ def main() -> None:
     head = initial_head(hcfg, embedding, vocab_ids, args.seed)
     before = acceptance(head, held, args.k)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
+    # A warm-up of at least 2 steps: OneCycleLR divides by its length less one.
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps,
-                                                pct_start=max(0.05, 2 / args.steps))  # warm-up of 2+ steps (torch needs 1+)
+                                                pct_start=max(0.05, 2 / args.steps))
     rng = random.Random(args.seed)
     order: list[int] = []
     t0 = time.monotonic()
