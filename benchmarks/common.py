@@ -63,6 +63,20 @@ def save(name: str, data: dict, markdown: str) -> None:
     print(f"wrote {RESULTS / (name + '.json')} and .md")
 
 
+def command_options(options: dict) -> str:
+    """argparse's parsed options as a command line that pastes back: flags only when set, unset options left
+    out, lists as separate words, and shell quoting where needed."""
+    import shlex
+    words = []
+    for k, v in options.items():
+        if v is None or v is False:
+            continue
+        words.append("--" + k.replace("_", "-"))
+        if v is not True:
+            words += [shlex.quote(str(x)) for x in (v if isinstance(v, (list, tuple)) else [v])]
+    return "".join(" " + w for w in words)
+
+
 def report(name: str, title: str, args, setup: str, table: str, results: dict, isa: str | None = None,
            script: str | None = None) -> None:
     """Print the table and save it as results/<name>.json and .md, with the command that reproduces it
@@ -71,8 +85,7 @@ def report(name: str, title: str, args, setup: str, table: str, results: dict, i
     on machines with different instruction sets then sit side by side."""
     print(table)
     info = machine_info()
-    cmd = (f"python benchmarks/{script or name}.py "
-           + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()))
+    cmd = f"python benchmarks/{script or name}.py" + command_options(vars(args))
     kernels = f" CPU kernels: {isa.upper()}." if isa else ""
     md = (f"# {title}\n\nCommand: `{cmd}` (git {git_rev()})\n\nMachine: {info['cpu']}, {info['cores']} cores, "
           f"torch {info['torch']} ({info['torch_threads']} threads).{kernels} {setup}\n\n{table}\n")
