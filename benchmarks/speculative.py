@@ -226,6 +226,22 @@ class OneLengthDraftLength(DraftLength):
         return [min(best, avail) for avail, _, _ in drafts]
 
 
+def pooled_acceptance(runs: list[dict]) -> dict:
+    """Acceptance over all rounds' drafts together (each round drafts differently: the draft lengths follow
+    measured step times)."""
+    drafts = sum(x["drafts"] for x in runs)
+    drafted = sum(x["draft_tokens"] for x in runs)
+    accepted = sum(x["accepted_tokens"] for x in runs)
+    per_pos = [0.0] * max(len(x["acceptance_per_position"]) for x in runs)
+    for x in runs:
+        for j, rate in enumerate(x["acceptance_per_position"]):
+            per_pos[j] += rate * x["drafts"]
+    return {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_per_position": [a / drafts for a in per_pos] if drafts else []}
+
+
 def write_report(args, results: dict, device: torch.device, load_before: tuple[float, float, float]) -> None:
     """The table and results/<name>.{json,md} for the workloads measured so far (written after each one, so
     that a run cut short, as on a GPU lease, keeps what it finished)."""
@@ -266,7 +282,8 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
                 else f"{args.repeat_max_tokens} for repeat")
              + f"), temperature {args.temperature}; closed loop, "
              f"max(concurrency, {args.num_requests}) requests per run, {args.rounds} rounds (medians; "
-             "\"x none\" is the median of the per-round ratios). Load average (1 min) "
+             "\"x none\" is the median of the per-round ratios; acceptance counts every round's drafts). "
+             "Load average (1 min) "
              f"{load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (above the core count the "
              "machine was shared and the figures are noisy).")
     if device.type == "cuda":
@@ -367,6 +384,7 @@ def main() -> None:
                 outside = [x["outside_model_ms_per_step"] for x in runs if x["outside_model_ms_per_step"] is not None]
                 r["outside_model_ms_per_step"] = statistics.median(outside) if outside else None
                 r["same"] = all(x["token_ids"] == b["token_ids"] for x, b in zip(runs, rounds["none"]))
+                r.update(pooled_acceptance(runs))
                 results.setdefault(workload, {}).setdefault(str(c), {})[method] = r
         write_report(args, results, device, load_before)
 
