@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -66,7 +67,6 @@ def save(name: str, data: dict, markdown: str) -> None:
 def command_options(options: dict) -> str:
     """argparse's parsed options as a command line that pastes back: flags only when set, unset options left
     out, lists as separate words, and shell quoting where needed."""
-    import shlex
     words = []
     for k, v in options.items():
         if v is None or v is False:

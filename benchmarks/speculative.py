@@ -175,10 +175,7 @@ def run_closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingPar
         "outside_model_ms_per_step": 1000 * (elapsed - in_model) / max(1, steps) if timer.enabled else None,
         "output_tok_s": sum(tokens) / elapsed,
         "tpot_median_ms": 1000 * statistics.median(tpots) if tpots else None,
-        "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
-        "acceptance_rate": accepted / drafted if drafted else None,
-        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-        "acceptance_per_position": [a / drafts for a in per_pos] if drafts else [],
+        **acceptance_fields(drafts, drafted, accepted, per_pos),
         "token_ids": [outputs[i].outputs[0].token_ids for i in range(len(prompts))],
     }
 
@@ -226,20 +223,24 @@ class OneLengthDraftLength(DraftLength):
         return [min(best, avail) for avail, _, _ in drafts]
 
 
-def pooled_acceptance(runs: list[dict]) -> dict:
-    """Acceptance over all rounds' drafts together (each round drafts differently: the draft lengths follow
-    measured step times)."""
-    drafts = sum(x["drafts"] for x in runs)
-    drafted = sum(x["draft_tokens"] for x in runs)
-    accepted = sum(x["accepted_tokens"] for x in runs)
-    per_pos = [0.0] * max(len(x["acceptance_per_position"]) for x in runs)
-    for x in runs:
-        for j, rate in enumerate(x["acceptance_per_position"]):
-            per_pos[j] += rate * x["drafts"]
+def acceptance_fields(drafts: int, drafted: int, accepted: int, per_pos: list[float]) -> dict:
+    """A run's acceptance columns from its counts: drafts, their draft tokens, the accepted ones, and per
+    position the drafts whose first i + 1 tokens were accepted."""
     return {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
             "acceptance_per_position": [a / drafts for a in per_pos] if drafts else []}
+
+
+def pooled_acceptance(runs: list[dict]) -> dict:
+    """Acceptance over all rounds' drafts together (each round drafts differently: the draft lengths follow
+    measured step times)."""
+    per_pos = [0.0] * max(len(x["acceptance_per_position"]) for x in runs)
+    for x in runs:
+        for j, rate in enumerate(x["acceptance_per_position"]):
+            per_pos[j] += rate * x["drafts"]
+    return acceptance_fields(sum(x["drafts"] for x in runs), sum(x["draft_tokens"] for x in runs),
+                             sum(x["accepted_tokens"] for x in runs), per_pos)
 
 
 def write_report(args, results: dict, device: torch.device, load_before: tuple[float, float, float]) -> None:

@@ -135,9 +135,10 @@ def make_prompts(args) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """(kind, user message) for training and held out."""
     rng = random.Random(args.seed)
     corpus = load_corpus()
-    if getattr(args, "chat_subjects", "list") == "model":
+    chat_subjects = getattr(args, "chat_subjects", "list")  # train_draft.py's own options have none
+    if chat_subjects == "model":
         chats = model_questions(args.num_prompts, args.seed, args.gen_batch)
-    elif getattr(args, "chat_subjects", "list") == "vocab":
+    elif chat_subjects == "vocab":
         subjects = vocabulary_subjects()
         templates = TEMPLATES + MORE_TEMPLATES
         chats = [rng.choice(templates).format(rng.choice(subjects)) for _ in range(args.num_prompts)]
