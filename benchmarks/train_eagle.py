@@ -37,7 +37,7 @@ from common import report
 from train_draft import make_prompts, generate, target_tensors
 from kvserve.spec_decode.draft_reference import DraftReference
 from kvserve.spec_decode.eagle_head import SHIPPED_HEAD, EagleHeadConfig, EagleHeadReference, save_head
-from kvserve.utils.device import cpu_has_native_bf16
+from kvserve.utils.device import cpu_has_native_bf16, resolve_device
 
 NUM_TARGET_LAYERS = 30
 
@@ -69,7 +69,7 @@ def target_features(args, rows: list[dict], key: dict) -> tuple[list[torch.Tenso
     fcfg, embedding, tensors, _ = target_tensors(list(range(NUM_TARGET_LAYERS)))
     tensors["vocab_ids"] = torch.arange(fcfg.vocab_size)
     tensors["lm_head.weight"] = embedding
-    target = DraftReference(fcfg, embedding, tensors).eval()
+    target = DraftReference(fcfg, embedding, tensors).eval().to(args.device)
     feats: list[torch.Tensor | None] = [None] * len(rows)
     # Rows of similar length together, right-padded (causal attention: padding changes no earlier position).
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["ids"]))
@@ -78,19 +78,21 @@ def target_features(args, rows: list[dict], key: dict) -> tuple[list[torch.Tenso
         ids = torch.zeros((len(batch), max(map(len, batch))), dtype=torch.int64)
         for j, r in enumerate(batch):
             ids[j, :len(r)] = torch.tensor(r)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
-            h = target.hidden(ids)
+        with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
+            h = target.hidden(ids.to(args.device)).to(torch.bfloat16).cpu()
         for j, i in enumerate(order[b:b + 8]):
-            feats[i] = h[j, :len(batch[j])].to(torch.bfloat16)
+            feats[i] = h[j, :len(batch[j])].clone()
         if b % 400 == 0:
             print(f"features: {b}/{len(rows)} rows ({time.monotonic() - t0:.0f} s)", flush=True)
     torch.save({"key": key, "features": feats}, cache)
     return feats, time.monotonic() - t0
 
 
-def examples(rows: list[dict], feats: list[torch.Tensor], index_of: torch.Tensor) -> list[tuple]:
+def examples(rows: list[dict], feats: list[torch.Tensor], index_of: torch.Tensor,
+             device: str) -> list[tuple]:
     """Per row, aligned to its features: ids [T], labels as head indices [T] (-100: none or outside the
-    head's vocabulary; labels[t] is the choice after position t), where its answer starts, its kind."""
+    head's vocabulary; labels[t] is the choice after position t), where its answer starts, its kind.
+    The tensors on the training device."""
     out = []
     for r, f in zip(rows, feats):
         n = f.shape[0]
@@ -99,7 +101,7 @@ def examples(rows: list[dict], feats: list[torch.Tensor], index_of: torch.Tensor
         labels = torch.full((n,), -100, dtype=torch.int64)
         lab = torch.tensor(r["labels"][cut:])
         labels[:len(lab)] = torch.where(index_of[lab] >= 0, index_of[lab], -100)
-        out.append((ids, labels, f, max(0, r["answer_start"] - cut), r["kind"]))
+        out.append((ids.to(device), labels.to(device), f.to(device), max(0, r["answer_start"] - cut), r["kind"]))
     return out
 
 
@@ -113,9 +115,9 @@ def acceptance(head: EagleHeadReference, rows: list[tuple], k: int) -> dict:
         first, end = max(answer_start - 1, 0), ids.shape[0] - k - 1
         if end <= first:  # an answer shorter than a draft
             continue
-        starts = torch.arange(first, end)
+        starts = torch.arange(first, end, device=ids.device)
         f, tok = feats[starts].float(), ids[starts + 1]
-        alive = torch.ones(len(starts), dtype=torch.bool)
+        alive = torch.ones(len(starts), dtype=torch.bool, device=ids.device)
         for j in range(k):
             f = head.step(f, tok)
             pred = head.logits(f).argmax(-1)
@@ -161,7 +163,10 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                     help="features and training under bfloat16 autocast or in float32; auto: bfloat16 where "
                          "the CPU has native bfloat16, as the engine's --dtype auto (with AVX2 only, on Zen 3, a "
-                         "bfloat16 training step took over 30 s, a float32 one ~4 s)")
+                         "bfloat16 training step took over 30 s, a float32 one ~4 s); float32 on a GPU")
+    ap.add_argument("--device", default="auto",
+                    help="where the features are computed and the head trained (auto: CUDA when present); the "
+                         "data step's engine picks its device itself, with float32 on a GPU")
     ap.add_argument("--unroll", type=int, default=3, help="drafting steps trained per position")
     ap.add_argument("--feature-weight", type=float, default=0.5)
     ap.add_argument("--steps", type=int, default=500)
@@ -174,8 +179,9 @@ def main() -> None:
     ap.add_argument("--name", type=str, default="train_eagle", help="results/<name>.{json,md}")
     ap.add_argument("--data-only", action="store_true", help="generate the data and features, then stop")
     args = ap.parse_args()
+    args.device = str(resolve_device(args.device))  # a string: the args are recorded as JSON
     if args.dtype == "auto":
-        args.dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+        args.dtype = "bfloat16" if args.device == "cpu" and cpu_has_native_bf16() else "float32"
     torch.manual_seed(args.seed)
 
     train_rows, held_rows, t_data = load_data(args)
@@ -196,13 +202,13 @@ def main() -> None:
     coverage = counts[vocab_ids].sum().item() / max(1, counts.sum().item())
     index_of = torch.full((fcfg.vocab_size,), -100, dtype=torch.int64)
     index_of[vocab_ids] = torch.arange(len(vocab_ids))
-    train = examples(train_rows, feats[:len(train_rows)], index_of)
-    held = examples(held_rows, feats[len(train_rows):], index_of)
+    train = examples(train_rows, feats[:len(train_rows)], index_of, args.device)
+    held = examples(held_rows, feats[len(train_rows):], index_of, args.device)
     num_positions = sum(int((x[1] >= 0).sum()) for x in train)
 
     hcfg = EagleHeadConfig(hidden_size=fcfg.hidden_size, intermediate_size=args.intermediate,
                            vocab_size=fcfg.vocab_size, rms_norm_eps=fcfg.rms_norm_eps, target="SmolLM2-135M-Instruct")
-    head = initial_head(hcfg, embedding, vocab_ids, args.seed)
+    head = initial_head(hcfg, embedding, vocab_ids, args.seed).to(args.device)
     before = acceptance(head, held, args.k)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
     # A warm-up of at least 2 steps: OneCycleLR divides by its length less one.
@@ -218,7 +224,7 @@ def main() -> None:
                 order = list(range(len(train)))
                 rng.shuffle(order)
             ids, labels, f, _, _ = train[order.pop()]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
+            with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
                 loss = loss + head.training_loss(ids, labels, f.float(), args.unroll, args.feature_weight) * len(ids)
             n += len(ids)
         loss = loss / n
@@ -238,7 +244,7 @@ def main() -> None:
                 "vocab_coverage": coverage, "held_out": after, "held_out_by_kind": by_kind,
                 "before_training": before, "data_seconds": round(t_data), "feature_seconds": round(t_feat),
                 "train_seconds": round(t_train)}
-    stored = {k: v if k == "vocab_ids" else v.to(torch.bfloat16) for k, v in head.state_tensors().items()}
+    stored = {k: (v if k == "vocab_ids" else v.to(torch.bfloat16)).cpu() for k, v in head.state_tensors().items()}
     save_head(args.out, hcfg, stored, training)
     size = Path(args.out).stat().st_size / 2**20
     print(f"wrote {args.out} ({size:.1f} MiB)")
