@@ -24,7 +24,7 @@ for the default model, k = --draft-k); eagle, eagle-fixed, eagle-always, the sam
 (--eagle-model, default: the shipped head, k = --eagle-k); eagle-lookup, the head with prompt lookup in
 front of it (lookup --prompt-lookup-min..max drafts where the last tokens occurred before, the head
 elsewhere; k = --eagle-lookup-k for both); eagle-b, eagle with a second head (--eagle-b-model, e.g. an
-earlier one) for two heads side by side in one run.
+earlier one) for two heads side by side in one run, and eagle-b-fixed, eagle-b-always.
 
 Each (workload, concurrency) runs a closed loop: `concurrency` requests in flight, a new one added when one
 finishes, until --num-requests (at least `concurrency`) are done; --rounds times, the methods taking turns,
@@ -98,7 +98,7 @@ def method_config(method: str, args) -> dict | None:
     elif method == "eagle-lookup":
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_lookup_k, "model": args.eagle_model,
                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
-    elif method == "eagle-b":
+    elif method.startswith("eagle-b"):
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_k, "model": args.eagle_b_model}
     elif method.startswith("eagle"):
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_k, "model": args.eagle_model}
@@ -277,7 +277,8 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
              f"draft k={args.draft_k} ({args.draft_model or 'the shipped draft'}); "
              f"eagle k={args.eagle_k} ({args.eagle_model or 'the shipped head'}"
              + (f"; eagle-lookup k={args.eagle_lookup_k}" if "eagle-lookup" in args.methods else "")
-             + (f"; eagle-b: {args.eagle_b_model}" if "eagle-b" in args.methods else "") + "); "
+             + (f"; eagle-b: {args.eagle_b_model}" if any(m.startswith("eagle-b") for m in args.methods) else "")
+             + "); "
              f"at most {args.max_tokens} output tokens per request ("
              + ("a copy's text's token count + 8 for repeat" if args.repeat_max_tokens == "text"
                 else f"{args.repeat_max_tokens} for repeat")
@@ -302,8 +303,9 @@ def main() -> None:
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-fixed", "eagle", "eagle-fixed"],
                     choices=["none", "none-control", "ngram-plain", "ngram-one-class", "ngram-one-length",
-                             "ngram-long", "eagle-lookup", "eagle-b",
-                             *(m + v for m in ("ngram", "draft", "eagle") for v in ("", "-fixed", "-always"))])
+                             "ngram-long", "eagle-lookup",
+                             *(m + v for m in ("ngram", "draft", "eagle", "eagle-b")
+                               for v in ("", "-fixed", "-always"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
     ap.add_argument("--max-tokens", type=int, default=128, help="per request of summarise and chat")
     ap.add_argument("--repeat-max-tokens", default="text",

@@ -1,6 +1,9 @@
 """Train the eagle head shipped for the default model (speculative decoding, method "eagle").
 
-    python benchmarks/train_eagle.py --dtype float32   # the shipped head (results/train_eagle.md): ~75 min
+    python benchmarks/train_eagle.py --num-prompts 6000 --num-texts 300 --gen-batch 256 --steps 1500
+        # the shipped head (results/train_eagle.md): ~6 min on an H200 (STAGE=eagle bash
+        # benchmarks/gpu_speculative.sh); on 2 AVX2 cores, with --dtype float32, several hours (estimated)
+    python benchmarks/train_eagle.py --dtype float32   # the head shipped before it (train_eagle_cpu_2000.md): ~75 min
     python benchmarks/train_eagle.py --num-prompts 40 --num-texts 10 --steps 20 --out /tmp/h.safetensors \
         --data-cache /tmp/smoke-data.pt --feature-cache /tmp/smoke-features.pt --name train_eagle_smoke   # smoke
 

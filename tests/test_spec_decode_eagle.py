@@ -81,6 +81,34 @@ def heads(tiny_model_dirs, tmp_path_factory) -> dict:
     return out
 
 
+def test_a_loaded_head_keeps_its_weights_when_its_file_is_rewritten(tiny_model_dirs, heads, tmp_path):
+    """safetensors maps the file: a tensor kept as read (vocab_ids, no copy on the CPU) would follow the
+    file, so a head copied over the one a running engine loaded (a retrained head put in place) would
+    silently draft through the new file's vocabulary. Seen once: the engine's head then drafted nothing."""
+    path, _ = tiny_model_dirs["llama"]
+    target_model = load_model(str(path), torch.float32, CPU)
+    file = tmp_path / "head.safetensors"
+    file.write_bytes(heads["right"].read_bytes())
+    head = load_eagle_head(str(file), target_model, torch.float32, CPU, quantization="none")
+    feature = torch.randn(5, head.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([6, 23, 14, 31, 5])
+    with torch.no_grad():
+        before = head.compute_logits(head.step(feature, tokens)[1])
+        vocab_before = head.vocab_ids.clone()
+        # The same head with its vocabulary rotated: a file of the same size, so no page of the mapping
+        # goes past its end.
+        cfg, tensors, _ = read_head(file)
+        tensors = {k: v.clone() for k, v in tensors.items()}
+        tensors["vocab_ids"] = tensors["vocab_ids"].roll(1)
+        save_head(tmp_path / "other.safetensors", cfg, tensors)
+        other = (tmp_path / "other.safetensors").read_bytes()
+        assert len(other) == file.stat().st_size
+        with open(file, "r+b") as f:  # in place, as cp does: the same inode, so the same mapping
+            f.write(other)
+        assert torch.equal(head.vocab_ids, vocab_before)
+        assert torch.equal(head.compute_logits(head.step(feature, tokens)[1]), before)
+
+
 def run(engine, waves, check: bool = False) -> dict:
     return run_waves(engine, waves, K, check)
 

@@ -79,6 +79,8 @@ def read_with_config(path: str | Path, key: str, cls: type, what: str) -> tuple[
             raise ValueError(f"{path} is a safetensors file but not a kvserve {what} (no {key!r} metadata)")
         raw = json.loads(meta[key])
         cfg = cls(**{f.name: raw[f.name] for f in fields(cls)})
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        # Copies: safetensors maps the file, and a tensor kept as read (vocab_ids) would change with the file
+        # if it were rewritten in place (a retrained head copied over the one an engine runs). A few MB.
+        tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
         training = json.loads(meta.get("training", "{}"))
     return cfg, tensors, training
