@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.kernels import cpu as cpu_kernels
 from kvserve.models.loader import load_model
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.eagle_head import (EagleHead, EagleHeadConfig, EagleHeadReference, load_eagle_head,
@@ -107,6 +108,29 @@ def test_a_loaded_head_keeps_its_weights_when_its_file_is_rewritten(tiny_model_d
             f.write(other)
         assert torch.equal(head.vocab_ids, vocab_before)
         assert torch.equal(head.compute_logits(head.step(feature, tokens)[1]), before)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no native CPU kernels on this machine")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_native_greedy_step_matches_the_layers_bit_for_bit(tiny_model_dirs, tmp_path, quantization):
+    """The head's greedy drafting step as one native call (kernels/cpu/eagle_head.cpp) gives the features
+    and tokens of its layers called one by one from Python, over two drafting steps."""
+    path, hf = tiny_model_dirs["llama"]
+    target_model = load_model(str(path), torch.float32, CPU)
+    ref = random_head(hf, list(range(256)), seed=3, inter=128)  # shapes the tiled kernels take
+    file = tmp_path / "head.safetensors"
+    save_head(file, ref.cfg, ref.state_tensors())
+    head = load_eagle_head(str(file), target_model, torch.float32, CPU, quantization=quantization)
+    assert head.native_weights is not None
+    feature = torch.randn(5, ref.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([6, 23, 14, 31, 5])
+    with torch.no_grad():
+        for _ in range(2):
+            got_feature, got_tokens = head.greedy_step(feature, tokens)
+            feature, normed = head.step(feature, tokens)
+            tokens = head.greedy_tokens(normed)
+            assert torch.equal(got_feature, feature) and torch.equal(got_tokens, tokens)
+    assert len(set(tokens.tolist())) > 1
 
 
 def run(engine, waves, check: bool = False) -> dict:

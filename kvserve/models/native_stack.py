@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from kvserve.models.llama import LlamaForCausalLM
 
 
-def _quantized(layer: LinearBase) -> list[torch.Tensor | None] | None:
+def tiled_weight(layer: LinearBase) -> list[torch.Tensor | None] | None:
     """(qs, scales, mins) of a layer stored as one interleaved block weight, else None."""
     segments = getattr(layer, "segments", None)
     if not isinstance(layer.method, BlockMethod) or not layer.method.use_kernel or layer.bias is not None:
@@ -59,7 +59,7 @@ class NativeDecoderStack:
         weights: list[torch.Tensor | None] = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            parts = [_quantized(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            parts = [tiled_weight(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(p is None for p in parts) or type(mlp.act) is not SiluAndMul:
                 return None
             qkv, o, gate_up, down = parts

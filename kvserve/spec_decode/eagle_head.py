@@ -28,11 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.config import ModelConfig
+from kvserve.kernels import cpu as cpu_kernels
+from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.linear import ColumnLinear, VocabEmbedding, pack_float_weights
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantization import QuantConfig
 from kvserve.models.llama import MLP
 from kvserve.models.loader import LoadedModel
+from kvserve.models.native_stack import tiled_weight
 from kvserve.sampling.sampler import argmax
 from kvserve.spec_decode.draft_model import target_embedding
 from kvserve.spec_decode.draft_format import has_metadata, read_with_config, save_with_config
@@ -122,6 +125,18 @@ class EagleHead(nn.Module):
         self.norm = RMSNorm(d, head.rms_norm_eps)
         self.lm_head = ColumnLinear(d, len(vocab_ids), quant.method(["lm_head.weight"]), "lm_head.weight")
         self.register_buffer("vocab_ids", vocab_ids.to(torch.int64), persistent=False)
+        self.native_weights: list[torch.Tensor | None] | None = None  # see use_native_kernel
+
+    def use_native_kernel(self) -> bool:
+        """After loading: greedy_step runs as one native call (kernels/cpu/eagle_head.cpp) where the CPU
+        kernels are built and every linear layer is in their tiled layout; else it stays in Python."""
+        parts = [tiled_weight(layer) for layer in (self.fc, self.mlp.gate_up_proj, self.mlp.down_proj, self.lm_head)]
+        if (any(p is None for p in parts) or type(self.mlp.act) is not SiluAndMul or self.vocab_ids.device.type != "cpu"
+                or not cpu_kernels.available() or not hasattr(cpu_kernels.ops(), "eagle_greedy_step")):
+            return False
+        fc, gate_up, down, lm_head = parts
+        self.native_weights = [*fc, self.mlp_norm.weight, *gate_up, *down, self.norm.weight, *lm_head]
+        return True
 
     def step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, hidden] features and [N] next tokens -> (the predicted next features, the same through the
@@ -143,6 +158,18 @@ class EagleHead(nn.Module):
     def greedy_tokens(self, normed: torch.Tensor) -> torch.Tensor:
         """step()'s normed features [N, hidden] -> [N] the head's most likely tokens (full-vocabulary ids)."""
         return self.vocab_ids[argmax(self.lm_head(normed))]
+
+    def greedy_step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """step() then greedy_tokens(): (the predicted next features, the head's most likely tokens). In one
+        native call where use_native_kernel() set it up: at one stream on two AVX2 cores, dispatching the dozen
+        small calls from Python cost about as much as the head's matmuls."""
+        dtype = self.norm.weight.dtype
+        if self.native_weights is None or not cpu_kernels.applies(feature):
+            feature, normed = self.step(feature, token_ids)
+            return feature, self.greedy_tokens(normed)
+        return cpu_kernels.ops().eagle_greedy_step(feature.to(dtype).contiguous(),
+                                                   self._embed[0].embed(token_ids).to(dtype).contiguous(),
+                                                   self.native_weights, self.vocab_ids, self.norm.eps)
 
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -184,5 +211,6 @@ def load_eagle_head(path: str | Path | None, target: LoadedModel, dtype: torch.d
         model = EagleHead(cfg, hcfg, embed, tensors["vocab_ids"].to(device), quant).to(dtype)
     model.load_weights(tensors)
     pack_float_weights(model)
+    model.use_native_kernel()
     return model.eval().requires_grad_(False)
 

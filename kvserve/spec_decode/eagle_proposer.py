@@ -57,9 +57,14 @@ class EagleProposer:
             keep = [i for i, r in enumerate(rows) if jobs[r][1] > j]
             if len(keep) < len(rows):
                 feature, tokens, rows = feature[keep], tokens[keep], [rows[i] for i in keep]
-            feature, normed = self.model.step(feature, tokens)
-            tokens = self._draft_tokens(normed, [jobs[r][0] for r in rows], [greedy[r] for r in rows],
-                                        drafts, generators)
+            if all(greedy[r] for r in rows):
+                # Greedy requests take the head's argmax (no sampler: a third of a drafting step's time, and
+                # a draft needs none of its guarantees, since verification keeps the output exact).
+                feature, tokens = self.model.greedy_step(feature, tokens)
+            else:
+                feature, normed = self.model.step(feature, tokens)
+                tokens = self._draft_tokens(normed, [jobs[r][0] for r in rows], [greedy[r] for r in rows],
+                                            drafts, generators)
             for r, token in zip(rows, tokens.tolist()):
                 drafts[jobs[r][0].seq_id].append(token)
         for seq, _ in jobs:
@@ -67,11 +72,8 @@ class EagleProposer:
 
     def _draft_tokens(self, normed: torch.Tensor, seqs: list[Sequence], greedy: list[bool],
                       drafts: dict[int, list[int]], generators: dict[int, torch.Generator]) -> torch.Tensor:
-        """One draft token per row. Greedy requests take the head's argmax (no sampler: a third of a
-        drafting step's time, and a draft needs none of its guarantees, since verification keeps the
-        output exact); the others are sampled with the request's parameters and the target's noise."""
-        if all(greedy):
-            return self.model.greedy_tokens(normed)
+        """One draft token per row of a step that samples for some: greedy requests take the head's argmax,
+        the others are sampled with the request's parameters and the target's noise."""
         out = torch.empty(len(seqs), dtype=torch.int64, device=normed.device)
         g = [i for i, x in enumerate(greedy) if x]
         s = [i for i, x in enumerate(greedy) if not x]

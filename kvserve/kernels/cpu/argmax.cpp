@@ -53,6 +53,11 @@ int64_t argmax_row(const float* x, int64_t n) {
   return arg;
 }
 
+}  // namespace
+
+namespace kvserve_cpu {
+inline namespace KVSERVE_NS {
+
 // x [N, V] float32 (rows contiguous) -> [N] int64.
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
@@ -69,8 +74,9 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
+}  // namespace KVSERVE_NS
+}  // namespace kvserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) { m.def("argmax_rows(Tensor x) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
+TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) { m.impl("argmax_rows", &kvserve_cpu::argmax_rows); }

@@ -14,6 +14,9 @@
 namespace kvserve_cpu {
 inline namespace KVSERVE_NS {
 
+// argmax.cpp
+at::Tensor argmax_rows(const at::Tensor& x);
+
 // elementwise.cpp
 void fused_add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor gemma_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
