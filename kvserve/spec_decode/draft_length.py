@@ -36,10 +36,13 @@ accepted half the time would keep all later tokens whenever it kept the first.
 
 A step whose size without drafts was never measured goes without drafts, to measure it; unmeasured sizes
 with drafts are estimated from the nearest measured ones (optimistically flat above the largest when only
-one is known), so drafting is tried and then measured. Every PROBE_EVERY-th decision keeps one draft
-token more than the best, to keep the estimates for the next length current (every MAX_AGE-th where
-that is estimated at under half the best rate), and a step size not seen for MAX_AGE steps is
-forgotten, so a length that stopped paying is estimated afresh and tried again.
+one is known), so drafting is tried and then measured. Every PROBE_EVERY-th decision starts a probe: the
+next PROBE_RUN decisions keep one draft token more than the best, to keep the estimates for the next
+length current (one decision every MAX_AGE-th where that length is estimated at under half the best
+rate), and a step size not seen for MAX_AGE steps is forgotten, so a length that stopped paying is
+estimated afresh and tried again. A probe is a run, not one step, because a step that follows a step of
+another size costs more than one that follows its own size (StepTimes): a length timed by lone probe
+steps looked dearer than it runs, and drafting that paid stayed off.
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ _TIME_WEIGHT = 0.2        # moving-average weight of a new step time
 _POSITION_WEIGHT = 1 / 32  # ... of one draft's outcome at a position
 MODEL_CLASS = 0           # the class of a draft model's (or eagle head's) drafts; prompt lookup's are n >= 1
 PROBE_EVERY = 16
+PROBE_RUN = 3              # decisions a probe lasts: its first step follows another size, the others time it as it runs
 PROBE_MIN_RATE = 0.5       # below this share of the best rate, a length is probed every MAX_AGE decisions
 MAX_AGE = 256              # steps
 
@@ -61,57 +65,75 @@ StepTokens = Callable[[int, int, int], int]
 
 
 class StepTimes:
-    """Seconds of a forward step by the number of tokens in it: a moving average per count, forgotten once
+    """Seconds of a forward step by the number of tokens in it: moving averages per count, forgotten once
     no step of that count has run for MAX_AGE steps (checked every MAX_AGE steps). The work behind a count
     drifts: a copy's long contexts make its 5-row steps dearer than a chat's, and a length no longer
-    drafted is no longer timed."""
+    drafted is no longer timed.
+
+    Two averages per count: of steps that follow a step of the same count (steady) and of steps that follow
+    another count (a switch); estimates take the steady one where there is one. At one stream of chat on two
+    AVX2 cores a 2-token step after 1-token steps took a median 8.2-8.6 ms, after 2-token steps 7.1 ms (15-19
+    and ~1700 steps in two runs); a 1-token step after a 2-token one 6.7-7.0 ms, after another 6.3-6.4 ms.
+    Whether drafting pays is a question about runs of steps, and a switch's price is paid once per run."""
 
     def __init__(self) -> None:
-        self._seconds: dict[int, float] = {}
-        self._last_seen: dict[int, int] = {}
-        self._counts: list[int] = []  # sorted keys of _seconds
-        self._clock = 0               # steps observed
+        self._steady: dict[int, float] = {}
+        self._switch: dict[int, float] = {}
+        self._last_seen: dict[int, int] = {}    # any step of the count
+        self._steady_seen: dict[int, int] = {}  # a steady step of it: a steady average goes stale on its own
+        self._counts: list[int] = []            # sorted keys of _last_seen: the counts with an estimate
+        self._clock = 0                         # steps observed
+        self._previous: int | None = None       # the last step's count
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         self._clock += 1
-        old = self._seconds.get(num_tokens)
-        if old is None:
+        steady = num_tokens == self._previous
+        self._previous = num_tokens
+        table = self._steady if steady else self._switch
+        old = table.get(num_tokens)
+        table[num_tokens] = seconds if old is None else old + _TIME_WEIGHT * (seconds - old)
+        if steady:
+            self._steady_seen[num_tokens] = self._clock
+        if num_tokens not in self._last_seen:
             bisect.insort(self._counts, num_tokens)
-            self._seconds[num_tokens] = seconds
-        else:
-            self._seconds[num_tokens] = old + _TIME_WEIGHT * (seconds - old)
         self._last_seen[num_tokens] = self._clock
         if self._clock % MAX_AGE == 0:
             self._forget(self._clock - MAX_AGE)
 
     def _forget(self, before: int) -> None:
-        stale = [n for n, seen in self._last_seen.items() if seen <= before]
-        for n in stale:
-            del self._seconds[n], self._last_seen[n]
-        self._counts = sorted(self._seconds)
+        for n in [n for n, seen in self._steady_seen.items() if seen <= before]:
+            del self._steady[n], self._steady_seen[n]
+        for n in [n for n, seen in self._last_seen.items() if seen <= before]:
+            del self._last_seen[n]
+            self._switch.pop(n, None)
+        self._counts = sorted(self._last_seen)
 
     def measured(self, num_tokens: int) -> bool:
-        return num_tokens in self._seconds
+        return num_tokens in self._last_seen
+
+    def _seconds(self, num_tokens: int) -> float:
+        t = self._steady.get(num_tokens)
+        return self._switch[num_tokens] if t is None else t
 
     def estimate(self, num_tokens: int) -> float | None:
         """Measured, else interpolated between the nearest measured counts; None before any step."""
-        t = self._seconds.get(num_tokens)
-        if t is not None:
-            return t
-        counts, seconds = self._counts, self._seconds
+        counts = self._counts
+        if num_tokens in self._last_seen:
+            return self._seconds(num_tokens)
         if not counts:
             return None
+        seconds = self._seconds
         i = bisect.bisect_left(counts, num_tokens)
         if i == 0:
-            return seconds[counts[0]]  # a smaller step than any measured costs at most the smallest one
+            return seconds(counts[0])  # a smaller step than any measured costs at most the smallest one
         if i == len(counts):
-            last = seconds[counts[-1]]
+            last = seconds(counts[-1])
             if len(counts) == 1:
                 return last
             a, b = counts[-2], counts[-1]
-            return last + max(0.0, (last - seconds[a]) / (b - a)) * (num_tokens - b)
+            return last + max(0.0, (last - seconds(a)) / (b - a)) * (num_tokens - b)
         a, b = counts[i - 1], counts[i]
-        return seconds[a] + (seconds[b] - seconds[a]) * (num_tokens - a) / (b - a)
+        return seconds(a) + (seconds(b) - seconds(a)) * (num_tokens - a) / (b - a)
 
 
 class DraftLength:
@@ -126,6 +148,7 @@ class DraftLength:
         self.acceptance = 1.0         # accepted / drafted, a moving average over all sequences
         self.draft_seconds = 0.0      # the proposer's time per draft position
         self._decisions = 0
+        self._probe_left = 0          # decisions left in the probe under way
 
     def acceptance_by_position(self, draft_class: int) -> list[float]:
         """[i]: P(draft tokens 0..i all accepted) for a draft of this class."""
@@ -207,12 +230,18 @@ class DraftLength:
         """The index of the highest rate (the lowest of equal ones), or one more on a probing decision."""
         best = max(range(len(rates)), key=lambda t: (rates[t], -t))
         self._decisions += 1
-        if best + 1 < len(rates):
-            # A length estimated at under half the best rate is probed every MAX_AGE-th decision, not every
-            # PROBE_EVERY-th: where a step with drafts costs many times one without (on an H200 before
-            # verification steps had CUDA graphs: 13.4 ms eager against a 1.86 ms decode graph), probing every
-            # PROBE_EVERY-th step would cost more than speculation gains.
-            every = PROBE_EVERY if rates[best + 1] >= PROBE_MIN_RATE * rates[best] else MAX_AGE
-            if self._decisions % every == 0:
-                best += 1
+        if best + 1 >= len(rates):
+            self._probe_left = 0
+            return best
+        near = rates[best + 1] >= PROBE_MIN_RATE * rates[best]
+        if self._probe_left > 0 and near:
+            self._probe_left -= 1
+            return best + 1
+        # A length estimated at under half the best rate is probed for one decision every MAX_AGE-th, not
+        # for a run every PROBE_EVERY-th: where a step with drafts costs many times one without (on an H200
+        # before verification steps had CUDA graphs: 13.4 ms eager against a 1.86 ms decode graph), probing
+        # that often would cost more than speculation gains.
+        if self._decisions % (PROBE_EVERY if near else MAX_AGE) == 0:
+            self._probe_left = PROBE_RUN - 1 if near else 0
+            best += 1
         return best
