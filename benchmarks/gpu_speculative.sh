@@ -14,6 +14,11 @@
 #     STAGE=eagle bash benchmarks/gpu_speculative.sh    # or: trains an eagle head on the GPU (train_eagle.py,
 #                                                      # TRAIN_ARGS), then open chat with it and the shipped head
 #
+# The tree travels with each call: at git 0abc4a1 it was 39 MiB, 30 MB of it the shipped draft and head. For
+# the lease, move kvserve/spec_decode/drafts/smollm2-135m-draft.safetensors and benchmarks/results out of
+# the tree (the stages need neither, and they write their results afresh), which leaves ~13 MB beside a
+# part: PART_A (default 47M) sets the split. Put them back afterwards.
+#
 # GIT_REV names the commit in the results (a lease's copy of the tree may carry an older .git). Logs and
 # results go to $OUT (default /tmp/kvserve_gpu). A rehearsal on the CPU: STORE, SITE and OUT in a scratch
 # folder, CONCURRENCY=1 ROUNDS=1 BENCH_ARGS="--num-requests 2 --repeat-max-tokens 8 --max-tokens 8".
