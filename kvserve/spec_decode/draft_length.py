@@ -234,7 +234,9 @@ class DraftLength:
             self._probe_left = 0
             return best
         near = rates[best + 1] >= PROBE_MIN_RATE * rates[best]
-        if self._probe_left > 0 and near:
+        if not near:
+            self._probe_left = 0  # a run under way stops where its length fell far behind
+        elif self._probe_left > 0:
             self._probe_left -= 1
             return best + 1
         # A length estimated at under half the best rate is probed for one decision every MAX_AGE-th, not
