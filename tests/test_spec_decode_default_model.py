@@ -106,7 +106,7 @@ def test_shipped_eagle_head_greedy_identical_with_preemption():
                                   "adaptive_draft_length": False})
     assert (llm.engine.speculator.draft.model.native_weights is not None) == cpu_kernels.available()
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    ref, _, ref_stats = generate(llm, False, PROMPTS, params)
+    ref, _, _ = generate(llm, False, PROMPTS, params)
     outs, before, after = generate(llm, True, PROMPTS, params)
     for r, o in zip(ref, outs):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids

@@ -127,16 +127,15 @@ class EagleHead(nn.Module):
         self.register_buffer("vocab_ids", vocab_ids.to(torch.int64), persistent=False)
         self.native_weights: list[torch.Tensor | None] | None = None  # see use_native_kernel
 
-    def use_native_kernel(self) -> bool:
+    def use_native_kernel(self) -> None:
         """After loading: greedy_step runs as one native call (kernels/cpu/eagle_head.cpp) where the CPU
         kernels are built and every linear layer is in their tiled layout; else it stays in Python."""
         parts = [tiled_weight(layer) for layer in (self.fc, self.mlp.gate_up_proj, self.mlp.down_proj, self.lm_head)]
         if (any(p is None for p in parts) or type(self.mlp.act) is not SiluAndMul or self.vocab_ids.device.type != "cpu"
                 or not cpu_kernels.available() or not hasattr(cpu_kernels.ops(), "eagle_greedy_step")):
-            return False
+            return
         fc, gate_up, down, lm_head = parts
         self.native_weights = [*fc, self.mlp_norm.weight, *gate_up, *down, self.norm.weight, *lm_head]
-        return True
 
     def step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, hidden] features and [N] next tokens -> (the predicted next features, the same through the
