@@ -138,6 +138,16 @@ def test_every_probe_th_decision_starts_a_run_of_one_position_more():
     assert lengths == [int(any(s <= i < s + PROBE_RUN for s in starts)) for i in range(3 * PROBE_EVERY)]
 
 
+def test_a_model_whose_drafting_time_tips_it_below_no_drafts_is_still_probed():
+    """With its drafting time the model's one draft token rates 1.3 / 1.4 against 1 / 1.0 without it, so the
+    best step keeps none of the model's tokens; a probe must still try one (the token is only in the list
+    that allows the model), or a few slow steps turn the model off until its times are forgotten."""
+    p = policy({1: 1.0, 2: 1.2}, [0.3], draft_seconds=0.2)
+    lengths = [p.choose(1, [(1, 1.0, 0)])[0] for _ in range(2 * PROBE_EVERY)]
+    starts = [k * PROBE_EVERY - 1 for k in (1, 2)]
+    assert lengths == [int(any(s <= i < s + PROBE_RUN for s in starts)) for i in range(2 * PROBE_EVERY)]
+
+
 def test_a_length_far_worse_than_the_best_is_probed_rarely():
     # An H200's decode step replays a graph (1.86 ms) while a step with drafts runs eagerly (13.4 ms): even
     # drafts that are always right (two tokens a step) rate 2 / 13.4 against 1 / 1.86, about 0.28 of the best.

@@ -198,13 +198,20 @@ class DraftLength:
         # draft beside a model too slow to pay still goes), and the best rate over all caps wins.
         model_depths = [avail for avail, _, draft_class in drafts if draft_class == MODEL_CLASS]
         caps = range(max(model_depths) + 1) if model_depths and self.draft_seconds > 0 else [None]
-        best_rate, kept, rates = -1.0, ranked, []
+        options = []  # per cap: (the tokens it allows, the rate of keeping the first T of them for each T)
         for cap in caps:
             subset = ranked if cap is None else [x for x in ranked if drafts[x[2]][2] != MODEL_CLASS or x[1] < cap]
-            cap_rates = self._rates(num_seqs, num_tokens, subset, drafts)
-            if max(cap_rates) > best_rate:
-                best_rate, kept, rates = max(cap_rates), subset, cap_rates
-        for _, _, r in kept[:self.best_or_probe(rates)]:
+            options.append((subset, self._rates(num_seqs, num_tokens, subset, drafts)))
+        chosen = max(range(len(options)), key=lambda c: (max(options[c][1]), -c))
+        kept, rates = options[chosen]
+        # Where the best keeps every token its cap allows, one token more (a probe's) is in the next cap's list.
+        # Without it a model judged not to pay (cap 0) was never tried again: at one stream of chat on two AVX2
+        # cores the eagle head stayed off for 200 decisions in a row, until its step time was forgotten.
+        following = options[chosen + 1] if chosen + 1 < len(options) else None
+        n = self.best_or_probe(rates, following[1] if following else None)
+        if n >= len(rates):
+            kept = following[0]
+        for _, _, r in kept[:n]:
             keep[r] += 1
         return keep
 
@@ -226,14 +233,16 @@ class DraftLength:
             rates.append(tokens / (self.times.estimate(run) + depth * self.draft_seconds))
         return rates
 
-    def best_or_probe(self, rates: list[float]) -> int:
-        """The index of the highest rate (the lowest of equal ones), or one more on a probing decision."""
+    def best_or_probe(self, rates: list[float], following: list[float] | None = None) -> int:
+        """The index of the highest rate (the lowest of equal ones), or one more on a probing decision;
+        following: where rates ends at the best, a list whose entry one past it is the rate of one token more."""
         best = max(range(len(rates)), key=lambda t: (rates[t], -t))
         self._decisions += 1
-        if best + 1 >= len(rates):
+        ahead = rates if best + 1 < len(rates) else following
+        if ahead is None or best + 1 >= len(ahead):
             self._probe_left = 0
             return best
-        near = rates[best + 1] >= PROBE_MIN_RATE * rates[best]
+        near = ahead[best + 1] >= PROBE_MIN_RATE * rates[best]
         if not near:
             self._probe_left = 0  # a run under way stops where its length fell far behind
         elif self._probe_left > 0:
