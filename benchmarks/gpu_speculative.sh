@@ -98,14 +98,14 @@ if [ "${STAGE:-}" = eagle ]; then
     train=(--num-prompts 6000 --num-texts 300 --gen-batch 256 --steps 1500 ${TRAIN_ARGS:-})
     timeout "${TRAIN_S:-300}" python3 benchmarks/train_eagle.py "${train[@]}" --out "$OUT/eagle_gpu.safetensors" \
         --name train_eagle_gpu 2>&1 | tee "$OUT/train.log" | grep -v "/s]$"
-    head=()
-    [ -f "$OUT/eagle_gpu.safetensors" ] && head=(--eagle-b-model "$OUT/eagle_gpu.safetensors")
+    head=() b=()  # the new head as method eagle-b, where training got as far as writing it
+    [ -f "$OUT/eagle_gpu.safetensors" ] && head=(--eagle-b-model "$OUT/eagle_gpu.safetensors") b=(eagle-b)
     # shellcheck disable=SC2206
     args=(--workloads chat --rounds "${ROUNDS:-3}" --dtype float32 "${head[@]}" ${BENCH_ARGS:-})
     timeout "${BENCH_S:-130}" python3 benchmarks/speculative.py "${args[@]}" --concurrency ${CONCURRENCY:-1 4} \
-        --methods none none-control eagle eagle-b --eagle-k 1 --name speculative_gpu_eagle_k1 2>&1 | tee "$OUT/bench.log"
+        --methods none none-control eagle "${b[@]}" --eagle-k 1 --name speculative_gpu_eagle_k1 2>&1 | tee "$OUT/bench.log"
     timeout "${BENCH3_S:-80}" python3 benchmarks/speculative.py "${args[@]}" --concurrency 1 \
-        --methods none eagle eagle-b --eagle-k 3 --name speculative_gpu_eagle_k3 2>&1 | tee -a "$OUT/bench.log"
+        --methods none eagle "${b[@]}" --eagle-k 3 --name speculative_gpu_eagle_k3 2>&1 | tee -a "$OUT/bench.log"
     # At most 8 files come back: the head, and the rest in one archive.
     (cd benchmarks/results && tar czf "$OUT/results.tgz" train_eagle_gpu.* speculative_gpu_eagle_k*.* \
         -C "$OUT" train.log bench.log)

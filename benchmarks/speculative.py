@@ -321,7 +321,7 @@ def main() -> None:
     ap.add_argument("--eagle-k", type=int, default=1, help="num_speculative_tokens of the eagle methods")
     ap.add_argument("--eagle-lookup-k", type=int, default=4, help="num_speculative_tokens of eagle-lookup")
     ap.add_argument("--eagle-model", default=None, help="the eagle methods' head (default: the shipped head)")
-    ap.add_argument("--eagle-b-model", default=None, help="method eagle-b's head (default: the shipped head)")
+    ap.add_argument("--eagle-b-model", default=None, help="method eagle-b's head (required with eagle-b*)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--num-threads", type=int, default=None)
@@ -331,6 +331,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="speculative", help="results/<name>.json and .md")
     args = ap.parse_args()
+    if any(m.startswith("eagle-b") for m in args.methods) and args.eagle_b_model is None:
+        # Without it eagle-b ran the shipped head, the same as eagle, and its rows only looked like a comparison.
+        ap.error("methods eagle-b* compare a second head: pass it with --eagle-b-model")
     if "none" not in args.methods:
         args.methods = ["none", *args.methods]  # the baseline every ratio is taken against
 
