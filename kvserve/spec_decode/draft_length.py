@@ -40,9 +40,9 @@ one is known), so drafting is tried and then measured. Every PROBE_EVERY-th deci
 next PROBE_RUN decisions keep one draft token more than the best, to keep the estimates for the next
 length current (one decision every MAX_AGE-th where that length is estimated at under half the best
 rate), and a step size not seen for MAX_AGE steps is forgotten, so a length that stopped paying is
-estimated afresh and tried again. A probe is a run, not one step, because a step that follows a step of
-another size costs more than one that follows its own size (StepTimes): a length timed by lone probe
-steps looked dearer than it runs, and drafting that paid stayed off.
+estimated afresh and tried again. A probe is a run, not one step, so that it times the length as it runs,
+not only the step that switches to it (StepTimes). Where the best keeps none of a model's tokens, a probe
+adds the model's first one.
 """
 from __future__ import annotations
 
@@ -71,10 +71,11 @@ class StepTimes:
     drafted is no longer timed.
 
     Two averages per count: of steps that follow a step of the same count (steady) and of steps that follow
-    another count (a switch); estimates take the steady one where there is one. At one stream of chat on two
-    AVX2 cores a 2-token step after 1-token steps took a median 8.2-8.6 ms, after 2-token steps 7.1 ms (15-19
-    and ~1700 steps in two runs); a 1-token step after a 2-token one 6.7-7.0 ms, after another 6.3-6.4 ms.
-    Whether drafting pays is a question about runs of steps, and a switch's price is paid once per run."""
+    another count (a switch); estimates take the steady one where there is one. In adaptive runs at one stream
+    of chat on two AVX2 cores a 2-token step after 1-token steps took a median 8.2-8.6 ms, after 2-token steps
+    7.1 ms; but a run alternating the two in fixed patterns measured no difference (7.55-7.73 against
+    7.58-7.88 ms), so those switches were dear for other reasons than the switch. Keeping them apart costs
+    nothing where there is no difference, and keeps one dear step from standing for a length that runs cheaper."""
 
     def __init__(self) -> None:
         self._steady: dict[int, float] = {}
