@@ -12,6 +12,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.models.loader import load_model
+from kvserve.sampling.sampler import Sampler
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.eagle_head import (EagleHead, EagleHeadConfig, EagleHeadReference, load_eagle_head,
                                             read_head, save_head)
@@ -286,6 +287,37 @@ def test_seeded_sampling_identical_to_non_speculative(tiny_model_dirs, heads):
         got = run(engine, [[(str(i), p, params) for i, p in enumerate(ps)]], check=True)
         assert (kinds["lookup"]["drafts"] > 0) == bool(lookup) and kinds["model"]["drafts"] > 0, kinds
         check_seeded(got, ref, engine, len(ps))
+
+
+def test_a_drafted_positions_noise_is_drawn_once(tiny_model_dirs, heads, monkeypatch):
+    """A vocabulary's uniforms cost ~0.2-0.4 ms to draw on a CPU. The head draws a seeded request's noise for
+    its drafted positions; the target's sampler reuses it and draws only the row after the drafts, and
+    moving the generator back past rejected rows draws nothing: one draw per step inside the runner."""
+    path, _ = tiny_model_dirs["llama"]
+    engine = make_engine(path, spec(heads["right"]))
+    draws: list[int] = []  # per runner step
+    in_runner = [False]
+    draw = Sampler.draw_uniform
+
+    def counted(*args):
+        if in_runner[0]:
+            draws[-1] += 1
+        return draw(*args)
+
+    def execute(sched, inner=engine.runner.execute):
+        draws.append(0)
+        in_runner[0] = True
+        try:
+            return inner(sched)
+        finally:
+            in_runner[0] = False
+    monkeypatch.setattr(Sampler, "draw_uniform", staticmethod(counted))
+    engine.runner.execute = execute
+    params = SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=5)
+    run(engine, [[("0", prompts(7, [9])[0], params)]])
+    s = engine.get_stats()
+    assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens  # drafts, some rejected
+    assert max(draws) == 1, draws
 
 
 def check_seeded(got: dict, ref: dict, engine, num_prompts: int) -> None:

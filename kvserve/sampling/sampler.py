@@ -32,6 +32,9 @@ class SamplingInputs:
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]          # tokens generated so far (before this step's)
     eos_token_ids: list[int]                   # the model's EOS ids
+    # Per row, the uniforms its position draws, where they were drawn already (speculative decoding: the
+    # draft drew them from a clone of the request's generator); None, or a None row: drawn here.
+    noise: list[Tensor | None] | None = None
 
 
 @dataclass
@@ -142,21 +145,24 @@ class Sampler:
                            rows=[i for i, p in enumerate(sub_params) if p.top_p < 1.0])
 
         probs = torch.softmax(sub, dim=-1)
-        sampled = argmax(probs / self._exponential_noise(probs, [inputs.generators[i] for i in rand_rows]))
+        given = [inputs.noise[i] for i in rand_rows] if inputs.noise is not None else None
+        sampled = argmax(probs / self._exponential_noise(probs, [inputs.generators[i] for i in rand_rows], given))
 
         if greedy_ids is None:
             return sampled
         return greedy_ids.index_copy(0, idx, sampled)
 
     @staticmethod
-    def _exponential_noise(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+    def _exponential_noise(probs: Tensor, generators: list[torch.Generator | None],
+                           given: list[Tensor | None] | None = None) -> Tensor:
         """Exp(1) noise, so argmax(probs / noise) is a draw from probs (the exponential race).
 
-        Seeded rows draw their own row from their own generator, so their tokens do not depend on
-        the rest of the batch; unseeded rows share one draw from the default generator, made for them
-        only: a vocabulary's uniforms take ~0.2-0.4 ms on a CPU, and a draw for every row that seeded
-        rows then overwrote doubled a seeded row's sampling time."""
-        unseeded = [i for i, g in enumerate(generators) if g is None]
+        Rows with given uniforms use them. Seeded rows draw their own row from their own generator, so their
+        tokens do not depend on the rest of the batch; unseeded rows share one draw from the default
+        generator, made for them only: a vocabulary's uniforms take ~0.2-0.4 ms on a CPU, and a draw for
+        every row that seeded rows then overwrote doubled a seeded row's sampling time."""
+        given = given if given is not None else [None] * len(generators)
+        unseeded = [i for i, (g, u) in enumerate(zip(generators, given)) if g is None and u is None]
         if len(unseeded) == len(generators):
             uniform = torch.rand_like(probs)
         else:
@@ -164,8 +170,10 @@ class Sampler:
             if unseeded:
                 uniform[to_device(unseeded, probs.device)] = torch.rand(
                     len(unseeded), probs.shape[1], device=probs.device, dtype=probs.dtype)
-            for i, g in enumerate(generators):
-                if g is not None:
+            for i, (g, u) in enumerate(zip(generators, given)):
+                if u is not None:
+                    uniform[i] = u
+                elif g is not None:
                     uniform[i] = Sampler.draw_uniform(g, probs.shape[1], probs.device, probs.dtype)
         # -log(U) is Exp(1), and several times cheaper than exponential_ on CPU. U < 1, so the noise
         # is > 0 (no 0/0 = NaN, which would win the argmax); U = 0 gives inf: that token just loses.

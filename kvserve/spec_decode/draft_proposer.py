@@ -81,7 +81,7 @@ class DraftProposer:
                 else:
                     rows.append((seq, seq.num_tokens + j - 1, [drafts[seq.seq_id][-1]]))
             logits = self._forward(rows)
-            inputs = draft_sampling_inputs([seq for seq, _ in active], drafts, generators, self.eos_token_ids)
+            inputs = draft_sampling_inputs([seq for seq, _ in active], drafts, generators, self.eos_token_ids, logits)
             for (seq, _), token in zip(active, self.sampler(logits, inputs).token_ids):
                 drafts[seq.seq_id].append(token)
         for seq, state, k in jobs:
@@ -114,21 +114,34 @@ class DraftProposer:
 
 
 def draft_sampling_inputs(seqs: list[Sequence], drafts: dict[int, list[int]],
-                          generators: dict[int, torch.Generator], eos_token_ids: list[int]) -> SamplingInputs:
-    """Sampling one more draft token for each of seqs: the request's parameters without logprobs, with its
-    drafts so far counted as output (penalties), and its cloned generator (the noise the target will use)."""
-    params = []
+                          generators: dict[int, torch.Generator], eos_token_ids: list[int],
+                          logits: torch.Tensor) -> SamplingInputs:
+    """Sampling one more draft token for each of seqs (rows of logits): the request's parameters without
+    logprobs, with its drafts so far counted as output (penalties), and the next noise of its cloned
+    generator (the noise the target will use there), kept in its SpecState for the target's sampler."""
+    params, noise = [], []
     for seq in seqs:
         state = spec_state(seq)
         if state.draft_params is None:
             state.draft_params = dataclasses.replace(seq.params, logprobs=None, prompt_logprobs=None)
         params.append(state.draft_params)
+        g = generators.get(seq.seq_id)
+        if g is None:
+            noise.append(None)
+            continue
+        if not drafts[seq.seq_id]:  # the first draft position of this step
+            state.draft_noise, state.draft_noise_states, state.noise_num_tokens = [], [], seq.num_tokens
+        u = Sampler.draw_uniform(g, logits.shape[1], logits.device, torch.float32)
+        state.draft_noise.append(u)
+        state.draft_noise_states.append(g.get_state())
+        noise.append(u)
     return SamplingInputs(
         params=params,
         generators=[generators.get(seq.seq_id) for seq in seqs],
         prompt_token_ids=[seq.prompt_token_ids for seq in seqs],
         output_token_ids=[seq.output_token_ids + drafts[seq.seq_id] for seq in seqs],
         eos_token_ids=eos_token_ids,
+        noise=noise,
     )
 
 

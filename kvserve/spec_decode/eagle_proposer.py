@@ -79,7 +79,8 @@ class EagleProposer:
         s = [i for i, x in enumerate(greedy) if not x]
         if g:
             out[g] = self.model.greedy_tokens(normed[g])
-        sampled = self.sampler(self.model.compute_logits(normed[s]), draft_sampling_inputs(
-            [seqs[i] for i in s], drafts, generators, self.eos_token_ids)).token_ids
+        logits = self.model.compute_logits(normed[s])
+        sampled = self.sampler(logits, draft_sampling_inputs([seqs[i] for i in s], drafts, generators,
+                                                             self.eos_token_ids, logits)).token_ids
         out[s] = torch.tensor(sampled, dtype=torch.int64, device=normed.device)
         return out

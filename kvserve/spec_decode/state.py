@@ -1,7 +1,7 @@
 """A sequence's speculative-decoding state: its recent acceptance, and what the draft model has cached."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,12 @@ class SpecState:
     # the sequence has feature_num_tokens tokens.
     feature: torch.Tensor | None = None
     feature_num_tokens: int = 0
+    # A sampled request's drafts (methods "draft", "eagle"), drawn while the sequence had noise_num_tokens
+    # tokens: the uniforms each draft position drew from a clone of the request's generator, which are the
+    # target's at the same positions, and the clone's state after each draw (verify.py reuses both).
+    draft_noise: list[torch.Tensor] = field(default_factory=list)
+    draft_noise_states: list[torch.Tensor] = field(default_factory=list)
+    noise_num_tokens: int = -1
 
 
 def spec_state(seq: Sequence) -> SpecState:
