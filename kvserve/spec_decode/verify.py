@@ -19,12 +19,15 @@ generator), and the drafts are accepted while they equal those samples:
   batch-mates and whichever steps speculated.
 
 Only the noise of the rows actually emitted may be consumed from a seeded request's generator, so that
-its next step starts where non-speculative decoding would: `rewind_generator` replays that many draws.
-Where a sampled draft drew its positions' noise from a clone of the generator (draft_proposer.py), the
-target's sampler takes those rows as they are and the generator is set to the clone's state after the kept
-rows (`take_drafted_noise`): a vocabulary's uniforms cost ~0.2-0.4 ms to draw on a CPU.
+its next step starts where non-speculative decoding would (`verification_noise`): where a sampled draft
+drew its positions' noise from a clone of the generator (draft_proposer.py), the target's sampler takes
+those rows as they are and the generator is set to the clone's state after the kept rows; otherwise the
+generator replays that many draws from its state before the step. A vocabulary's uniforms cost ~0.2-0.4 ms
+to draw on a CPU, so drawing once matters.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -51,13 +54,21 @@ def rewind_generator(generator: torch.Generator, state_before: torch.Tensor, num
         Sampler.draw_uniform(generator, vocab, device, dtype)
 
 
-def take_drafted_noise(seq: Sequence, num_drafts: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-    """The uniforms seq's sampled draft drew this step for its num_drafts positions, and the generator state
-    after each draw, where it drew them all (else None: the target's sampler draws); handed over once."""
+def verification_noise(seq: Sequence, num_drafts: int, vocab: int, device: torch.device
+                       ) -> tuple[list[torch.Tensor | None], Callable[[int], None] | None]:
+    """Before the target samples seq's 1 + num_drafts rows: per row, the uniforms seq's draft drew there
+    (None: the sampler draws), and how to put seq's generator where the first `keep` rows leave it when
+    fewer are kept (None: nothing to put back: greedy, unseeded, or no drafts). A draft's noise is handed
+    over once."""
+    rows: list[torch.Tensor | None] = [None] * (num_drafts + 1)
+    g = seq.generator
+    if g is None or seq.params.greedy or num_drafts == 0:
+        return rows, None
     state = seq.spec_state
-    if (state is None or num_drafts == 0 or state.noise_num_tokens != seq.num_tokens
-            or len(state.draft_noise) != num_drafts):
-        return None
-    taken = state.draft_noise, state.draft_noise_states
+    if state is None or state.noise_num_tokens != seq.num_tokens or len(state.draft_noise) != num_drafts:
+        before = g.get_state()
+        return rows, lambda keep: rewind_generator(g, before, keep, vocab, device, torch.float32)
+    rows[:num_drafts], states = state.draft_noise, state.draft_noise_states
     state.draft_noise, state.draft_noise_states, state.noise_num_tokens = [], [], -1
-    return taken
+    g.set_state(states[-1])  # after the drafted rows' draws: the row after them draws next
+    return rows, lambda keep: g.set_state(states[keep - 1])

@@ -5,6 +5,7 @@ its drafts, like a chunk of prefill; every one of those positions is sampled, an
 while they equal the samples (kvserve/spec_decode/verify.py)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,7 @@ from kvserve.models.kv_cache import KVCacheSpec
 from kvserve.sampling.logprobs import compute_prompt_logprobs
 from kvserve.sampling.sampler import Sampler, SamplingInputs
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.verify import num_accepted, rewind_generator, take_drafted_noise
+from kvserve.spec_decode.verify import num_accepted, verification_noise
 from kvserve.worker.cuda_graphs import StepInputs, samples_every_token
 from kvserve.worker.memory_profile import worst_case_batch
 
@@ -142,30 +143,19 @@ class ModelRunner:
                                                          query_start_loc, seq_lens, sample_rows, prompt_lp, result)
 
         if sample_seqs:
-            # A sampled sequence with drafts: the noise its draft drew for the drafted rows (the generator then
-            # set to after those draws, where the bonus row draws), else its generator state before this
-            # step's draws; either way the generator ends where the kept rows leave it.
-            drawn: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-            seeded: dict[int, torch.Tensor] = {}
-            for s in dict.fromkeys(sample_seqs):
-                drafts = sched.spec_token_ids.get(s.seq_id)
-                if s.generator is None or s.params.greedy or not drafts:
-                    continue
-                found = take_drafted_noise(s, len(drafts))
-                if found is None:
-                    seeded[s.seq_id] = s.generator.get_state()
-                else:
-                    drawn[s.seq_id] = found
-                    s.generator.set_state(found[1][-1])
-            noise: list[torch.Tensor | None] | None = None
-            if drawn:
-                noise, row = [], 0
-                while row < len(sample_seqs):
-                    seq = sample_seqs[row]
-                    k = len(sched.spec_token_ids.get(seq.seq_id, ()))
-                    noise.extend(drawn[seq.seq_id][0] if seq.seq_id in drawn else [None] * k)
-                    noise.append(None)
-                    row += k + 1
+            # Per sampled row, the uniforms a draft drew for it; per sequence with drafts, how to put its
+            # generator where the kept rows leave it.
+            noise: list[torch.Tensor | None] = []
+            rewinds: dict[int, Callable[[int], None]] = {}
+            row = 0
+            while row < len(sample_seqs):
+                seq = sample_seqs[row]
+                drafts = sched.spec_token_ids.get(seq.seq_id, ())
+                rows, rewind = verification_noise(seq, len(drafts), logits.shape[1], logits.device)
+                noise += rows
+                if rewind is not None:
+                    rewinds[seq.seq_id] = rewind
+                row += len(drafts) + 1
             prompts = {s.seq_id: s.prompt_token_ids for s in sample_seqs}
             inputs = SamplingInputs(
                 params=[s.params for s in sample_seqs],
@@ -185,11 +175,9 @@ class ModelRunner:
                 result.sampled[seq.seq_id] = (tokens[:keep], sampled.logprobs[row:row + keep])
                 if self.keep_hidden:
                     result.hidden[seq.seq_id] = sampled_hidden[row + keep - 1]
-                state = seeded.get(seq.seq_id)
-                if state is not None and keep < len(tokens):
-                    rewind_generator(seq.generator, state, keep, logits.shape[1], logits.device, torch.float32)
-                if seq.seq_id in drawn and keep < len(tokens):
-                    seq.generator.set_state(drawn[seq.seq_id][1][keep - 1])
+                rewind = rewinds.get(seq.seq_id)
+                if rewind is not None and keep < len(tokens):
+                    rewind(keep)
                 row += len(drafts) + 1
         return result
 
