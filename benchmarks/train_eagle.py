@@ -6,6 +6,8 @@
     python benchmarks/train_eagle.py --dtype float32   # the head shipped before it (train_eagle_cpu_2000.md): ~75 min
     python benchmarks/train_eagle.py --num-prompts 40 --num-texts 10 --steps 20 --out /tmp/h.safetensors \
         --data-cache /tmp/smoke-data.pt --feature-cache /tmp/smoke-features.pt --name train_eagle_smoke   # smoke
+    STAGE=fuse bash benchmarks/gpu_speculative.sh   # --fuse-layers 2 15 against the same head without, from one
+        # data set (results/train_eagle_fused.md): an experiment; no better, and the engine refuses such heads
 
 Data: train_draft.py's (the target, SmolLM2-135M-Instruct Q4_1, answers offline chat, summarise and
 repeat prompts greedily; its top-1 choice at every position is the label; same held-out split), with chat
@@ -30,6 +32,7 @@ Writes the head file and benchmarks/results/train_eagle.{json,md}.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import time
 from pathlib import Path
@@ -63,11 +66,16 @@ def load_data(args) -> tuple[list[dict], list[dict], float]:
 
 @torch.no_grad()
 def target_features(args, rows: list[dict], key: dict) -> tuple[list[torch.Tensor], float]:
-    """Per row: the target's final hidden states [T, hidden] (bfloat16), for its last --max-len tokens."""
+    """Per row: the target's final hidden states [T, hidden] (bfloat16), for its last --max-len tokens; with
+    --fuse-layers, [T, (1 + n) * hidden], those layers' outputs after it. A cache with more layers serves a
+    run that wants fewer (a side-by-side run of heads with and without fusing computes them once)."""
+    taps = tuple(args.fuse_layers)
     cache = Path(args.feature_cache)
     cached = torch.load(cache) if cache.exists() else None
-    if cached is not None and cached["key"] == key:
-        return cached["features"], 0.0
+    if cached is not None and cached["key"] == key and set(taps) <= set(cached.get("taps", ())):
+        d, have = cached["features"][0].shape[-1] // (1 + len(cached.get("taps", ()))), list(cached.get("taps", ()))
+        cols = torch.cat([torch.arange(d)] + [torch.arange(d) + d * (1 + have.index(t)) for t in taps])
+        return [f[:, cols] for f in cached["features"]], 0.0
     t0 = time.monotonic()
     fcfg, embedding, tensors, _ = target_tensors(list(range(NUM_TARGET_LAYERS)))
     tensors["vocab_ids"] = torch.arange(fcfg.vocab_size)
@@ -82,12 +90,12 @@ def target_features(args, rows: list[dict], key: dict) -> tuple[list[torch.Tenso
         for j, r in enumerate(batch):
             ids[j, :len(r)] = torch.tensor(r)
         with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
-            h = target.hidden(ids.to(args.device)).to(torch.bfloat16).cpu()
+            h = target.hidden(ids.to(args.device), taps).to(torch.bfloat16).cpu()
         for j, i in enumerate(order[b:b + 8]):
             feats[i] = h[j, :len(batch[j])].clone()
         if b % 400 == 0:
             print(f"features: {b}/{len(rows)} rows ({time.monotonic() - t0:.0f} s)", flush=True)
-    torch.save({"key": key, "features": feats}, cache)
+    torch.save({"key": key, "taps": taps, "features": feats}, cache)
     return feats, time.monotonic() - t0
 
 
@@ -119,7 +127,7 @@ def acceptance(head: EagleHeadReference, rows: list[tuple], k: int) -> dict:
         if end <= first:  # an answer shorter than a draft
             continue
         starts = torch.arange(first, end, device=ids.device)
-        f, tok = feats[starts].float(), ids[starts + 1]
+        f, tok = head.fuse(feats[starts].float()), ids[starts + 1]
         alive = torch.ones(len(starts), dtype=torch.bool, device=ids.device)
         for j in range(k):
             f = head.step(f, tok)
@@ -130,6 +138,17 @@ def acceptance(head: EagleHeadReference, rows: list[tuple], k: int) -> dict:
         num_drafts += len(starts)
     rates = [c / max(1, num_drafts) for c in per_pos]
     return {"num_drafts": num_drafts, "accepted_per_pos": rates, "mean_accepted": sum(rates)}
+
+
+def one_cycle(progress: float, peak: float, warmup: float) -> tuple[float, float]:
+    """(learning rate, Adam's beta1) at a fraction of training done: torch's OneCycleLR with its defaults
+    (cosine from peak / 25 up to peak over the warm-up, then down to peak / 25e4; beta1 0.95 -> 0.85 -> 0.95),
+    as a function of progress, so that a run stopped by --time-limit still ends annealed."""
+    if progress < warmup:
+        c = (1 - math.cos(math.pi * progress / warmup)) / 2
+        return peak / 25 + (peak - peak / 25) * c, 0.95 - 0.1 * c
+    c = (1 + math.cos(math.pi * min(1.0, (progress - warmup) / (1 - warmup)))) / 2
+    return peak / 25e4 + (peak - peak / 25e4) * c, 0.85 + 0.1 * (1 - c)
 
 
 def initial_head(hcfg: EagleHeadConfig, embedding: torch.Tensor, vocab_ids: torch.Tensor, seed: int) -> EagleHeadReference:
@@ -143,6 +162,8 @@ def initial_head(hcfg: EagleHeadConfig, embedding: torch.Tensor, vocab_ids: torc
                "mlp.up_proj.weight": torch.randn(inter, d, generator=g) / d ** 0.5,
                "mlp.down_proj.weight": 0.1 * torch.randn(d, inter, generator=g) / inter ** 0.5,
                "norm.weight": torch.ones(d), "lm_head.weight": embedding[vocab_ids].clone(), "vocab_ids": vocab_ids}
+    if hcfg.fuse_layers:  # start from the final feature alone
+        tensors["fuse.weight"] = torch.cat([torch.eye(d)] + [torch.zeros(d, d)] * len(hcfg.fuse_layers), 1)
     return EagleHeadReference(hcfg, embedding, tensors)
 
 
@@ -170,9 +191,16 @@ def main() -> None:
     ap.add_argument("--device", default="auto",
                     help="where the features are computed and the head trained (auto: CUDA when present); the "
                          "data step's engine picks its device itself, with float32 on a GPU")
+    ap.add_argument("--fuse-layers", type=int, nargs="*", default=[],
+                    help="target layers (0-based) whose outputs the head fuses with the final feature for its "
+                         "first drafting step (EagleHeadConfig.fuse_layers; an experiment: the engine refuses such "
+                         "heads, see benchmarks/README); default: none")
     ap.add_argument("--unroll", type=int, default=3, help="drafting steps trained per position")
     ap.add_argument("--feature-weight", type=float, default=0.5)
     ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds of training after which it stops early, short of --steps (a lease's call has a "
+                         "hard limit; a head trained fewer steps beats none); recorded as steps_done")
     ap.add_argument("--tokens-per-step", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--k", type=int, default=4, help="draft length for the held-out acceptance")
@@ -210,17 +238,28 @@ def main() -> None:
     num_positions = sum(int((x[1] >= 0).sum()) for x in train)
 
     hcfg = EagleHeadConfig(hidden_size=fcfg.hidden_size, intermediate_size=args.intermediate,
-                           vocab_size=fcfg.vocab_size, rms_norm_eps=fcfg.rms_norm_eps, target="SmolLM2-135M-Instruct")
+                           vocab_size=fcfg.vocab_size, rms_norm_eps=fcfg.rms_norm_eps, target="SmolLM2-135M-Instruct",
+                           fuse_layers=args.fuse_layers)
     head = initial_head(hcfg, embedding, vocab_ids, args.seed).to(args.device)
     before = acceptance(head, held, args.k)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
-    # A warm-up of at least 2 steps: OneCycleLR divides by its length less one.
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps,
-                                                pct_start=max(0.05, 2 / args.steps))
+    warmup = max(0.05, 2 / args.steps)
     rng = random.Random(args.seed)
     order: list[int] = []
     t0 = time.monotonic()
+    steps_done = 0
     for step in range(1, args.steps + 1):
+        # Progress by steps, or by time where --time-limit would stop it sooner.
+        progress = (step - 1) / max(1, args.steps - 1)
+        if args.time_limit is not None:
+            by_time = (time.monotonic() - t0) / args.time_limit
+            if by_time >= 1:
+                print(f"stopped by --time-limit after {steps_done} steps", flush=True)
+                break
+            progress = max(progress, by_time)
+        lr, beta1 = one_cycle(progress, args.lr, warmup)
+        for group in opt.param_groups:
+            group["lr"], group["betas"] = lr, (beta1, group["betas"][1])
         loss, n = 0.0, 0
         while n < args.tokens_per_step:
             if not order:
@@ -235,7 +274,7 @@ def main() -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
-        sched.step()
+        steps_done = step
         if step % 50 == 0 or step == 1:
             print(f"step {step}/{args.steps} loss {loss.item():.3f} ({time.monotonic() - t0:.0f} s)", flush=True)
     t_train = time.monotonic() - t0
@@ -246,7 +285,7 @@ def main() -> None:
     training = {"args": vars(args), "train_rows": len(train), "train_labelled_positions": num_positions,
                 "vocab_coverage": coverage, "held_out": after, "held_out_by_kind": by_kind,
                 "before_training": before, "data_seconds": round(t_data), "feature_seconds": round(t_feat),
-                "train_seconds": round(t_train)}
+                "train_seconds": round(t_train), "steps_done": steps_done}
     stored = {k: (v if k == "vocab_ids" else v.to(torch.bfloat16)).cpu() for k, v in head.state_tensors().items()}
     save_head(args.out, hcfg, stored, training)
     size = Path(args.out).stat().st_size / 2**20
@@ -257,10 +296,11 @@ def main() -> None:
     for kind, r in [("all", after)] + list(by_kind.items()):
         n = len(held) if kind == "all" else sum(1 for x in held if x[4] == kind)
         table += f"| {kind} | {n} | {r['mean_accepted']:.2f} | " + " | ".join(f"{a:.2f}" for a in r["accepted_per_pos"]) + " |\n"
-    setup = (f"Head: fc + one MLP of width {args.intermediate}, reduced LM head over {len(vocab_ids)} tokens "
+    fused = f"fusing layers {args.fuse_layers} with the final feature, " if args.fuse_layers else ""
+    setup = (f"Head: {fused}fc + one MLP of width {args.intermediate}, reduced LM head over {len(vocab_ids)} tokens "
              f"({coverage:.1%} of label tokens), {size:.1f} MiB. Data: train_draft.py's, {len(train)} rows, "
              f"{num_positions} labelled positions (generated in {t_data:.0f} s; 0: from the cache); target "
-             f"features {t_feat:.0f} s (0: cached); training {args.steps} steps of ~{args.tokens_per_step} positions "
+             f"features {t_feat:.0f} s (0: cached); training {steps_done} steps of ~{args.tokens_per_step} positions "
              f"x {args.unroll} drafting steps, {t_train:.0f} s. Acceptance teacher-forced on {len(held)} held-out "
              f"answers, greedy, k = {args.k}, per position: the fraction of drafts whose first i + 1 tokens are "
              f"accepted (before training: {before['mean_accepted']:.2f} accepted of {args.k}).")

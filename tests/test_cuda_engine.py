@@ -229,3 +229,28 @@ def test_cuda_decode_step_reads_back_only_the_sampled_ids(tiny_model_dirs) -> No
     assert len(syncs) == 1, syncs
     drain(engine)
     assert_no_leaks(engine)
+
+
+def eagle_seeded_sampling_matches(tiny_model_dirs, tmp_path, device: str) -> None:
+    """An eagle engine's seeded tokens and logprobs equal an engine's without speculation: the draft samples
+    with the noise the target will use, and the target takes it from the draft and sets the request's
+    generator to where the kept rows leave it (states of generators on `device`)."""
+    from spec_helpers import make_engine, prompts
+    from test_spec_decode_eagle import check_seeded, run, spec, train_head
+    from kvserve.spec_decode.eagle_head import save_head
+
+    path, hf = tiny_model_dirs["llama"]
+    head, head_path = train_head(hf, 40), tmp_path / "head.safetensors"
+    save_head(head_path, head.cfg, head.state_tensors())
+    ps = prompts(4, [5, 13, 21, 8])
+    params = SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
+                            min_tokens=5, max_tokens=24, seed=11, logprobs=1)
+    wave = [[(str(i), p, params) for i, p in enumerate(ps)]]
+    ref = run(make_engine(path, device=device), wave)
+    engine = make_engine(path, spec(head_path), device=device)
+    assert engine.runner.device.type == device
+    check_seeded(run(engine, wave, check=True), ref, engine, len(ps))
+
+
+def test_cuda_eagle_seeded_sampling_matches_no_speculation(tiny_model_dirs, tmp_path) -> None:
+    eagle_seeded_sampling_matches(tiny_model_dirs, tmp_path, "cuda")

@@ -6,6 +6,8 @@ as a rejection) or 10 ("partial"), and one that can only propose a banned token 
 non-speculative decoding: greedy token for token with logprobs, seeded sampling token for token, unseeded
 sampling in distribution; with chunked prefill, preemptions, prefix-cache hits, n > 1 and aborts. The
 head's input is checked against transformers' own hidden states after every step."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,6 +16,8 @@ from kvserve.kernels import cpu as cpu_kernels
 from kvserve.models.loader import load_model
 from kvserve.sampling.sampler import Sampler
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.draft_format import DraftFileConfig
+from kvserve.spec_decode.draft_reference import DraftReference
 from kvserve.spec_decode.eagle_head import (EagleHead, EagleHeadConfig, EagleHeadReference, load_eagle_head,
                                             read_head, save_head)
 from engine_helpers import assert_no_leaks
@@ -345,6 +349,44 @@ def test_abort_mid_speculation_frees_everything(tiny_model_dirs, heads):
     abort_mid_speculation(engine, K)
 
 
+def test_a_fusing_heads_features_are_the_targets_layers(tiny_model_dirs):
+    """train_eagle.py --fuse-layers: DraftReference.hidden with taps gives the final feature as without them,
+    then each tapped layer's output as transformers computes it, RMS-normalised. A fusing head starts from
+    the final feature alone (fuse.weight [I, 0]): the same loss as a head without."""
+    _, hf = tiny_model_dirs["mistral"]  # plain rope, as DraftReference's
+    c, d = hf.config, hf.config.hidden_size
+    cfg = DraftFileConfig(num_hidden_layers=c.num_hidden_layers, hidden_size=d, intermediate_size=c.intermediate_size,
+                          num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                          head_dim=d // c.num_attention_heads, vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps,
+                          rope_theta=c.rope_parameters["rope_theta"], target="a tiny test model")
+    tensors = {k: v.detach() for k, v in hf.state_dict().items() if k.startswith(("model.layers.", "model.norm."))}
+    target = DraftReference(cfg, hf.model.embed_tokens.weight.detach(),
+                            {**tensors, "vocab_ids": torch.arange(c.vocab_size), "lm_head.weight": hf.lm_head.weight})
+    ids = torch.tensor(prompts(3, [20]))
+    with torch.no_grad():
+        want = hf(ids, output_hidden_states=True).hidden_states  # [embedding, layer 0, ..., final after norm]
+        got = target.hidden(ids, (0,))
+    assert got.shape == (1, 20, 2 * d)
+    torch.testing.assert_close(got[..., :d], want[-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[..., :d], target.hidden(ids).detach())
+    layer0 = want[1] * torch.rsqrt(want[1].pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+    torch.testing.assert_close(got[..., d:], layer0, atol=1e-5, rtol=1e-5)
+
+    head = random_head(hf, list(range(c.vocab_size)))
+    fused_cfg = EagleHeadConfig(**{**dataclasses.asdict(head.cfg), "fuse_layers": [0]})
+    fuse = torch.cat([torch.eye(d), torch.zeros(d, d)], 1)
+    fused = EagleHeadReference(fused_cfg, head.embedding, {**head.state_tensors(), "fuse.weight": fuse})
+    labels = torch.randint(0, c.vocab_size, (20,), generator=torch.Generator().manual_seed(0))
+
+    def loss(h: EagleHeadReference, features: torch.Tensor) -> float:
+        return h.training_loss(ids[0], labels, features, unroll=2, feature_weight=0.5).item()
+
+    assert loss(fused, got[0]) == pytest.approx(loss(head, got[0, :, :d]), rel=1e-6)
+    with torch.no_grad():  # and it reads the tapped layer
+        fused.p("fuse.weight")[:, d:] = torch.randn(d, d, generator=torch.Generator().manual_seed(1))
+    assert loss(fused, got[0]) != pytest.approx(loss(head, got[0, :, :d]), rel=1e-3)
+
+
 def test_bad_heads_are_refused_clearly(tiny_model_dirs, heads, tmp_path):
     path, hf = tiny_model_dirs["llama"]
     with pytest.raises(FileNotFoundError, match="does not exist"):
@@ -359,6 +401,13 @@ def test_bad_heads_are_refused_clearly(tiny_model_dirs, heads, tmp_path):
     save_head(wide, head.cfg, head.state_tensors())
     with pytest.raises(ValueError, match="vocabulary 300"):
         make_engine(path, spec(wide))
+    fused = tmp_path / "fused.safetensors"
+    head = random_head(hf, [1, 2])
+    head.cfg.fuse_layers = [0]
+    save_head(fused, head.cfg, {**head.state_tensors(), "fuse.weight": torch.zeros(head.cfg.hidden_size,
+                                                                                  2 * head.cfg.hidden_size)})
+    with pytest.raises(ValueError, match=r"fuses target layers \[0\]"):
+        make_engine(path, spec(fused))
     # No model: the shipped head is the default model's, and this target is not.
     with pytest.raises((ValueError, FileNotFoundError), match="model"):
         make_engine(path, {"method": "eagle", "num_speculative_tokens": 2})

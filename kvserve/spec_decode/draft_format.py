@@ -78,7 +78,7 @@ def read_with_config(path: str | Path, key: str, cls: type, what: str) -> tuple[
         if key not in meta:
             raise ValueError(f"{path} is a safetensors file but not a kvserve {what} (no {key!r} metadata)")
         raw = json.loads(meta[key])
-        cfg = cls(**{f.name: raw[f.name] for f in fields(cls)})
+        cfg = cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})  # absent: its default
         # Copies: safetensors maps the file, and a tensor kept as read (vocab_ids) would change with the file
         # if it were rewritten in place (a retrained head copied over the one an engine runs). A few MB.
         tensors = {k: f.get_tensor(k).clone() for k in f.keys()}

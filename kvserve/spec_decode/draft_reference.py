@@ -58,14 +58,17 @@ class DraftReference(ReferenceTensors):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.linear(self.hidden(ids), self.p("lm_head.weight"))
 
-    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
-        """[B, T] -> [B, T, hidden]: the last layer's output after the final norm (what the head reads)."""
+    def hidden(self, ids: torch.Tensor, taps: tuple[int, ...] = ()) -> torch.Tensor:
+        """[B, T] -> [B, T, hidden]: the last layer's output after the final norm (what the head reads). With
+        taps, [B, T, (1 + len(taps)) * hidden]: then the residual stream after each tapped layer (0-based),
+        RMS-normalised without a weight (what a fusing head reads too; their scales differ by layer)."""
         cfg = self.cfg
         B, T = ids.shape
         H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         freqs = torch.outer(torch.arange(T, dtype=torch.float32, device=ids.device), self.inv_freq)
         cos, sin = freqs.cos()[None, None], freqs.sin()[None, None]   # [1, 1, T, D/2]
         x = self.embedding[ids]
+        tapped = []
         for i in range(cfg.num_hidden_layers):
             pre = f"model.layers.{i}."
             h = rms_norm(x, self.p(pre + "input_layernorm.weight"), cfg.rms_norm_eps)
@@ -79,4 +82,6 @@ class DraftReference(ReferenceTensors):
             gate = F.linear(h, self.p(pre + "mlp.gate_proj.weight"))
             up = F.linear(h, self.p(pre + "mlp.up_proj.weight"))
             x = x + F.linear(F.silu(gate) * up, self.p(pre + "mlp.down_proj.weight"))
-        return rms_norm(x, self.p("model.norm.weight"), cfg.rms_norm_eps)
+            if i in taps:
+                tapped.append(rms_norm(x, 1.0, cfg.rms_norm_eps))
+        return torch.cat([rms_norm(x, self.p("model.norm.weight"), cfg.rms_norm_eps), *tapped], -1)

@@ -54,6 +54,10 @@ class EagleHeadConfig:
     vocab_size: int                  # the target's full vocabulary (vocab_ids index into it)
     rms_norm_eps: float
     target: str                      # the model it was trained for, for messages
+    # Target layers (0-based) whose outputs, RMS-normalised without a weight, join its final feature for the
+    # first drafting step: fuse.weight [hidden, (1 + len) * hidden] maps them to one feature (after EAGLE-3,
+    # which fuses low, middle and high layers). Empty: the final feature alone, as files before it.
+    fuse_layers: list[int] = dataclasses.field(default_factory=list)
 
 
 def is_head_file(path: str | Path) -> bool:
@@ -74,8 +78,12 @@ class EagleHeadReference(ReferenceTensors):
     """The head in plain float torch: what train_eagle.py trains, and the tests' reference for EagleHead."""
 
     def __init__(self, cfg: EagleHeadConfig, embedding: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
-        super().__init__(embedding, tensors, list(TENSORS))
+        super().__init__(embedding, tensors, list(TENSORS) + (["fuse.weight"] if cfg.fuse_layers else []))
         self.cfg = cfg
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., (1 + len(fuse_layers)) * hidden] target features -> [..., hidden] the first step's feature."""
+        return F.linear(features, self.p("fuse.weight")) if self.cfg.fuse_layers else features
 
     def step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """[..., hidden] features and [...] next tokens -> [..., hidden] predicted next features."""
@@ -94,8 +102,10 @@ class EagleHeadReference(ReferenceTensors):
         """One sequence, teacher-forced: ids [T], labels [T] (labels[t]: the target's choice after position
         t, as an index into vocab_ids, -100 where none), the target's features [T, hidden]. Drafting step j
         (1..unroll) starts from the target's feature at t and the head's own predictions after it, as at
-        inference, and is scored on the target's token and feature at t + j; later steps weigh less."""
-        f = features[:-1]
+        inference, and is scored on the target's token and feature at t + j; later steps weigh less. With
+        fuse_layers, features [T, (1 + n) * hidden]: the final feature first, scored alone."""
+        f = self.fuse(features[:-1])
+        final = features[:, :self.cfg.hidden_size]
         total = features.new_zeros(())
         for j in range(1, unroll + 1):
             if f.shape[0] == 0:
@@ -104,7 +114,7 @@ class EagleHeadReference(ReferenceTensors):
             y = labels[j:]
             valid = y >= 0
             ce = F.cross_entropy(self.logits(f[valid]), y[valid]) if valid.any() else total
-            reg = F.smooth_l1_loss(f, features[j:])
+            reg = F.smooth_l1_loss(f, final[j:])
             total = total + 0.8 ** (j - 1) * (ce + feature_weight * reg)
             f = f[:-1]
         return total
@@ -203,6 +213,10 @@ def load_eagle_head(path: str | Path | None, target: LoadedModel, dtype: torch.d
         raise ValueError(f"speculative_config: {str(path)!r} is not a kvserve eagle head (method 'eagle' takes "
                          "a head .safetensors made by benchmarks/train_eagle.py)")
     hcfg, tensors, _ = read_head(p)
+    if hcfg.fuse_layers:
+        raise ValueError(f"speculative_config: {str(path)!r} is an eagle head that fuses target layers "
+                         f"{hcfg.fuse_layers}; the engine hands a head the final hidden state only (such heads "
+                         "are a training experiment of benchmarks/train_eagle.py --fuse-layers)")
     embed = target_embedding(target, "eagle head", p, hcfg.target, hcfg.hidden_size, hcfg.vocab_size)
     cfg = dataclasses.replace(target.config, intermediate_size=hcfg.intermediate_size)
     quant = QuantConfig(quantization, 32, dtype, device)
