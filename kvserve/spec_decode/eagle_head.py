@@ -172,10 +172,10 @@ class EagleHead(nn.Module):
         """step() then greedy_tokens(): (the predicted next features, the head's most likely tokens). In one
         native call where use_native_kernel() set it up: at one stream on two AVX2 cores, dispatching the dozen
         small calls from Python cost about as much as the head's matmuls."""
-        dtype = self.norm.weight.dtype
         if self.native_weights is None or not cpu_kernels.applies(feature):
             feature, normed = self.step(feature, token_ids)
             return feature, self.greedy_tokens(normed)
+        dtype = self.norm.weight.dtype
         return cpu_kernels.ops().eagle_greedy_step(feature.to(dtype).contiguous(),
                                                    self._embed[0].embed(token_ids).to(dtype).contiguous(),
                                                    self.native_weights, self.vocab_ids, self.norm.eps)
