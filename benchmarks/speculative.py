@@ -28,13 +28,15 @@ earlier one) for two heads side by side in one run, and eagle-b-fixed, eagle-b-a
 
 Each (workload, concurrency) runs a closed loop: `concurrency` requests in flight, a new one added when one
 finishes, until --num-requests (at least `concurrency`) are done; --rounds times, the methods taking turns,
-and the table gives medians over the rounds. TPOT per request is (last token time -
-first token time) / (output tokens - 1); the table gives the median. "same" says whether every greedy
-output equals that of `none` (it must; a "no" is a bug). "steps" and "rejected rows" (draft tokens the
-target computed and rejected) say how much forward work a run did beside `none`'s, and "outside the model"
-the run's time per step outside the target's forward passes and logits (scheduling, drafting,
-verification, sampling, Python): a method with `none`'s steps, no rejected rows and `none`'s time outside
-the model did what `none` did, and its ratio to `none` is this host's noise (see none-control).
+and the table gives medians over the rounds. At one stream the turns are by request (--take-turns): each
+request runs on every engine before the next, so the compared times are seconds apart, not a run apart. TPOT
+per request is (last token time - first token time) / (output tokens - 1); the table gives the median.
+"same" says whether every greedy output equals that of `none` (it must; a "no" is a bug). "steps" and
+"rejected rows" (draft tokens the target computed and rejected) say how much forward work a run did beside
+`none`'s, and "outside the model" the run's time per step outside the target's forward passes and logits
+(scheduling, drafting, verification, sampling, Python): a method with `none`'s steps, no rejected rows and
+`none`'s time outside the model did what `none` did, and its ratio to `none` is this host's noise (see
+none-control).
 """
 from __future__ import annotations
 
@@ -139,9 +141,10 @@ class TargetTimer:
 
 
 def run_closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
-                    timer: TargetTimer) -> dict:
+                    timer: TargetTimer, fresh_cache: bool = True) -> dict:
     engine = llm.engine
-    engine.reset_prefix_cache()
+    if fresh_cache:
+        engine.reset_prefix_cache()
     before = engine.get_stats()
     in_model = timer.seconds
     pending = list(enumerate(prompts))
@@ -177,6 +180,39 @@ def run_closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingPar
         "tpot_median_ms": 1000 * statistics.median(tpots) if tpots else None,
         **acceptance_fields(drafts, drafted, accepted, per_pos),
         "token_ids": [outputs[i].outputs[0].token_ids for i in range(len(prompts))],
+        "tpots_ms": [1000 * t for t in tpots],
+    }
+
+
+def run_in_turns(llms: dict[str, LLM], order: list[str], prompts: list[list[int]], params: list[SamplingParams],
+                 timers: dict[str, TargetTimer]) -> dict[str, dict]:
+    """One stream, the methods taking turns request by request (the order rotated each request), so that
+    their times for a request are taken seconds apart instead of a whole run apart; per method, the run's
+    figures as run_closed_loop gives them. Each engine keeps its prefix cache across its requests, as in one
+    closed loop."""
+    parts: dict[str, list[dict]] = {m: [] for m in order}
+    for i in range(len(prompts)):
+        for m in order[i % len(order):] + order[:i % len(order)]:
+            parts[m].append(run_closed_loop(llms[m], prompts[i:i + 1], params[i:i + 1], 1, timers[m], i == 0))
+    return {m: merged_run(runs) for m, runs in parts.items()}
+
+
+def merged_run(parts: list[dict]) -> dict:
+    """One run's figures from its requests' one-request runs."""
+    seconds, steps = sum(p["seconds"] for p in parts), sum(p["steps"] for p in parts)
+    tokens = sum(p["output_tokens"] for p in parts)
+    outside = [p["outside_model_ms_per_step"] for p in parts]
+    tpots = [t for p in parts for t in p["tpots_ms"]]
+    return {
+        "seconds": seconds, "output_tokens": tokens, "num_requests": sum(p["num_requests"] for p in parts),
+        "steps": steps, "rejected_rows": sum(p["rejected_rows"] for p in parts),
+        "outside_model_ms_per_step": (None if None in outside
+                                      else sum(o * p["steps"] for o, p in zip(outside, parts)) / max(1, steps)),
+        "output_tok_s": tokens / seconds,
+        "tpot_median_ms": statistics.median(tpots) if tpots else None,
+        **pooled_acceptance(parts),
+        "token_ids": [t for p in parts for t in p["token_ids"]],
+        "tpots_ms": tpots,
     }
 
 
@@ -235,7 +271,7 @@ def acceptance_fields(drafts: int, drafted: int, accepted: int, per_pos: list[fl
 def pooled_acceptance(runs: list[dict]) -> dict:
     """Acceptance over all rounds' drafts together (each round drafts differently: the draft lengths follow
     measured step times)."""
-    per_pos = [0.0] * max(len(x["acceptance_per_position"]) for x in runs)
+    per_pos = [0.0] * max([len(x["acceptance_per_position"]) for x in runs] + [0])
     for x in runs:
         for j, rate in enumerate(x["acceptance_per_position"]):
             per_pos[j] += rate * x["drafts"]
@@ -267,7 +303,7 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
                              f"{per_round} | {tpot} | {r['steps']:g} | {r['rejected_rows']:g} | "
                              f"{outside} | {rate} | {length} | "
                              f"{pos} | {same} |")
-    saved = {w: {c: {m: {k: v for k, v in r.items() if k != "token_ids"} for m, r in by_m.items()}
+    saved = {w: {c: {m: {k: v for k, v in r.items() if k not in ("token_ids", "tpots_ms")} for m, r in by_m.items()}
                  for c, by_m in by_c.items()} for w, by_c in results.items()}
     ngram = f"n-gram k={args.num_speculative_tokens}, lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}"
     if "ngram-long" in args.methods:
@@ -283,7 +319,9 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
              + ("a copy's text's token count + 8 for repeat" if args.repeat_max_tokens == "text"
                 else f"{args.repeat_max_tokens} for repeat")
              + f"), temperature {args.temperature}; closed loop, "
-             f"max(concurrency, {args.num_requests}) requests per run, {args.rounds} rounds (medians; "
+             f"max(concurrency, {args.num_requests}) requests per run, {args.rounds} rounds"
+             + (", at one stream taking turns request by request" if args.take_turns == "request" else "")
+             + " (medians; "
              "\"x none\" is the median of the per-round ratios; acceptance counts every round's drafts). "
              "Load average (1 min) "
              f"{load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (above the core count the "
@@ -328,6 +366,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="bytes of KV per engine (all live at once)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="runs of every method at each point, taking turns; the table gives medians")
+    ap.add_argument("--take-turns", choices=["request", "run"], default="request",
+                    help="at one stream, the methods take turns request by request (request) or run by run (run, "
+                         "as at higher concurrency, where a closed loop cannot be cut into requests)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="speculative", help="results/<name>.json and .md")
     args = ap.parse_args()
@@ -372,8 +413,10 @@ def main() -> None:
             rounds: dict[str, list[dict]] = {m: [] for m in llms}
             for k in range(args.rounds):
                 order = list(llms)[k % len(llms):] + list(llms)[:k % len(llms)]
+                in_turns = (run_in_turns(llms, order, prompts, params, timers)
+                            if c == 1 and args.take_turns == "request" else {})
                 for method in order:
-                    r = run_closed_loop(llms[method], prompts, params, c, timers[method])
+                    r = in_turns.get(method) or run_closed_loop(llms[method], prompts, params, c, timers[method])
                     rounds[method].append(r)
                     print(f"{workload:9s} c={c:<3d} round {k} {method:13s} {r['output_tok_s']:7.1f} tok/s "
                           f"TPOT {r['tpot_median_ms'] or 0:6.1f} ms  acceptance {r['acceptance_rate']}", flush=True)
