@@ -231,10 +231,10 @@ def test_cuda_decode_step_reads_back_only_the_sampled_ids(tiny_model_dirs) -> No
     assert_no_leaks(engine)
 
 
-def eagle_seeded_sampling_matches(tiny_model_dirs, tmp_path, device: str) -> None:
-    """An eagle engine's seeded tokens and logprobs equal an engine's without speculation: the draft samples
-    with the noise the target will use, and the target takes it from the draft and sets the request's
-    generator to where the kept rows leave it (states of generators on `device`)."""
+def test_cuda_eagle_seeded_sampling_matches_no_speculation(tiny_model_dirs, tmp_path) -> None:
+    """An eagle engine's seeded tokens and logprobs equal an engine's without speculation on the GPU too: the
+    draft samples with the noise the target will use, and the target takes it from the draft and sets the
+    request's CUDA generator to where the kept rows leave it (get_state / set_state)."""
     from spec_helpers import make_engine, prompts
     from test_spec_decode_eagle import check_seeded, run, spec, train_head
     from kvserve.spec_decode.eagle_head import save_head
@@ -246,11 +246,6 @@ def eagle_seeded_sampling_matches(tiny_model_dirs, tmp_path, device: str) -> Non
     params = SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
                             min_tokens=5, max_tokens=24, seed=11, logprobs=1)
     wave = [[(str(i), p, params) for i, p in enumerate(ps)]]
-    ref = run(make_engine(path, device=device), wave)
-    engine = make_engine(path, spec(head_path), device=device)
-    assert engine.runner.device.type == device
+    ref = run(make_engine(path, device="cuda"), wave)
+    engine = make_engine(path, spec(head_path), device="cuda")
     check_seeded(run(engine, wave, check=True), ref, engine, len(ps))
-
-
-def test_cuda_eagle_seeded_sampling_matches_no_speculation(tiny_model_dirs, tmp_path) -> None:
-    eagle_seeded_sampling_matches(tiny_model_dirs, tmp_path, "cuda")
