@@ -21,6 +21,10 @@
 # the tree (the stages need neither, and they write their results afresh), which leaves ~13 MB beside a
 # part: PART_A (default 47M) sets the split. Put them back afterwards.
 #
+# The lent machines' image has torch, triton and transformers but not gguf, which the engine imports: carry
+# its wheel with every call (carry .whl too; `python3 -m pip download --no-deps --only-binary=:all:
+# --python-version 3.12 -d .whl gguf==0.19.0` here, 118 KB). Without it every stage stops at import.
+#
 # GIT_REV names the commit in the results (a lease's copy of the tree may carry an older .git). Logs and
 # results go to $OUT (default /tmp/kvserve_gpu). A rehearsal on the CPU: STORE, SITE and OUT in a scratch
 # folder, CONCURRENCY=1 ROUNDS=1 BENCH_ARGS="--num-requests 2 --repeat-max-tokens 8 --max-tokens 8".
