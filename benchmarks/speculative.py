@@ -184,6 +184,11 @@ def run_closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingPar
     }
 
 
+def rotated(order: list[str], k: int) -> list[str]:
+    """order starting at its k-th entry (mod its length): who goes first changes from turn to turn."""
+    return order[k % len(order):] + order[:k % len(order)]
+
+
 def run_in_turns(llms: dict[str, LLM], order: list[str], prompts: list[list[int]], params: list[SamplingParams],
                  timers: dict[str, TargetTimer]) -> dict[str, dict]:
     """One stream, the methods taking turns request by request (the order rotated each request), so that
@@ -192,7 +197,7 @@ def run_in_turns(llms: dict[str, LLM], order: list[str], prompts: list[list[int]
     closed loop."""
     parts: dict[str, list[dict]] = {m: [] for m in order}
     for i in range(len(prompts)):
-        for m in order[i % len(order):] + order[:i % len(order)]:
+        for m in rotated(order, i):
             parts[m].append(run_closed_loop(llms[m], prompts[i:i + 1], params[i:i + 1], 1, timers[m], i == 0))
     return {m: merged_run(runs) for m, runs in parts.items()}
 
@@ -412,7 +417,7 @@ def main() -> None:
             # +-15% between identical engines).
             rounds: dict[str, list[dict]] = {m: [] for m in llms}
             for k in range(args.rounds):
-                order = list(llms)[k % len(llms):] + list(llms)[:k % len(llms)]
+                order = rotated(list(llms), k)
                 in_turns = (run_in_turns(llms, order, prompts, params, timers)
                             if c == 1 and args.take_turns == "request" else {})
                 for method in order:
