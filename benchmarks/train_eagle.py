@@ -72,8 +72,9 @@ def target_features(args, rows: list[dict], key: dict) -> tuple[list[torch.Tenso
     taps = tuple(args.fuse_layers)
     cache = Path(args.feature_cache)
     cached = torch.load(cache) if cache.exists() else None
-    if cached is not None and cached["key"] == key and set(taps) <= set(cached.get("taps", ())):
-        d, have = cached["features"][0].shape[-1] // (1 + len(cached.get("taps", ()))), list(cached.get("taps", ()))
+    have = list(cached.get("taps", ())) if cached is not None else []
+    if cached is not None and cached["key"] == key and set(taps) <= set(have):
+        d = cached["features"][0].shape[-1] // (1 + len(have))
         cols = torch.cat([torch.arange(d)] + [torch.arange(d) + d * (1 + have.index(t)) for t in taps])
         return [f[:, cols] for f in cached["features"]], 0.0
     t0 = time.monotonic()
@@ -147,7 +148,7 @@ def one_cycle(progress: float, peak: float, warmup: float) -> tuple[float, float
     if progress < warmup:
         c = (1 - math.cos(math.pi * progress / warmup)) / 2
         return peak / 25 + (peak - peak / 25) * c, 0.95 - 0.1 * c
-    c = (1 + math.cos(math.pi * min(1.0, (progress - warmup) / (1 - warmup)))) / 2
+    c = (1 + math.cos(math.pi * min(1.0, (progress - warmup) / max(1e-9, 1 - warmup)))) / 2  # no anneal left: peak
     return peak / 25e4 + (peak - peak / 25e4) * c, 0.85 + 0.1 * (1 - c)
 
 
