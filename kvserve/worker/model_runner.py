@@ -143,18 +143,17 @@ class ModelRunner:
                                                          query_start_loc, seq_lens, sample_rows, prompt_lp, result)
 
         if sample_seqs:
-            # Per sampled row, the uniforms a draft drew for it; per sequence with drafts, how to put its
-            # generator where the kept rows leave it.
+            # Per sampled row, the uniforms a draft drew for it; per sequence (its first row, its drafts), how
+            # to put its generator where the kept rows leave it.
             noise: list[torch.Tensor | None] = []
-            rewinds: dict[int, Callable[[int], None]] = {}
+            groups: list[tuple[int, Sequence, list[int], Callable[[int], None] | None]] = []
             row = 0
             while row < len(sample_seqs):
                 seq = sample_seqs[row]
-                drafts = sched.spec_token_ids.get(seq.seq_id, ())
+                drafts = sched.spec_token_ids.get(seq.seq_id, [])
                 rows, rewind = verification_noise(seq, len(drafts), logits.shape[1], logits.device)
                 noise += rows
-                if rewind is not None:
-                    rewinds[seq.seq_id] = rewind
+                groups.append((row, seq, drafts, rewind))
                 row += len(drafts) + 1
             prompts = {s.seq_id: s.prompt_token_ids for s in sample_seqs}
             inputs = SamplingInputs(
@@ -166,19 +165,14 @@ class ModelRunner:
                 noise=noise,
             )
             sampled = self.sampler(logits, inputs)
-            row = 0
-            while row < len(sample_seqs):
-                seq = sample_seqs[row]
-                drafts = sched.spec_token_ids.get(seq.seq_id, ())
+            for row, seq, drafts, rewind in groups:
                 tokens = sampled.token_ids[row:row + len(drafts) + 1]
-                keep = num_accepted(tokens, list(drafts)) + 1 if drafts else 1
+                keep = num_accepted(tokens, drafts) + 1 if drafts else 1
                 result.sampled[seq.seq_id] = (tokens[:keep], sampled.logprobs[row:row + keep])
                 if self.keep_hidden:
                     result.hidden[seq.seq_id] = sampled_hidden[row + keep - 1]
-                rewind = rewinds.get(seq.seq_id)
                 if rewind is not None and keep < len(tokens):
                     rewind(keep)
-                row += len(drafts) + 1
         return result
 
     def _forward_eager(self, sched: SchedulerOutput, input_ids: list[int], positions: list[int],
