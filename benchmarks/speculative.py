@@ -288,9 +288,9 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
     """The table and results/<name>.{json,md} for the workloads measured so far (written after each one, so
     that a run cut short, as on a GPU lease, keeps what it finished)."""
     lines = ["| workload | concurrency | method | output tokens per request | output tok/s | x none | x none per round | "
-             "TPOT median ms | steps | rejected rows | outside the model, ms per step | acceptance rate | "
+             "TPOT median ms | TPOT x none | steps | rejected rows | outside the model, ms per step | acceptance rate | "
              "mean acceptance length | acceptance by position | same |",
-             "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+             "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for workload, by_c in results.items():
         for c, by_m in by_c.items():
             for method, r in by_m.items():
@@ -301,11 +301,12 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
                 length = "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
                 pos = " / ".join(f"{100 * a:.0f}%" for a in r["acceptance_per_position"])
                 tpot = "" if r["tpot_median_ms"] is None else f"{r['tpot_median_ms']:.1f}"
+                tpot_x = "" if r.get("tpot_x_none") is None else f"{r['tpot_x_none']:.2f}"
                 outside = "n/a" if r["outside_model_ms_per_step"] is None else f"{r['outside_model_ms_per_step']:.2f}"
                 per_round = " / ".join(f"{x:.2f}" for x in r["x_none_rounds"])
                 lines.append(f"| {workload} | {c} | {method} | {r['output_tokens'] / r['num_requests']:.0f} | "
                              f"{r['output_tok_s']:.1f} | {r['x_none']:.2f} | "
-                             f"{per_round} | {tpot} | {r['steps']:g} | {r['rejected_rows']:g} | "
+                             f"{per_round} | {tpot} | {tpot_x} | {r['steps']:g} | {r['rejected_rows']:g} | "
                              f"{outside} | {rate} | {length} | "
                              f"{pos} | {same} |")
     saved = {w: {c: {m: {k: v for k, v in r.items() if k not in ("token_ids", "tpots_ms")} for m, r in by_m.items()}
@@ -327,7 +328,8 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
              f"max(concurrency, {args.num_requests}) requests per run, {args.rounds} rounds"
              + (", at one stream taking turns request by request" if args.take_turns == "request" else "")
              + " (medians; "
-             "\"x none\" is the median of the per-round ratios; acceptance counts every round's drafts). "
+             "\"x none\" is the median of the per-round ratios of output tok/s, \"TPOT x none\" of none's median TPOT to "
+             "the method's (decode alone, without the first token's wait); acceptance counts every round's drafts). "
              "Load average (1 min) "
              f"{load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (above the core count the "
              "machine was shared and the figures are noisy).")
@@ -433,6 +435,10 @@ def main() -> None:
                 r["x_none"] = statistics.median(r["x_none_rounds"])
                 tpots = [x["tpot_median_ms"] for x in runs if x["tpot_median_ms"] is not None]
                 r["tpot_median_ms"] = statistics.median(tpots) if tpots else None
+                # Decode alone (the first token's wait, the prefill, is the same with or without drafts).
+                tpot_ratios = [b["tpot_median_ms"] / x["tpot_median_ms"] for x, b in zip(runs, rounds["none"])
+                               if x["tpot_median_ms"] and b["tpot_median_ms"]]
+                r["tpot_x_none"] = statistics.median(tpot_ratios) if tpot_ratios else None
                 r["steps"] = statistics.median(x["steps"] for x in runs)
                 r["rejected_rows"] = statistics.median(x["rejected_rows"] for x in runs)
                 outside = [x["outside_model_ms_per_step"] for x in runs if x["outside_model_ms_per_step"] is not None]

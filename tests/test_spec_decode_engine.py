@@ -198,3 +198,30 @@ def test_drafts_stop_at_max_model_len(tiny_model_dirs):
         assert out.token_ids == ref[i].token_ids and len(p) + len(out.token_ids) == 37
         assert out.finish_reason == "length"
     assert engine.get_stats().spec_num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("name", ["tied_softcap", "untied_pattern_scaled"])
+def test_greedy_identical_on_a_sliding_window_model(name, tmp_path):
+    """Gemma 3 (tiny, random): sliding-window layers (window 8) beside global ones, prompts and outputs much
+    longer than the window, so each verified row sees its own window's keys. Drafts right and wrong at
+    random: the non-speculative tokens and logprobs. (tied_softcap's head_dim 32 takes the native attention
+    kernel where the CPU has one, untied_pattern_scaled's 48 the torch path.)"""
+    from test_gemma3_parity import WINDOW, build_gemma3
+
+    build_gemma3(name, tmp_path)
+    ps = prompts(11, [5, 19, 30])
+    assert max(map(len, ps)) > 3 * WINDOW
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True, logprobs=2)
+    ref, proposer = reference_and_drafts(tmp_path, ps, params, 0.3)
+    engine = make_engine(tmp_path, NGRAM)
+    engine.speculator.proposer = proposer
+    got = run(engine, [[(str(i), p, params) for i, p in enumerate(ps)]], check=True)
+    for i, r in enumerate(ref):
+        out = got[str(i)].outputs[0]
+        assert out.token_ids == r.token_ids
+        for lp, rlp in zip(out.logprobs, r.logprobs):
+            assert lp.keys() == rlp.keys()
+            for t in lp:
+                assert lp[t].logprob == pytest.approx(rlp[t].logprob, abs=1e-5)
+    s = engine.get_stats()
+    assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
