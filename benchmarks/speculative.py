@@ -328,8 +328,9 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
              f"max(concurrency, {args.num_requests}) requests per run, {args.rounds} rounds"
              + (", at one stream taking turns request by request" if args.take_turns == "request" else "")
              + " (medians; "
-             "\"x none\" is the median of the per-round ratios of output tok/s, \"TPOT x none\" of none's median TPOT to "
-             "the method's (decode alone, without the first token's wait); acceptance counts every round's drafts). "
+             "\"x none\" is the median of the per-round ratios of output tok/s, \"TPOT x none\" of none's median "
+             "TPOT to the method's (decode alone, without the first token's wait); acceptance counts every round's "
+             "drafts). "
              "Load average (1 min) "
              f"{load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (above the core count the "
              "machine was shared and the figures are noisy).")
