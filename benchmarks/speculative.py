@@ -288,8 +288,8 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
     """The table and results/<name>.{json,md} for the workloads measured so far (written after each one, so
     that a run cut short, as on a GPU lease, keeps what it finished)."""
     lines = ["| workload | concurrency | method | output tokens per request | output tok/s | x none | x none per round | "
-             "TPOT median ms | TPOT x none | steps | rejected rows | outside the model, ms per step | acceptance rate | "
-             "mean acceptance length | acceptance by position | same |",
+             "TPOT median ms | TPOT x none | steps | rejected rows | outside the model, ms per step | "
+             "acceptance rate | mean acceptance length | acceptance by position | same |",
              "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for workload, by_c in results.items():
         for c, by_m in by_c.items():
