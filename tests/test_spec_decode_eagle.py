@@ -14,7 +14,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.models.loader import load_model
-from kvserve.sampling.sampler import Sampler
+from kvserve.sampling import sampler as sampler_module
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.draft_format import DraftFileConfig
 from kvserve.spec_decode.draft_reference import DraftReference
@@ -301,12 +301,12 @@ def test_a_drafted_positions_noise_is_drawn_once(tiny_model_dirs, heads, monkeyp
     engine = make_engine(path, spec(heads["right"]))
     draws: list[int] = []  # per runner step
     in_runner = [False]
-    draw = Sampler.draw_uniform
+    fill = sampler_module.fill_uniform_  # every draw of uniforms, the head's and the sampler's
 
-    def counted(*args):
+    def counted(out, generator):
         if in_runner[0]:
             draws[-1] += 1
-        return draw(*args)
+        return fill(out, generator)
 
     def execute(sched, inner=engine.runner.execute):
         draws.append(0)
@@ -315,7 +315,7 @@ def test_a_drafted_positions_noise_is_drawn_once(tiny_model_dirs, heads, monkeyp
             return inner(sched)
         finally:
             in_runner[0] = False
-    monkeypatch.setattr(Sampler, "draw_uniform", staticmethod(counted))
+    monkeypatch.setattr(sampler_module, "fill_uniform_", counted)
     engine.runner.execute = execute
     params = SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=5)
     run(engine, [[("0", prompts(7, [9])[0], params)]])

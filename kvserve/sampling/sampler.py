@@ -37,6 +37,15 @@ class SamplingInputs:
     noise: list[Tensor | None] | None = None
 
 
+def fill_uniform_(out: Tensor, generator: torch.Generator | None) -> Tensor:
+    """out.uniform_(generator=generator), torch.rand's numbers: on the CPU in float32, from the CPU kernels'
+    vectorised Mersenne Twister (~9x faster for a vocabulary's row; the generator ends in the same state)."""
+    if out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous() and cpu_kernels.available():
+        cpu_kernels.ops().mt19937_uniform_(out, generator)
+        return out
+    return out.uniform_(generator=generator)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -163,18 +172,18 @@ class Sampler:
         every row that seeded rows then overwrote doubled a seeded row's sampling time."""
         given = given if given is not None else [None] * len(generators)
         unseeded = [i for i, (g, u) in enumerate(zip(generators, given)) if g is None and u is None]
+        uniform = torch.empty_like(probs)
         if len(unseeded) == len(generators):
-            uniform = torch.rand_like(probs)
+            fill_uniform_(uniform, None)
         else:
-            uniform = torch.empty_like(probs)
             if unseeded:
-                uniform[to_device(unseeded, probs.device)] = torch.rand(
-                    len(unseeded), probs.shape[1], device=probs.device, dtype=probs.dtype)
+                uniform[to_device(unseeded, probs.device)] = fill_uniform_(
+                    torch.empty(len(unseeded), probs.shape[1], device=probs.device, dtype=probs.dtype), None)
             for i, (g, u) in enumerate(zip(generators, given)):
                 if u is not None:
                     uniform[i] = u
                 elif g is not None:
-                    uniform[i] = Sampler.draw_uniform(g, probs.shape[1], probs.device, probs.dtype)
+                    fill_uniform_(uniform[i], g)  # a row of a contiguous tensor: drawn in place
         # -log(U) is Exp(1), and several times cheaper than exponential_ on CPU. U < 1, so the noise
         # is > 0 (no 0/0 = NaN, which would win the argmax); U = 0 gives inf: that token just loses.
         return uniform.log_().neg_()
@@ -182,7 +191,7 @@ class Sampler:
     @staticmethod
     def draw_uniform(generator: torch.Generator, vocab: int, device: torch.device, dtype: torch.dtype) -> Tensor:
         """One seeded row's uniforms (one position's draw; speculative decoding replays these to rewind)."""
-        return torch.rand(vocab, generator=generator, device=device, dtype=dtype)
+        return fill_uniform_(torch.empty(vocab, device=device, dtype=dtype), generator)
 
     @staticmethod
     def _per_row(values: list[float], like: Tensor) -> Tensor:
