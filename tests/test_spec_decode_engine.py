@@ -19,16 +19,10 @@ def run(engine: LLMEngine, waves, check: bool = False) -> dict:
     return run_waves(engine, waves, K, check)
 
 
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("wrong", [0.0, 0.3, 1.0])
-def test_greedy_identical_to_non_speculative_with_partial_acceptance(arch, wrong, tiny_model_dirs):
-    """Drafts right, wrong at random positions, or always wrong: the same tokens and logprobs as without
-    speculation; after every step the KV bookkeeping holds only kept tokens."""
-    path, _ = tiny_model_dirs[arch]
-    ps = prompts(1, [3, 17, 9, 30, 5])
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+def drafting_matches_reference(path, ps, params, wrong: float) -> LLMEngine:
+    """Decodes ps without speculation, then with drafts of that output, each draft token wrong with
+    probability `wrong`, checking the KV bookkeeping after every step: the same tokens and logprobs (values
+    and ranks). Returns the drafting engine."""
     ref, proposer = reference_and_drafts(path, ps, params, wrong)
     engine = make_engine(path, NGRAM)
     engine.speculator.proposer = proposer
@@ -41,6 +35,19 @@ def test_greedy_identical_to_non_speculative_with_partial_acceptance(arch, wrong
             for t in lp:
                 assert lp[t].logprob == pytest.approx(rlp[t].logprob, abs=1e-5)
                 assert lp[t].rank == rlp[t].rank
+    return engine
+
+
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("wrong", [0.0, 0.3, 1.0])
+def test_greedy_identical_to_non_speculative_with_partial_acceptance(arch, wrong, tiny_model_dirs):
+    """Drafts right, wrong at random positions, or always wrong: the same tokens and logprobs as without
+    speculation; after every step the KV bookkeeping holds only kept tokens."""
+    path, _ = tiny_model_dirs[arch]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    engine = drafting_matches_reference(path, prompts(1, [3, 17, 9, 30, 5]), params, wrong)
     s = engine.get_stats()
     assert s.spec_num_drafts > 0 and s.spec_num_draft_tokens > s.spec_num_drafts
     if wrong == 0.0:  # every draft accepted: steps emit 1 + K tokens
@@ -212,16 +219,5 @@ def test_greedy_identical_on_a_sliding_window_model(name, tmp_path):
     ps = prompts(11, [5, 19, 30])
     assert max(map(len, ps)) > 3 * WINDOW
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True, logprobs=2)
-    ref, proposer = reference_and_drafts(tmp_path, ps, params, 0.3)
-    engine = make_engine(tmp_path, NGRAM)
-    engine.speculator.proposer = proposer
-    got = run(engine, [[(str(i), p, params) for i, p in enumerate(ps)]], check=True)
-    for i, r in enumerate(ref):
-        out = got[str(i)].outputs[0]
-        assert out.token_ids == r.token_ids
-        for lp, rlp in zip(out.logprobs, r.logprobs):
-            assert lp.keys() == rlp.keys()
-            for t in lp:
-                assert lp[t].logprob == pytest.approx(rlp[t].logprob, abs=1e-5)
-    s = engine.get_stats()
+    s = drafting_matches_reference(tmp_path, ps, params, 0.3).get_stats()
     assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
