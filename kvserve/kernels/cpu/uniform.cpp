@@ -14,7 +14,6 @@
 // AVX2 intrinsics only: the same code runs in the AVX-512 build.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <ATen/core/DistributionsHelper.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -30,13 +29,16 @@ namespace {
 constexpr int kN = 624, kM = 397;
 constexpr uint32_t kMatrixA = 0x9908b0dfu, kUpper = 0x80000000u, kLower = 0x7fffffffu;
 
-inline uint32_t twist(uint32_t u, uint32_t v) { return (((u & kUpper) | (v & kLower)) >> 1) ^ ((v & 1u) ? kMatrixA : 0u); }
+inline uint32_t twist(uint32_t u, uint32_t v) {
+  return (((u & kUpper) | (v & kLower)) >> 1) ^ ((v & 1u) ? kMatrixA : 0u);
+}
 
 inline __m256i twist8(__m256i u, __m256i v) {
   const __m256i mixed = _mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(kUpper))),
                                         _mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(kLower))));
   const __m256i odd = _mm256_cmpeq_epi32(_mm256_and_si256(v, _mm256_set1_epi32(1)), _mm256_set1_epi32(1));
-  return _mm256_xor_si256(_mm256_srli_epi32(mixed, 1), _mm256_and_si256(odd, _mm256_set1_epi32(static_cast<int>(kMatrixA))));
+  const __m256i matrix_a = _mm256_set1_epi32(static_cast<int>(kMatrixA));
+  return _mm256_xor_si256(_mm256_srli_epi32(mixed, 1), _mm256_and_si256(odd, matrix_a));
 }
 
 inline __m256i load8(const uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
