@@ -70,6 +70,7 @@ def test_the_samplers_draws_are_torch_rands(kernels, monkeypatch):
     torch.manual_seed(9)
     assert torch.equal(a, torch.rand(2, 300))
     rows = torch.empty(3, 300)
-    g1.manual_seed(6), g2.manual_seed(6)
+    g1.manual_seed(6)
+    g2.manual_seed(6)
     fill_uniform_(rows[1], g1)  # a row in place, as the sampler draws a seeded row
     assert torch.equal(rows[1], torch.rand(300, generator=g2))
