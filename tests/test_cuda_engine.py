@@ -248,4 +248,5 @@ def test_cuda_eagle_seeded_sampling_matches_no_speculation(tiny_model_dirs, tmp_
     wave = [[(str(i), p, params) for i, p in enumerate(ps)]]
     ref = run(make_engine(path, device="cuda"), wave)
     engine = make_engine(path, spec(head_path), device="cuda")
+    assert engine.runner.device.type == "cuda"
     check_seeded(run(engine, wave, check=True), ref, engine, len(ps))
