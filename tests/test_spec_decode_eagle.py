@@ -408,8 +408,69 @@ def test_bad_heads_are_refused_clearly(tiny_model_dirs, heads, tmp_path):
                                                                                   2 * head.cfg.hidden_size)})
     with pytest.raises(ValueError, match=r"fuses target layers \[0\]"):
         make_engine(path, spec(fused))
+    attending = tmp_path / "attending.safetensors"
+    head = attention_head(hf)
+    save_head(attending, head.cfg, head.state_tensors())
+    with pytest.raises(ValueError, match="attention layer"):
+        make_engine(path, spec(attending))
     # No model: the shipped head is the default model's, and this target is not.
     with pytest.raises((ValueError, FileNotFoundError), match="model"):
         make_engine(path, {"method": "eagle", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="applies only to methods 'draft' and 'eagle'"):
         EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "model": str(path)})
+
+
+def attention_head(hf, seed: int = 2) -> EagleHeadReference:
+    """random_head with a causal self-attention layer (train_eagle.py --attention): 4 query, 2 KV heads."""
+    head = random_head(hf, list(range(hf.config.vocab_size)), seed=seed)
+    d, g = head.cfg.hidden_size, torch.Generator().manual_seed(seed)
+    cfg = dataclasses.replace(head.cfg, num_attention_heads=4, num_key_value_heads=2, head_dim=d // 4,
+                              rope_theta=10000.0)
+    attn = {"attn_norm.weight": 1 + 0.1 * torch.randn(d, generator=g),
+            "self_attn.q_proj.weight": 0.3 * torch.randn(d, d, generator=g),
+            "self_attn.k_proj.weight": 0.3 * torch.randn(d // 2, d, generator=g),
+            "self_attn.v_proj.weight": 0.3 * torch.randn(d // 2, d, generator=g),
+            "self_attn.o_proj.weight": 0.3 * torch.randn(d, d, generator=g)}
+    return EagleHeadReference(cfg, head.embedding, {**head.state_tensors(), **attn})
+
+
+def test_an_attending_heads_unrolled_drafts_see_only_what_drafting_would(tiny_model_dirs):
+    """unrolled() computes every chain of a sequence at once under one mask; here each chain is drafted on
+    its own, as a drafting sequence would: a cache of the head's entries for positions 0..t from the
+    target's features, then its own entries, one drafted token at a time (transformers' attention)."""
+    _, hf = tiny_model_dirs["llama"]
+    head = attention_head(hf)
+    c = head.cfg
+    ids = torch.tensor(prompts(4, [24])[0])
+    with torch.no_grad():
+        feats = hf(ids[None], output_hidden_states=True).hidden_states[-1][0]
+        chains = head.unrolled(feats, ids, 3)
+        assert [x.shape[0] for x in chains] == [23, 22, 21]
+        entries = head.input_entries(feats[:-1], ids[1:])
+        for t in (0, 1, 9, 20):
+            _, keys, values = head.attention_qkv(entries[:t + 1], torch.arange(1, t + 2))
+            x = entries[t]
+            for j in range(1, 4):
+                if t + j >= len(ids):
+                    break
+                q, k, v = head.attention_qkv(x[None], torch.tensor([t + j]))
+                if j > 1:
+                    keys, values = torch.cat([keys, k]), torch.cat([values, v])
+                a = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1),
+                                                                     values.transpose(0, 1))
+                x = x + torch.nn.functional.linear(a.reshape(-1), head.p("self_attn.o_proj.weight"))
+                f = head.mlp_block(x)
+                torch.testing.assert_close(chains[j - 1][t], f, atol=1e-4, rtol=1e-4)
+                if t + j + 1 < len(ids):
+                    x = head.input_entries(f, ids[t + j + 1])
+    # Without attention, unrolled() is step() applied chain by chain.
+    plain = random_head(hf, list(range(hf.config.vocab_size)))
+    with torch.no_grad():
+        f, want = feats[:-1], []
+        for j in range(1, 4):
+            f = plain.step(f, ids[j:])
+            want.append(f)
+            f = f[:-1]
+        for got, w in zip(plain.unrolled(feats, ids, 3), want):
+            torch.testing.assert_close(got, w)
+    assert c.num_attention_heads == 4

@@ -19,7 +19,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)  # Hugging Face's rotate-half layout
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -75,7 +75,7 @@ class DraftReference(ReferenceTensors):
             q = F.linear(h, self.p(pre + "self_attn.q_proj.weight")).view(B, T, H, D).transpose(1, 2)
             k = F.linear(h, self.p(pre + "self_attn.k_proj.weight")).view(B, T, Hkv, D).transpose(1, 2)
             v = F.linear(h, self.p(pre + "self_attn.v_proj.weight")).view(B, T, Hkv, D).transpose(1, 2)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * D), self.p(pre + "self_attn.o_proj.weight"))
             h = rms_norm(x, self.p(pre + "post_attention_layernorm.weight"), cfg.rms_norm_eps)

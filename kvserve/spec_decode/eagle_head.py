@@ -10,6 +10,9 @@ it with a reduced LM head; fed its own prediction and token, it drafts the next 
 EAGLE's head has a decoder layer (attention over earlier positions, with a KV cache of its own); this one
 has only the MLP. Measured on the default model (benchmarks/train_eagle.py) it drafts far better than the
 2-layer standalone draft, and it needs no cache: a sequence's whole drafting state is one hidden vector.
+The reference below can also train a head with that attention layer (EagleHeadConfig.num_attention_heads,
+train_eagle.py --attention); side by side on one data set it drafted no better
+(benchmarks/results/train_eagle_attention_cpu_1000.md), so the engine does not run such heads.
 
 File: one safetensors file, tensors fc.weight [hidden, 2 * hidden], mlp_norm.weight,
 mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight [len(vocab_ids), hidden], vocab_ids; the
@@ -39,12 +42,14 @@ from kvserve.models.native_stack import tiled_weight
 from kvserve.sampling.sampler import argmax
 from kvserve.spec_decode.draft_model import target_embedding
 from kvserve.spec_decode.draft_format import has_metadata, read_with_config, save_with_config
-from kvserve.spec_decode.draft_reference import ReferenceTensors, rms_norm
+from kvserve.spec_decode.draft_reference import ReferenceTensors, rope, rms_norm
 
 METADATA_KEY = "kvserve_eagle"
 SHIPPED_HEAD = Path(__file__).parent / "drafts" / "smollm2-135m-eagle.safetensors"
 TENSORS = ("fc.weight", "mlp_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
            "norm.weight", "lm_head.weight")
+ATTENTION_TENSORS = ("attn_norm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                     "self_attn.v_proj.weight", "self_attn.o_proj.weight")
 
 
 @dataclass
@@ -58,6 +63,13 @@ class EagleHeadConfig:
     # first drafting step: fuse.weight [hidden, (1 + len) * hidden] maps them to one feature (after EAGLE-3,
     # which fuses low, middle and high layers). Empty: the final feature alone, as files before it.
     fuse_layers: list[int] = dataclasses.field(default_factory=list)
+    # A causal self-attention layer before the MLP (EAGLE's decoder layer), over the head's own inputs at
+    # earlier positions: attn_norm.weight, self_attn.{q,k,v,o}_proj.weight, rotary positions. 0 heads: none,
+    # as files before it. An experiment of train_eagle.py --attention: the engine has no cache for it yet.
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    rope_theta: float = 0.0
 
 
 def is_head_file(path: str | Path) -> bool:
@@ -78,20 +90,89 @@ class EagleHeadReference(ReferenceTensors):
     """The head in plain float torch: what train_eagle.py trains, and the tests' reference for EagleHead."""
 
     def __init__(self, cfg: EagleHeadConfig, embedding: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
-        super().__init__(embedding, tensors, list(TENSORS) + (["fuse.weight"] if cfg.fuse_layers else []))
+        names = list(TENSORS) + (["fuse.weight"] if cfg.fuse_layers else [])
+        names += list(ATTENTION_TENSORS) if cfg.num_attention_heads else []
+        super().__init__(embedding, tensors, names)
         self.cfg = cfg
+        if cfg.num_attention_heads:
+            d = cfg.head_dim
+            self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2).float() / d),
+                                 persistent=False)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """[..., (1 + len(fuse_layers)) * hidden] target features -> [..., hidden] the first step's feature."""
         return F.linear(features, self.p("fuse.weight")) if self.cfg.fuse_layers else features
 
     def step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] features and [...] next tokens -> [..., hidden] predicted next features."""
-        eps = self.cfg.rms_norm_eps
-        x = F.linear(torch.cat([feature, self.embedding[token_ids]], -1), self.p("fc.weight"))
-        h = rms_norm(x, self.p("mlp_norm.weight"), eps)
+        """[..., hidden] features and [...] next tokens -> [..., hidden] predicted next features (a head
+        without attention; unrolled() runs either kind)."""
+        assert not self.cfg.num_attention_heads, "a head with attention drafts through unrolled()"
+        return self.mlp_block(self.input_entries(feature, token_ids))
+
+    def input_entries(self, feature: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] features and [...] the tokens after them -> [..., hidden] the head's inputs."""
+        return F.linear(torch.cat([feature, self.embedding[token_ids]], -1), self.p("fc.weight"))
+
+    def mlp_block(self, x: torch.Tensor) -> torch.Tensor:
+        """x + mlp(rms(x)): the head's last block, whose output is the predicted feature."""
+        h = rms_norm(x, self.p("mlp_norm.weight"), self.cfg.rms_norm_eps)
         gate, up = F.linear(h, self.p("mlp.gate_proj.weight")), F.linear(h, self.p("mlp.up_proj.weight"))
         return x + F.linear(F.silu(gate) * up, self.p("mlp.down_proj.weight"))
+
+    def attention_qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[n, hidden] inputs at rotary positions [n] -> q [n, H, D], k and v [n, H, D] (KV heads repeated)."""
+        c = self.cfg
+        H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        h = rms_norm(x, self.p("attn_norm.weight"), c.rms_norm_eps)
+        q = F.linear(h, self.p("self_attn.q_proj.weight")).view(-1, H, D)
+        k = F.linear(h, self.p("self_attn.k_proj.weight")).view(-1, Hkv, D).repeat_interleave(H // Hkv, 1)
+        v = F.linear(h, self.p("self_attn.v_proj.weight")).view(-1, Hkv, D).repeat_interleave(H // Hkv, 1)
+        freqs = torch.outer(positions.float(), self.inv_freq)
+        cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]
+        return rope(q, cos, sin), rope(k, cos, sin), v
+
+    def unrolled(self, features: torch.Tensor, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """One sequence, teacher-forced: the target's features [T, ...] and tokens [T] -> for j = 1..steps the
+        head's predicted features [T - j, hidden], row t the chain drafted from position t after j steps
+        (its prediction of the target's feature at t + j). Step 1 reads the target's feature at t and token
+        t + 1; step j > 1 the chain's own prediction and token t + j, as at inference.
+
+        With attention, the head's input for position t (step 1) is its entry at rotary position t + 1, the
+        token it embeds; a chain's step j attends to the step-1 entries of positions 0..t (what a drafting
+        sequence has cached from verified tokens) and to its own entries of steps 2..j (EAGLE-3's
+        training-time test), never to the step-1 entries after t, which read target features a drafting
+        sequence does not have yet."""
+        out: list[torch.Tensor] = []
+        x = self.input_entries(self.fuse(features[:-1]), ids[1:])
+        n = x.shape[0]
+        if self.cfg.num_attention_heads:
+            scale = self.cfg.head_dim ** -0.5
+            causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+            q, k1, v1 = self.attention_qkv(x, torch.arange(1, n + 1, device=x.device))
+            own_k: list[torch.Tensor] = []  # the chains' entries of steps 2..j: [T - i, H, D]
+            own_v: list[torch.Tensor] = []
+        for j in range(1, steps + 1):
+            n = x.shape[0]
+            if n == 0:
+                break
+            if self.cfg.num_attention_heads:
+                if j > 1:
+                    q, k, v = self.attention_qkv(x, torch.arange(j, n + j, device=x.device))
+                    own_k.append(k)
+                    own_v.append(v)
+                ctx = torch.einsum("nhd,shd->hns", q, k1[:n]) * scale
+                ctx = ctx.masked_fill(~causal[:n, :n], float("-inf"))
+                own = [(q * kk[:n]).sum(-1).T[..., None] * scale for kk in own_k]  # [H, n, 1] each
+                p = torch.cat([ctx, *own], -1).softmax(-1)
+                a = torch.einsum("hns,shd->nhd", p[..., :n], v1[:n])
+                for i, vv in enumerate(own_v):
+                    a = a + p[..., n + i].T[..., None] * vv[:n]
+                x = x + F.linear(a.reshape(n, -1), self.p("self_attn.o_proj.weight"))
+            f = self.mlp_block(x)
+            out.append(f)
+            if j < steps:
+                x = self.input_entries(f[:-1], ids[j + 1:])
+        return out
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., len(vocab_ids)] logits over the reduced vocabulary."""
@@ -101,22 +182,16 @@ class EagleHeadReference(ReferenceTensors):
                       feature_weight: float) -> torch.Tensor:
         """One sequence, teacher-forced: ids [T], labels [T] (labels[t]: the target's choice after position
         t, as an index into vocab_ids, -100 where none), the target's features [T, hidden]. Drafting step j
-        (1..unroll) starts from the target's feature at t and the head's own predictions after it, as at
-        inference, and is scored on the target's token and feature at t + j; later steps weigh less. With
-        fuse_layers, features [T, (1 + n) * hidden]: the final feature first, scored alone."""
-        f = self.fuse(features[:-1])
+        (1..unroll) is scored on the target's token and feature at t + j (unrolled()); later steps weigh less.
+        With fuse_layers, features [T, (1 + n) * hidden]: the final feature first, scored alone."""
         final = features[:, :self.cfg.hidden_size]
         total = features.new_zeros(())
-        for j in range(1, unroll + 1):
-            if f.shape[0] == 0:
-                break
-            f = self.step(f, ids[j:])
+        for j, f in enumerate(self.unrolled(features, ids, unroll), 1):
             y = labels[j:]
             valid = y >= 0
             ce = F.cross_entropy(self.logits(f[valid]), y[valid]) if valid.any() else total
             reg = F.smooth_l1_loss(f, final[j:])
             total = total + 0.8 ** (j - 1) * (ce + feature_weight * reg)
-            f = f[:-1]
         return total
 
 
@@ -217,6 +292,10 @@ def load_eagle_head(path: str | Path | None, target: LoadedModel, dtype: torch.d
         raise ValueError(f"speculative_config: {str(path)!r} is an eagle head that fuses target layers "
                          f"{hcfg.fuse_layers}; the engine hands a head the final hidden state only (such heads "
                          "are a training experiment of benchmarks/train_eagle.py --fuse-layers)")
+    if hcfg.num_attention_heads:
+        raise ValueError(f"speculative_config: {str(path)!r} is an eagle head with an attention layer, which "
+                         "needs a KV cache of its own that the engine does not keep yet (such heads are a training "
+                         "experiment of benchmarks/train_eagle.py --attention)")
     embed = target_embedding(target, "eagle head", p, hcfg.target, hcfg.hidden_size, hcfg.vocab_size)
     cfg = dataclasses.replace(target.config, intermediate_size=hcfg.intermediate_size)
     quant = QuantConfig(quantization, 32, dtype, device)
