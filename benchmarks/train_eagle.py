@@ -308,8 +308,10 @@ def main() -> None:
     compared = {}
     for other in args.compare:  # other head files, scored on the same answers with their own vocabularies
         ocfg, otensors, _ = read_head(other)
-        ohead = EagleHeadReference(ocfg, embedding, {k: v.float() if v.is_floating_point() else v
-                                                     for k, v in otensors.items()}).to(args.device)
+        if ocfg.fuse_layers != args.fuse_layers:
+            raise SystemExit(f"--compare {other}: it fuses target layers {ocfg.fuse_layers}, this run's features "
+                             f"have {args.fuse_layers}")
+        ohead = EagleHeadReference(ocfg, embedding, otensors).to(args.device)
         oindex = torch.full((fcfg.vocab_size,), -100, dtype=torch.int64)
         oindex[ohead.vocab_ids] = torch.arange(len(ohead.vocab_ids))
         compared[other] = held_out_scores(ohead, examples(held_rows, feats[len(train_rows):], oindex, args.device),
