@@ -216,6 +216,9 @@ def main() -> None:
                          "the engine refuses such heads (benchmarks/README)")
     ap.add_argument("--compare", nargs="*", default=[], metavar="HEAD",
                     help="head files also scored on this run's held-out answers, side by side (e.g. the shipped one)")
+    ap.add_argument("--soft-labels", type=float, default=0.0,
+                    help="share of the token loss against the target's whole distribution (from its features and "
+                         "tied LM head) instead of its choice alone: distillation; default 0, choices only")
     ap.add_argument("--unroll", type=int, default=3, help="drafting steps trained per position")
     ap.add_argument("--feature-weight", type=float, default=0.5)
     ap.add_argument("--steps", type=int, default=500)
@@ -266,6 +269,7 @@ def main() -> None:
                                    num_key_value_heads=fcfg.num_key_value_heads, head_dim=fcfg.head_dim,
                                    rope_theta=fcfg.rope_theta)
     head = initial_head(hcfg, embedding, vocab_ids, args.seed).to(args.device)
+    soft_lm_head = embedding[vocab_ids].to(args.device)  # the target's LM head is its embedding (tied)
     before = acceptance(head, held, args.k)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
     warmup = max(0.05, 2 / args.steps)
@@ -292,7 +296,8 @@ def main() -> None:
                 rng.shuffle(order)
             ids, labels, f, _, _ = train[order.pop()]
             with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
-                loss = loss + head.training_loss(ids, labels, f.float(), args.unroll, args.feature_weight) * len(ids)
+                loss = loss + head.training_loss(ids, labels, f.float(), args.unroll, args.feature_weight,
+                                                 args.soft_labels, soft_lm_head) * len(ids)
             n += len(ids)
         loss = loss / n
         opt.zero_grad()

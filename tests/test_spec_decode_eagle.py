@@ -472,3 +472,23 @@ def test_an_attending_heads_unrolled_drafts_see_only_what_drafting_would(tiny_mo
             f = f[:-1]
         for got, w in zip(plain.unrolled(feats, ids, 3), want):
             torch.testing.assert_close(got, w)
+
+
+def test_soft_labels_are_the_targets_distribution(tiny_model_dirs):
+    """training_loss(soft_weight=1) scores the head against the target's distribution read off its features:
+    with a very sharp target LM head that is its argmax, so the loss equals the hard-label loss with the
+    argmax as labels; at soft_weight 0.5 it is halfway between two losses that differ."""
+    _, hf = tiny_model_dirs["llama"]
+    head = random_head(hf, list(range(hf.config.vocab_size)))
+    ids = torch.tensor(prompts(5, [16])[0])
+    with torch.no_grad():
+        feats = hf(ids[None], output_hidden_states=True).hidden_states[-1][0]
+        lm_head = hf.lm_head.weight.detach()
+        argmax = (feats @ lm_head.T).argmax(-1)
+        other = torch.randint(0, hf.config.vocab_size, (16,), generator=torch.Generator().manual_seed(3))
+
+        def loss(labels: torch.Tensor, soft: float, scale: float = 1.0) -> float:
+            return head.training_loss(ids, labels, feats, 2, 0.5, soft, scale * lm_head).item()
+        assert loss(other, 1.0, 1e4) == pytest.approx(loss(argmax, 0.0), rel=1e-5)
+        assert loss(other, 0.0) != pytest.approx(loss(argmax, 0.0), rel=1e-3)
+        assert loss(other, 0.5, 1e4) == pytest.approx((loss(other, 0.0) + loss(argmax, 0.0)) / 2, rel=1e-5)

@@ -179,17 +179,26 @@ class EagleHeadReference(ReferenceTensors):
         return F.linear(rms_norm(feature, self.p("norm.weight"), self.cfg.rms_norm_eps), self.p("lm_head.weight"))
 
     def training_loss(self, ids: torch.Tensor, labels: torch.Tensor, features: torch.Tensor, unroll: int,
-                      feature_weight: float) -> torch.Tensor:
+                      feature_weight: float, soft_weight: float = 0.0,
+                      target_lm_head: torch.Tensor | None = None) -> torch.Tensor:
         """One sequence, teacher-forced: ids [T], labels [T] (labels[t]: the target's choice after position
         t, as an index into vocab_ids, -100 where none), the target's features [T, hidden]. Drafting step j
         (1..unroll) is scored on the target's token and feature at t + j (unrolled()); later steps weigh less.
-        With fuse_layers, features [T, (1 + n) * hidden]: the final feature first, scored alone."""
+        With fuse_layers, features [T, (1 + n) * hidden]: the final feature first, scored alone.
+
+        soft_weight > 0 moves that share of the token loss from the target's choice to its whole distribution
+        over vocab_ids, read off its features with target_lm_head ([len(vocab_ids), hidden], the target's LM
+        head rows for vocab_ids): cross-entropy against soft labels (distillation)."""
         final = features[:, :self.cfg.hidden_size]
         total = features.new_zeros(())
         for j, f in enumerate(self.unrolled(features, ids, unroll), 1):
             y = labels[j:]
             valid = y >= 0
-            ce = F.cross_entropy(self.logits(f[valid]), y[valid]) if valid.any() else total
+            logits = self.logits(f)
+            ce = F.cross_entropy(logits[valid], y[valid]) if valid.any() else total
+            if soft_weight > 0:
+                soft = F.linear(final[j:], target_lm_head).softmax(-1)
+                ce = (1 - soft_weight) * ce + soft_weight * F.cross_entropy(logits, soft)
             reg = F.smooth_l1_loss(f, final[j:])
             total = total + 0.8 ** (j - 1) * (ce + feature_weight * reg)
         return total
