@@ -11,6 +11,8 @@
     python benchmarks/train_eagle.py --num-prompts 1000 --num-texts 50 --steps 250 --dtype float32 --attention \
         --compare HEAD ...   # a head with self-attention, scored beside other heads on the same held-out answers
         # (results/train_eagle_attention_cpu_1000.md): an experiment; no better, and the engine refuses such heads
+    ... --soft-labels 0.5   # half the token loss on the target's whole distribution (distillation):
+        # results/train_eagle_soft_labels_cpu_1000.md, +0.01 first-token acceptance, within a re-run's spread
 
 Data: train_draft.py's (the target, SmolLM2-135M-Instruct Q4_1, answers offline chat, summarise and
 repeat prompts greedily; its top-1 choice at every position is the label; same held-out split), with chat
