@@ -106,11 +106,13 @@ def target_features(args, rows: list[dict], key: dict) -> tuple[list[torch.Tenso
     return feats, time.monotonic() - t0
 
 
-def examples(rows: list[dict], feats: list[torch.Tensor], index_of: torch.Tensor,
+def examples(rows: list[dict], feats: list[torch.Tensor], vocab_ids: torch.Tensor, vocab_size: int,
              device: str) -> list[tuple]:
-    """Per row, aligned to its features: ids [T], labels as head indices [T] (-100: none or outside the
-    head's vocabulary; labels[t] is the choice after position t), where its answer starts, its kind.
+    """Per row, aligned to its features: ids [T], labels as indices into a head's vocab_ids [T] (-100: none
+    or outside that vocabulary; labels[t] is the choice after position t), where its answer starts, its kind.
     The tensors on the training device."""
+    index_of = torch.full((vocab_size,), -100, dtype=torch.int64)
+    index_of[vocab_ids] = torch.arange(len(vocab_ids))
     out = []
     for r, f in zip(rows, feats):
         n = f.shape[0]
@@ -257,10 +259,8 @@ def main() -> None:
     rank[eos_ids] = rank.max() + 1  # always predictable
     vocab_ids = rank.argsort(descending=True)[:args.vocab].sort().values
     coverage = counts[vocab_ids].sum().item() / max(1, counts.sum().item())
-    index_of = torch.full((fcfg.vocab_size,), -100, dtype=torch.int64)
-    index_of[vocab_ids] = torch.arange(len(vocab_ids))
-    train = examples(train_rows, feats[:len(train_rows)], index_of, args.device)
-    held = examples(held_rows, feats[len(train_rows):], index_of, args.device)
+    train = examples(train_rows, feats[:len(train_rows)], vocab_ids, fcfg.vocab_size, args.device)
+    held = examples(held_rows, feats[len(train_rows):], vocab_ids, fcfg.vocab_size, args.device)
     num_positions = sum(int((x[1] >= 0).sum()) for x in train)
 
     hcfg = EagleHeadConfig(hidden_size=fcfg.hidden_size, intermediate_size=args.intermediate,
@@ -319,10 +319,8 @@ def main() -> None:
             raise SystemExit(f"--compare {other}: it fuses target layers {ocfg.fuse_layers}, this run's features "
                              f"have {args.fuse_layers}")
         ohead = EagleHeadReference(ocfg, embedding, otensors).to(args.device)
-        oindex = torch.full((fcfg.vocab_size,), -100, dtype=torch.int64)
-        oindex[ohead.vocab_ids] = torch.arange(len(ohead.vocab_ids))
-        compared[other] = held_out_scores(ohead, examples(held_rows, feats[len(train_rows):], oindex, args.device),
-                                          args.k)
+        oheld = examples(held_rows, feats[len(train_rows):], ohead.vocab_ids.cpu(), fcfg.vocab_size, args.device)
+        compared[other] = held_out_scores(ohead, oheld, args.k)
     training = {"args": vars(args), "train_rows": len(train), "train_labelled_positions": num_positions,
                 "vocab_coverage": coverage, "held_out": after, "held_out_by_kind": by_kind,
                 "before_training": before, "data_seconds": round(t_data), "feature_seconds": round(t_feat),
