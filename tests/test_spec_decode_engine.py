@@ -38,8 +38,6 @@ def drafting_matches_reference(path, ps, params, wrong: float) -> LLMEngine:
     return engine
 
 
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("wrong", [0.0, 0.3, 1.0])
 def test_greedy_identical_to_non_speculative_with_partial_acceptance(arch, wrong, tiny_model_dirs):
