@@ -12,14 +12,18 @@ import pytest
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.engine.sequence import Sequence
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.models.loader import load_model
 from kvserve.sampling import sampler as sampler_module
+from kvserve.sampling.sampler import Sampler, SamplingInputs, make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.draft_format import DraftFileConfig
+from kvserve.spec_decode.draft_proposer import clone_generator
 from kvserve.spec_decode.draft_reference import DraftReference
 from kvserve.spec_decode.eagle_head import (EagleHead, EagleHeadConfig, EagleHeadReference, load_eagle_head,
                                             read_head, save_head)
+from kvserve.spec_decode.eagle_proposer import EagleProposer
 from engine_helpers import assert_no_leaks
 from spec_helpers import (PREEMPTING, abort_mid_speculation, count_draft_kinds, make_draft_file, make_engine,
                           preempting_wave, prompts, run_waves)
@@ -132,10 +136,55 @@ def test_native_greedy_step_matches_the_layers_bit_for_bit(tiny_model_dirs, tmp_
     with torch.no_grad():
         for _ in range(2):
             got_feature, got_tokens = head.greedy_step(feature, tokens)
+            logits_feature, logits = head.head_logits_step(feature, tokens)
             feature, normed = head.step(feature, tokens)
             tokens = head.greedy_tokens(normed)
             assert torch.equal(got_feature, feature) and torch.equal(got_tokens, tokens)
+            assert torch.equal(logits_feature, feature) and torch.equal(logits, head.lm_head(normed).float())
     assert len(set(tokens.tolist())) > 1
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_sampled_drafts_over_the_heads_vocabulary_are_the_full_vocabularys(tiny_model_dirs, tmp_path, quantization):
+    """A sampled draft is drawn over the head's own vocabulary, with the target's noise at those tokens
+    (EagleProposer._draft_tokens): the same tokens as the full vocabulary (the head's logits, -inf
+    elsewhere) with the same noise gives, for each stage; the noise kept for the target's row is the full
+    row the request's generator draws. Stages that name tokens by id take the full vocabulary."""
+    path, hf = tiny_model_dirs["llama"]
+    target_model = load_model(str(path), torch.float32, CPU)
+    vocab = hf.config.vocab_size
+    ref = random_head(hf, list(range(1, vocab, 3)), seed=3, inter=128)
+    file = tmp_path / "head.safetensors"
+    save_head(file, ref.cfg, ref.state_tensors())
+    head = load_eagle_head(str(file), target_model, torch.float32, CPU, quantization=quantization)
+    proposer = EagleProposer(head, CPU, eos_token_ids=[0])
+    rows = 24
+    feature = torch.randn(rows, ref.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, logits = head.head_logits_step(feature, torch.arange(rows) + 5)
+    stages = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.5, top_k=7),
+              SamplingParams(temperature=1.2, top_p=0.7), SamplingParams(temperature=1.0, min_p=0.2),
+              SamplingParams(temperature=1.0, presence_penalty=1.5, logit_bias={4: 2.0})]
+    for params in stages:
+        # Every fourth row greedy, as a batch mixing greedy and sampled requests drafts.
+        greedy = [i % 4 == 0 for i in range(rows)]
+        seqs = [Sequence(seq_id=i, request_id=str(i), index=0, token_ids=[4, 7, 4 + i], num_prompt_tokens=2,
+                         params=SamplingParams(temperature=0.0) if greedy[i] else params,
+                         generator=make_generator(100 + i)) for i in range(rows)]
+        generators = {seq.seq_id: clone_generator(seq.generator) for seq in seqs if not greedy[seq.seq_id]}
+        drafts = {seq.seq_id: [] for seq in seqs}
+        got = proposer._draft_tokens(logits, seqs, greedy, drafts, generators).tolist()
+
+        noise = [seq.spec_state.draft_noise[0] if not greedy[i] else None for i, seq in enumerate(seqs)]
+        for seq, u in zip(seqs, noise):
+            if u is not None:
+                assert torch.equal(u, Sampler.draw_uniform(clone_generator(seq.generator), vocab, CPU, torch.float32))
+        full = head.full_vocab_logits(logits)
+        want = Sampler()(full, SamplingInputs([seq.params for seq in seqs], [None] * rows,
+                                              [seq.prompt_token_ids for seq in seqs], [[4 + i] for i in range(rows)],
+                                              [0], noise)).token_ids
+        assert got == want, params
+        assert set(got) <= set(head.vocab_ids.tolist()) and len(set(got)) > 3, got
 
 
 def run(engine, waves, check: bool = False) -> dict:

@@ -60,6 +60,13 @@ def argmax(x: Tensor) -> Tensor:
     return x.argmax(dim=-1)
 
 
+def reads_token_ids(p: SamplingParams) -> bool:
+    """Whether a stage names tokens by id (logit_bias, min_tokens' stop ids, the penalties over prompt and
+    output tokens): the stages that need every row over the full vocabulary."""
+    return bool(p.logit_bias or p.min_tokens > 0 or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0)
+
+
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """The per-request generator for a seeded request (create once, pass every step)."""
     g = torch.Generator(device=device)
@@ -95,9 +102,7 @@ class Sampler:
     def _apply_penalties(self, logits: Tensor, inputs: SamplingInputs) -> Tensor:
         """Returns a copy of logits when any stage applies (the caller's tensor stays untouched)."""
         params = inputs.params
-        needs = any(p.logit_bias or p.min_tokens > 0 or p.repetition_penalty != 1.0
-                    or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
-        if not needs:
+        if not any(map(reads_token_ids, params)):
             return logits
         logits = logits.clone()
         if any(p.logit_bias for p in params):

@@ -81,7 +81,8 @@ class DraftProposer:
                 else:
                     rows.append((seq, seq.num_tokens + j - 1, [drafts[seq.seq_id][-1]]))
             logits = self._forward(rows)
-            inputs = draft_sampling_inputs([seq for seq, _ in active], drafts, generators, self.eos_token_ids, logits)
+            inputs = draft_sampling_inputs([seq for seq, _ in active], drafts, generators, self.eos_token_ids,
+                                           logits.shape[1], logits.device)
             for (seq, _), token in zip(active, self.sampler(logits, inputs).token_ids):
                 drafts[seq.seq_id].append(token)
         for seq, state, k in jobs:
@@ -115,10 +116,11 @@ class DraftProposer:
 
 def draft_sampling_inputs(seqs: list[Sequence], drafts: dict[int, list[int]],
                           generators: dict[int, torch.Generator], eos_token_ids: list[int],
-                          logits: torch.Tensor) -> SamplingInputs:
-    """Sampling one more draft token for each of seqs (rows of logits): the request's parameters without
-    logprobs, with its drafts so far counted as output (penalties), and the next noise of its cloned
-    generator (the noise the target will use there), kept in its SpecState for the target's sampler."""
+                          vocab_size: int, device: torch.device) -> SamplingInputs:
+    """Sampling one more draft token for each of seqs (rows of the draft's logits): the request's parameters
+    without logprobs, with its drafts so far counted as output (penalties), and the next noise of its cloned
+    generator (the uniforms the target will use there, over its vocab_size tokens), kept in its SpecState for
+    the target's sampler."""
     params, noise = [], []
     for seq in seqs:
         state = spec_state(seq)
@@ -131,7 +133,7 @@ def draft_sampling_inputs(seqs: list[Sequence], drafts: dict[int, list[int]],
             continue
         if not drafts[seq.seq_id]:  # the first draft position of this step
             state.draft_noise, state.draft_noise_states, state.noise_num_tokens = [], [], seq.num_tokens
-        u = Sampler.draw_uniform(g, logits.shape[1], logits.device, torch.float32)
+        u = Sampler.draw_uniform(g, vocab_size, device, torch.float32)
         state.draft_noise.append(u)
         state.draft_noise_states.append(g.get_state())
         noise.append(u)

@@ -222,11 +222,11 @@ class EagleHead(nn.Module):
         self.native_weights: list[torch.Tensor | None] | None = None  # see use_native_kernel
 
     def use_native_kernel(self) -> None:
-        """After loading: greedy_step runs as one native call (kernels/cpu/eagle_head.cpp) where the CPU
-        kernels are built and every linear layer is in their tiled layout; else it stays in Python."""
+        """After loading: greedy_step and head_logits_step run as one native call (kernels/cpu/eagle_head.cpp)
+        where the CPU kernels are built and every linear layer is in their tiled layout; else in Python."""
         parts = [tiled_weight(layer) for layer in (self.fc, self.mlp.gate_up_proj, self.mlp.down_proj, self.lm_head)]
         if (any(p is None for p in parts) or type(self.mlp.act) is not SiluAndMul or self.vocab_ids.device.type != "cpu"
-                or not cpu_kernels.available() or not hasattr(cpu_kernels.ops(), "eagle_greedy_step")):
+                or not cpu_kernels.available() or not hasattr(cpu_kernels.ops(), "eagle_step")):
             return
         fc, gate_up, down, lm_head = parts
         self.native_weights = [*fc, self.mlp_norm.weight, *gate_up, *down, self.norm.weight, *lm_head]
@@ -244,8 +244,12 @@ class EagleHead(nn.Module):
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """step()'s normed features [N, hidden] -> float32 logits over the full vocabulary, -inf outside vocab_ids."""
-        out = torch.full((normed.shape[0], self.config.vocab_size), float("-inf"), device=normed.device)
-        out[:, self.vocab_ids] = self.lm_head(normed).float()
+        return self.full_vocab_logits(self.lm_head(normed).float())
+
+    def full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the head's vocabulary [N, len(vocab_ids)] -> over the full one, -inf outside vocab_ids."""
+        out = torch.full((logits.shape[0], self.config.vocab_size), float("-inf"), device=logits.device)
+        out[:, self.vocab_ids] = logits
         return out
 
     def greedy_tokens(self, normed: torch.Tensor) -> torch.Tensor:
@@ -256,13 +260,27 @@ class EagleHead(nn.Module):
         """step() then greedy_tokens(): (the predicted next features, the head's most likely tokens). In one
         native call where use_native_kernel() set it up: at one stream on two AVX2 cores, dispatching the dozen
         small calls from Python cost about as much as the head's matmuls."""
-        if self.native_weights is None or not cpu_kernels.applies(feature):
+        if not self._runs_natively(feature):
             feature, normed = self.step(feature, token_ids)
             return feature, self.greedy_tokens(normed)
+        return cpu_kernels.ops().eagle_greedy_step(*self._native_inputs(feature, token_ids), self.native_weights,
+                                                   self.vocab_ids, self.norm.eps)
+
+    def head_logits_step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """step() then the LM head: (the predicted next features, float32 logits over the head's vocabulary
+        [N, len(vocab_ids)], what a sampled draft is drawn from). In one native call, as greedy_step."""
+        if not self._runs_natively(feature):
+            feature, normed = self.step(feature, token_ids)
+            return feature, self.lm_head(normed).float()
+        return cpu_kernels.ops().eagle_step(*self._native_inputs(feature, token_ids), self.native_weights,
+                                            self.norm.eps)
+
+    def _runs_natively(self, feature: torch.Tensor) -> bool:
+        return self.native_weights is not None and cpu_kernels.applies(feature)
+
+    def _native_inputs(self, feature: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = self.norm.weight.dtype
-        return cpu_kernels.ops().eagle_greedy_step(feature.to(dtype).contiguous(),
-                                                   self._embed[0].embed(token_ids).to(dtype).contiguous(),
-                                                   self.native_weights, self.vocab_ids, self.norm.eps)
+        return feature.to(dtype).contiguous(), self._embed[0].embed(token_ids).to(dtype).contiguous()
 
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:

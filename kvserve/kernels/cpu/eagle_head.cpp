@@ -1,4 +1,5 @@
-// The eagle head's greedy drafting step in one call, on the other kernels of this build.
+// The eagle head's drafting step in one call, on the other kernels of this build: its logits (sampled
+// drafts) or its argmax tokens (greedy drafts).
 //
 // Why: at one stream on two AVX2 cores a drafting step took ~0.85 ms in the engine, of which the head's
 // matmuls were ~0.4 ms; the rest was Python and torch dispatch between a dozen small calls (fc, two norms,
@@ -25,19 +26,17 @@ enum HeadWeight : int64_t {
   kDownQs, kDownScales, kDownMins, kNorm, kLmQs, kLmScales, kLmMins, kHeadWeights,
 };
 
-// feature, embedding [N, hidden] (the activations' dtype); vocab_ids [V'] int64: the LM head's rows as ids
-// of the full vocabulary. -> (the predicted next features [N, hidden], the drafted tokens [N] int64).
-std::tuple<at::Tensor, at::Tensor> eagle_greedy_step(const at::Tensor& feature, const at::Tensor& embedding,
-                                                     const c10::List<std::optional<at::Tensor>>& weights,
-                                                     const at::Tensor& vocab_ids, double eps) {
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kHeadWeights, "eagle_greedy_step: ", kHeadWeights,
-              " weights");
+// feature, embedding [N, hidden] (the activations' dtype) -> (the predicted next features [N, hidden], the
+// LM head's float32 logits over the head's vocabulary [N, V']): what a sampled draft is drawn from.
+std::tuple<at::Tensor, at::Tensor> eagle_step(const at::Tensor& feature, const at::Tensor& embedding,
+                                              const c10::List<std::optional<at::Tensor>>& weights, double eps) {
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kHeadWeights, "eagle_step: ", kHeadWeights, " weights");
   TORCH_CHECK(feature.dim() == 2 && embedding.sizes() == feature.sizes() &&
               embedding.scalar_type() == feature.scalar_type(),
-              "eagle_greedy_step: feature and embedding [N, hidden] of one dtype");
+              "eagle_step: feature and embedding [N, hidden] of one dtype");
   auto w = [&](HeadWeight i) -> at::Tensor {
     std::optional<at::Tensor> t = weights.get(i);
-    TORCH_CHECK(t.has_value(), "eagle_greedy_step: lacks weight ", static_cast<int64_t>(i));
+    TORCH_CHECK(t.has_value(), "eagle_step: lacks weight ", static_cast<int64_t>(i));
     return *t;
   };
   auto mins = [&](HeadWeight i) { return weights.get(i); };
@@ -51,6 +50,15 @@ std::tuple<at::Tensor, at::Tensor> eagle_greedy_step(const at::Tensor& feature, 
   fused_add_rms_norm_(normed, x, w(kNorm), eps);  // x: the next feature; normed: what the LM head reads
   at::Tensor logits = quant_linear_tiled(normed, w(kLmQs), w(kLmScales), mins(kLmMins));
   if (logits.scalar_type() != at::kFloat) logits = logits.to(at::kFloat);  // exact from bfloat16
+  return {x, logits};
+}
+
+// eagle_step, then each row's most likely token; vocab_ids [V'] int64: the LM head's rows as ids of the
+// full vocabulary. -> (the predicted next features [N, hidden], the drafted tokens [N] int64).
+std::tuple<at::Tensor, at::Tensor> eagle_greedy_step(const at::Tensor& feature, const at::Tensor& embedding,
+                                                     const c10::List<std::optional<at::Tensor>>& weights,
+                                                     const at::Tensor& vocab_ids, double eps) {
+  auto [x, logits] = eagle_step(feature, embedding, weights, eps);
   return {x, vocab_ids.index_select(0, argmax_rows(logits))};
 }
 
@@ -58,8 +66,12 @@ std::tuple<at::Tensor, at::Tensor> eagle_greedy_step(const at::Tensor& feature, 
 }  // namespace kvserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
+  m.def("eagle_step(Tensor feature, Tensor embedding, Tensor?[] weights, float eps) -> (Tensor, Tensor)");
   m.def("eagle_greedy_step(Tensor feature, Tensor embedding, Tensor?[] weights, Tensor vocab_ids, float eps) "
         "-> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) { m.impl("eagle_greedy_step", &kvserve_cpu::eagle_greedy_step); }
+TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
+  m.impl("eagle_step", &kvserve_cpu::eagle_step);
+  m.impl("eagle_greedy_step", &kvserve_cpu::eagle_greedy_step);
+}
