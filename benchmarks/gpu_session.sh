@@ -41,7 +41,8 @@ timeout "${BENCH_S:-300}" python3 benchmarks/gpu.py --shape "${SHAPE:-qwen3-0.6b
     2>&1 | tee "$OUT/bench.log"
 name=gpu
 [ "${SHAPE:-qwen3-0.6b}" = qwen3-0.6b ] || name=gpu_$SHAPE
-cp "benchmarks/results/$name.json" "benchmarks/results/$name.md" "$OUT/" 2>/dev/null  # at most 8 files come back
+results=${KVSERVE_BENCH_RESULTS:-benchmarks/results}  # where benchmarks/common.py writes
+cp "$results/$name.json" "$results/$name.md" "$OUT/" 2>/dev/null  # at most 8 files come back
 
 echo "== 3. the engine's own tests, on CUDA"
 timeout "${MORE_S:-80}" python3 -m pytest -q -p no:cacheprovider --timeout 60 -rfE \

