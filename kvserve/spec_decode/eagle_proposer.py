@@ -82,9 +82,10 @@ class EagleProposer:
         width for the shipped head (4,096 of 49,152 tokens). Stages that name tokens by id (penalties,
         logit_bias, min_tokens) run over the full vocabulary."""
         vocab_ids = self.model.vocab_ids
-        s = [i for i, x in enumerate(greedy) if not x]
-        sampled = logits if len(s) == len(seqs) else logits[s]  # indexing copies (~20 us a call)
-        inputs = draft_sampling_inputs([seqs[i] for i in s], drafts, generators, self.eos_token_ids,
+        rows = [i for i, x in enumerate(greedy) if not x]  # the sampled ones
+        everyone = len(rows) == len(seqs)
+        sampled = logits if everyone else logits[rows]  # indexing copies (~20 us a call)
+        inputs = draft_sampling_inputs([seqs[i] for i in rows], drafts, generators, self.eos_token_ids,
                                        self.model.config.vocab_size, logits.device)
         if any(map(reads_token_ids, inputs.params)):
             tokens = torch.tensor(self.sampler(self.model.full_vocab_logits(sampled), inputs).token_ids,
@@ -92,8 +93,8 @@ class EagleProposer:
         else:
             inputs.noise = [u if u is None else u[vocab_ids] for u in inputs.noise]
             tokens = vocab_ids[self.sampler(sampled, inputs).token_ids]
-        if len(s) == len(seqs):
+        if everyone:
             return tokens
         out = vocab_ids[argmax(logits)]  # the greedy rows' drafts
-        out[s] = tokens
+        out[rows] = tokens
         return out
