@@ -15,12 +15,13 @@ step carries only the draft tokens that this engine's measured step times say pa
 disable_by_batch_size running sequences, per-request pauses on low acceptance); ngram-fixed (the same,
 but every step drafts all k tokens: adaptive_draft_length false);
 ngram-always (all k tokens in every step, no batch limit, no pauses: to find the crossover batch size);
+ngram-unlimited (the adaptive defaults without the batch limit: what the per-step draft length alone does);
 ngram-plain (ngram with tokens matched only as themselves, no whitespace classes: kvserve/spec_decode/ngram.py);
 ngram-one-class (ngram with one acceptance record for all drafts, not one per match length: draft_length.py);
 ngram-one-length (ngram with one draft length for every sequence of a step, not one per sequence);
 ngram-long (ngram with num_speculative_tokens and prompt_lookup_max --ngram-long-k, for copies);
 draft, draft-fixed, draft-always, the same with the draft model (--draft-model, default: the draft shipped
-for the default model, k = --draft-k); eagle, eagle-fixed, eagle-always, the same with the eagle head
+for the default model, k = --draft-k); eagle, eagle-fixed, eagle-always, eagle-unlimited, the same with the eagle head
 (--eagle-model, default: the shipped head, k = --eagle-k); eagle-lookup, the head with prompt lookup in
 front of it (lookup --prompt-lookup-min..max drafts where the last tokens occurred before, the head
 elsewhere; k = --eagle-lookup-k for both); eagle-b, eagle with a second head (--eagle-b-model, e.g. an
@@ -114,6 +115,8 @@ def method_config(method: str, args) -> dict | None:
         cfg.update(disable_by_batch_size=None, min_acceptance_rate=0.0, adaptive_draft_length=False)
     elif method.endswith("-fixed"):
         cfg.update(adaptive_draft_length=False)
+    elif method.endswith("-unlimited"):
+        cfg.update(disable_by_batch_size=None)
     return cfg
 
 
@@ -351,7 +354,7 @@ def main() -> None:
                     choices=["none", "none-control", "ngram-plain", "ngram-one-class", "ngram-one-length",
                              "ngram-long", "eagle-lookup",
                              *(m + v for m in ("ngram", "draft", "eagle", "eagle-b")
-                               for v in ("", "-fixed", "-always"))])
+                               for v in ("", "-fixed", "-always", "-unlimited"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
     ap.add_argument("--max-tokens", type=int, default=128, help="per request of summarise and chat")
     ap.add_argument("--repeat-max-tokens", default="text",

@@ -30,6 +30,8 @@ METHODS = ("ngram", "draft", "eagle")
 #   drafts only for a lone sequence, where the per-request pause bounds the loss (0.86-0.95x).
 # - eagle (the shipped head, acceptance ~0.2-0.3 per draft token): about 1.05x at 1 sequence, 0.70x drafting
 #   every step at 4 (copies; benchmarks/results/speculative.md, git a18a5c7): a lone sequence only, as draft.
+#   Still so with the head trained on a GPU (~0.44 on chat) and the per-step draft length deciding alone:
+#   0.92x at 2 sequences, 0.96x at 4 (AVX2, benchmarks/results/speculative_eagle_unlimited_avx2.md).
 # - On a real AVX2 CPU (Zen 3, 2 cores; benchmarks/results/speculative_avx2.md, git 2999fc8) a step is
 #   compute-bound already at 4 sequences, and drafting all k tokens there lost on chat (ngram-fixed 0.82-0.84x
 #   at 4); the per-step draft length (adaptive_draft_length, draft_length.py) recovers most of that (0.92-0.98x)
