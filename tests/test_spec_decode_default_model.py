@@ -30,6 +30,7 @@ def generate(llm: LLM, speculate: bool, prompts, params):
     spec = engine.speculator
     if not speculate:
         engine.speculator = None
+        engine.runner.keep_hidden = False  # an eagle run before this one left it on
     engine.reset_prefix_cache()
     try:
         before = engine.get_stats()
@@ -99,8 +100,8 @@ def test_shipped_draft_greedy_identical_with_preemption_and_prefix_hits(referenc
 
 def test_shipped_eagle_head_greedy_identical_with_preemption():
     """The eagle head shipped for the default model, as a user gets it (the target kept quantized, the head
-    int8, its greedy drafting step one native call where the CPU kernels are built): the output of the same
-    engine without speculation, with preemptions, and many drafts accepted."""
+    int8, its drafting step one native call where the CPU kernels are built): the output of the same engine
+    without speculation, greedy with preemptions and seeded sampling, and many drafts accepted."""
     llm = LLM(dtype="float32", block_size=16, max_num_batched_tokens=64, num_kv_blocks=12,
               speculative_config={"method": "eagle", "num_speculative_tokens": 1, "disable_by_batch_size": None,
                                   "adaptive_draft_length": False})
@@ -115,3 +116,15 @@ def test_shipped_eagle_head_greedy_identical_with_preemption():
     drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
     # 40-60% on these prompts; a head reading a stale or wrong feature accepts next to nothing.
     assert accepted > 0.25 * drafted > 0, (accepted, drafted)
+
+    # Seeded sampling: the same tokens, the drafts sampled over the head's own vocabulary in one native step
+    # (EagleProposer._draft_tokens) with the noise the target samples with.
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, ignore_eos=True, seed=3)
+    ref, _, _ = generate(llm, False, PROMPTS, params)
+    outs, before, after = generate(llm, True, PROMPTS, params)
+    for r, o in zip(ref, outs):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    # 0.52 here (AVX2); drafts sampled with noise other than the target's accepted 0.30.
+    assert accepted > 0.4 * drafted > 0, (accepted, drafted)
