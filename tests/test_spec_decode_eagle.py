@@ -103,7 +103,7 @@ def test_a_loaded_head_keeps_its_weights_when_its_file_is_rewritten(tiny_model_d
     feature = torch.randn(5, head.config.hidden_size, generator=torch.Generator().manual_seed(0))
     tokens = torch.tensor([6, 23, 14, 31, 5])
     with torch.no_grad():
-        before = head.compute_logits(head.step(feature, tokens)[1])
+        before = head.full_vocab_logits(head.head_logits_step(feature, tokens)[1])
         vocab_before = head.vocab_ids.clone()
         # The same head with its vocabulary rotated: a file of the same size, so no page of the mapping
         # goes past its end.
@@ -116,7 +116,7 @@ def test_a_loaded_head_keeps_its_weights_when_its_file_is_rewritten(tiny_model_d
         with open(file, "r+b") as f:  # in place, as cp does: the same inode, so the same mapping
             f.write(other)
         assert torch.equal(head.vocab_ids, vocab_before)
-        assert torch.equal(head.compute_logits(head.step(feature, tokens)[1]), before)
+        assert torch.equal(head.full_vocab_logits(head.head_logits_step(feature, tokens)[1]), before)
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no native CPU kernels on this machine")
@@ -222,7 +222,8 @@ def test_eagle_head_matches_the_reference(tiny_model_dirs, heads):
         want[:, tensors["vocab_ids"]] = ref.logits(want_f)
         got_f, got_normed = head.step(feature, tokens)
         torch.testing.assert_close(got_f, want_f, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(head.compute_logits(got_normed), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(head.full_vocab_logits(head.head_logits_step(feature, tokens)[1]), want,
+                                   atol=1e-4, rtol=1e-4)
         assert torch.equal(head.greedy_tokens(got_normed), tensors["vocab_ids"][ref.logits(want_f).argmax(-1)])
 
 

@@ -233,7 +233,7 @@ class EagleHead(nn.Module):
 
     def step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, hidden] features and [N] next tokens -> (the predicted next features, the same through the
-        final norm: what compute_logits and greedy_tokens read)."""
+        final norm: what the LM head reads)."""
         dtype = self.norm.weight.dtype
         x = self.fc(torch.cat([feature.to(dtype), self._embed[0].embed(token_ids).to(dtype)], -1))
         # Both norms as residual-add + norm, which the CPU kernels fuse (torch's rms_norm of one 576-wide row
@@ -241,10 +241,6 @@ class EagleHead(nn.Module):
         h, x = self.mlp_norm(x, torch.zeros_like(x))
         normed, x = self.norm(self.mlp(h), x)
         return x, normed
-
-    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """step()'s normed features [N, hidden] -> float32 logits over the full vocabulary, -inf outside vocab_ids."""
-        return self.full_vocab_logits(self.lm_head(normed).float())
 
     def full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the head's vocabulary [N, len(vocab_ids)] -> over the full one, -inf outside vocab_ids."""
