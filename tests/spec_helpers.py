@@ -73,6 +73,24 @@ def count_draft_kinds(engine: LLMEngine) -> dict[str, dict[str, int]]:
     return kinds
 
 
+def generate_with(llm, speculate: bool, prompts, params):
+    """llm.generate with its engine's speculator, or with none (speculate False), from an empty prefix cache:
+    (outputs, engine stats before, after)."""
+    engine = llm.engine
+    spec = engine.speculator
+    if not speculate:
+        engine.speculator = None
+        engine.runner.keep_hidden = False  # an eagle step before this one left it on (each step sets it)
+    engine.reset_prefix_cache()
+    try:
+        before = engine.get_stats()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        after = engine.get_stats()
+    finally:
+        engine.speculator = spec
+    return outs, before, after
+
+
 def num_tokens_now(engine: LLMEngine) -> dict[int, int]:
     return {seq.seq_id: seq.num_tokens for seq in engine.scheduler.running}
 

@@ -6,6 +6,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.spec_decode.speculator import Speculator
+from spec_helpers import generate_with
 
 CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
         "def mul(a, b):\n    return a * b\n\n\n")
@@ -25,38 +26,22 @@ def llm() -> LLM:
                                    "adaptive_draft_length": False})
 
 
-def generate(llm: LLM, speculate: bool, prompts, params):
-    engine = llm.engine
-    spec = engine.speculator
-    if not speculate:
-        engine.speculator = None
-        engine.runner.keep_hidden = False  # an eagle run before this one left it on
-    engine.reset_prefix_cache()
-    try:
-        before = engine.get_stats()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        after = engine.get_stats()
-    finally:
-        engine.speculator = spec
-    return outs, before, after
-
-
 @pytest.fixture(scope="module")
 def reference(llm: LLM):
     """The engine without speculation, greedy: (first wave's outputs, its stats, the second wave's prompts
     and outputs). Both tests compare against it (logprobs do not change greedy tokens)."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
-    ref, _, ref_stats = generate(llm, False, PROMPTS, params)
+    ref, _, ref_stats = generate_with(llm, False, PROMPTS, params)
     # Second wave: the first wave's prompts plus part of their outputs (prefix-cache hits on generated blocks).
     second = [o.prompt_token_ids + o.outputs[0].token_ids[:30] for o in ref]
-    ref2, _, _ = generate(llm, False, second, params)
+    ref2, _, _ = generate_with(llm, False, second, params)
     return ref, ref_stats, second, ref2
 
 
 def test_greedy_identical_with_preemption_and_prefix_hits(llm, reference):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
     ref, ref_stats, second, ref2 = reference
-    outs, before, after = generate(llm, True, PROMPTS, params)
+    outs, before, after = generate_with(llm, True, PROMPTS, params)
     outs2 = llm.generate(second, params, use_tqdm=False)
     after2 = llm.engine.get_stats()
     for r, o in zip(ref + ref2, outs + outs2):
@@ -84,7 +69,7 @@ def test_shipped_draft_greedy_identical_with_preemption_and_prefix_hits(referenc
                                         "adaptive_draft_length": False})
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ref, _, second, ref2 = reference
-    outs, before, after = generate(draft_llm, True, PROMPTS, params)
+    outs, before, after = generate_with(draft_llm, True, PROMPTS, params)
     outs2 = draft_llm.generate(second, params, use_tqdm=False)
     after2 = draft_llm.engine.get_stats()
     for r, o in zip(ref + ref2, outs + outs2):
@@ -107,8 +92,8 @@ def test_shipped_eagle_head_greedy_identical_with_preemption():
                                   "adaptive_draft_length": False})
     assert (llm.engine.speculator.draft.model.native_weights is not None) == cpu_kernels.available()
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    ref, _, _ = generate(llm, False, PROMPTS, params)
-    outs, before, after = generate(llm, True, PROMPTS, params)
+    ref, _, _ = generate_with(llm, False, PROMPTS, params)
+    outs, before, after = generate_with(llm, True, PROMPTS, params)
     for r, o in zip(ref, outs):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
     assert after.num_preemptions > before.num_preemptions
@@ -120,8 +105,8 @@ def test_shipped_eagle_head_greedy_identical_with_preemption():
     # Seeded sampling: the same tokens, the drafts sampled over the head's own vocabulary in one native step
     # (EagleProposer._draft_tokens) with the noise the target samples with.
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, ignore_eos=True, seed=3)
-    ref, _, _ = generate(llm, False, PROMPTS, params)
-    outs, before, after = generate(llm, True, PROMPTS, params)
+    ref, _, _ = generate_with(llm, False, PROMPTS, params)
+    outs, before, after = generate_with(llm, True, PROMPTS, params)
     for r, o in zip(ref, outs):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
     accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
