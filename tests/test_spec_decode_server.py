@@ -1,8 +1,10 @@
 """`kvserve serve --speculative-config`: the flag reaches the engine process, greedy completions are those of
 the engine without speculation, /metrics exports vLLM's spec_decode_* counters and the stats line the
-acceptance rate."""
+acceptance rate; streams carry accepted runs with stops and seeded samples as without speculation, and a
+client that disconnects frees its blocks."""
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -16,29 +18,101 @@ PROMPT = "Copy the list: apples, pears, plums, cherries, grapes, lemons. Copy: a
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'
 
 
-def test_server_speculates_and_exports_counters():
-    from kvserve import LLM, SamplingParams
-    expected = LLM(dtype="float32", quantization="none", max_model_len=256, num_threads=1).generate(
-        PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
-
+@pytest.fixture(scope="module")
+def server():
     args = ["--dtype", "float32", "--quantization", "none", "--max-model-len", "256", "--num-kv-blocks", "64",
             "--log-stats-interval", "0.5", "--speculative-config", SPEC]
-    with RemoteServer(args) as server, httpx.Client(base_url=server.base_url, timeout=120) as http:
+    with RemoteServer(args) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """The same model without speculation, in this process: the reference outputs."""
+    from kvserve import LLM
+    return LLM(dtype="float32", quantization="none", max_model_len=256, num_threads=1)
+
+
+def metrics(http: httpx.Client) -> dict[str, float]:
+    """{sample name + its position label: value} from /metrics."""
+    values = {}
+    for fam in text_string_to_metric_families(http.get("/metrics").text):
+        for s in fam.samples:
+            values[s.name + s.labels.get("position", "")] = s.value
+    return values
+
+
+def wait_for(pred, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_server_speculates_and_exports_counters(server, llm):
+    from kvserve import SamplingParams
+    expected = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
         r = http.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": PROMPT,
                                                "max_tokens": 24, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expected
-        values = {}
-        for fam in text_string_to_metric_families(http.get("/metrics").text):
-            for s in fam.samples:
-                values[s.name + s.labels.get("position", "")] = s.value
+        values = metrics(http)
         assert values["kvserve:spec_decode_num_drafts_total"] > 0
         assert values["kvserve:spec_decode_num_draft_tokens_total"] >= values["kvserve:spec_decode_num_drafts_total"]
         assert 0 < values["kvserve:spec_decode_num_accepted_tokens_total"] <= \
                values["kvserve:spec_decode_num_draft_tokens_total"]
         assert values["kvserve:spec_decode_num_accepted_tokens_per_pos_total0"] >= \
                values["kvserve:spec_decode_num_accepted_tokens_per_pos_total1"]
-        deadline = time.monotonic() + 10
-        while "Draft acceptance rate" not in server.output() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert "Draft acceptance rate" in server.output()
+        wait_for(lambda: "Draft acceptance rate" in server.output(), "the stats line")
+
+
+def stream_texts(http: httpx.Client, body: dict) -> tuple[list[str], list[str | None]]:
+    """A streamed completion's text and finish reason per choice, from its SSE events."""
+    texts: list[str] = [""] * body.get("n", 1)
+    reasons: list[str | None] = [None] * len(texts)
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line and line != "data: [DONE]":
+                for c in json.loads(line.removeprefix("data: "))["choices"]:
+                    texts[c["index"]] += c["text"]
+                    reasons[c["index"]] = c["finish_reason"] or reasons[c["index"]]
+    return texts, reasons
+
+
+def test_streams_with_drafts_stop_where_decoding_does_and_a_disconnect_frees_the_blocks(server, llm):
+    """Accepted runs reach the client as multi-token deltas: streamed, a stop string inside a run ends the text
+    where the engine without speculation ends it, and seeded sampling (n = 2) gives its samples. A client
+    that leaves mid-stream, with drafts in flight, gets its request aborted and its blocks freed."""
+    from kvserve import SamplingParams
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 24}
+    cases = [({"temperature": 0, "stop": [" grapes"]}, SamplingParams(temperature=0, max_tokens=24, stop=[" grapes"])),
+             ({"temperature": 0.8, "top_p": 0.9, "seed": 7, "n": 2},
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=2, max_tokens=24))]
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        for extra, params in cases:
+            drafts_before = metrics(http).get("kvserve:spec_decode_num_drafts_total", 0.0)  # absent before any draft
+            want = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs
+            texts, reasons = stream_texts(http, {**body, **extra})
+            assert texts == [o.text for o in want]
+            assert reasons == [o.finish_reason for o in want]
+            assert metrics(http)["kvserve:spec_decode_num_drafts_total"] > drafts_before
+            if "stop" in extra:
+                assert reasons == ["stop"]  # the copy reached the stop string
+
+        before = metrics(http)
+        with http.stream("POST", "/v1/completions", json={**body, "max_tokens": 200, "ignore_eos": True,
+                                                          "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                while not next(lines):
+                    pass
+            during = metrics(http)
+            assert during["kvserve:num_requests_running"] == 1
+            assert during["kvserve:kv_cache_usage_perc"] > before["kvserve:kv_cache_usage_perc"]
+        # leaving the block closes the connection mid-stream
+        wait_for(lambda: metrics(http)["kvserve:num_requests_running"] == 0, "the aborted request to leave")
+        after = metrics(http)
+        assert after["kvserve:kv_cache_usage_perc"] == before["kvserve:kv_cache_usage_perc"]
+        assert after["kvserve:spec_decode_num_drafts_total"] > before["kvserve:spec_decode_num_drafts_total"]
