@@ -1,6 +1,7 @@
 """Speculative decoding against random mixes of request parameters, on the default model as a user gets it
 (its 4-bit projections): every method's output equals the same engine's without speculation, token for
-token, with the same text, finish and stop reasons and logprobs, under preemptions and chunked prefill.
+token, with the same text, finish and stop reasons and logprobs (bit for bit where the CPU kernels run), under
+preemptions and chunked prefill.
 
 The hand-picked cases of test_spec_decode_engine.py check each feature; this draws combinations of them
 (greedy and seeded sampling with every logits stage, stop strings and ids with min_tokens, max_tokens 1 and
@@ -11,6 +12,7 @@ import random
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.kernels import cpu as cpu_kernels
 from spec_helpers import generate_with
 
 PROMPTS = ["Repeat this list: red, green, blue, red, green, blue, yellow. Again: red, green,",
@@ -63,13 +65,16 @@ def random_case(rng: random.Random) -> tuple[SamplingParams, list[str]]:
 
 
 def assert_same_logprobs(got, want) -> None:
+    """Equal where kvserve's CPU kernels run: a row's logits do not depend on the other rows of its step. On the
+    torch path (KVSERVE_CPU_ISA=none) a multi-row matmul may round differently from a one-row one (1e-5 here)."""
+    tol = 0.0 if cpu_kernels.available() else 1e-4
     assert (got is None) == (want is None)
     for g, w in zip(got or [], want or []):
         assert (g is None) == (w is None)
         if g is not None:
             assert list(g) == list(w)
             for t in g:
-                assert g[t].logprob == pytest.approx(w[t].logprob, abs=1e-5) and g[t].rank == w[t].rank
+                assert g[t].logprob == pytest.approx(w[t].logprob, abs=tol, rel=0) and g[t].rank == w[t].rank
 
 
 @pytest.mark.parametrize("method", list(METHODS))
