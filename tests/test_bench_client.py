@@ -125,7 +125,9 @@ def test_client_times_text_chunks_and_reads_usage(endpoint):
     # Role-only, finish and usage chunks are not tokens: 5 text chunks -> 4 gaps.
     assert len(r.itl) == 4
     assert FIRST_DELAY * 0.9 <= r.ttft < FIRST_DELAY + 1.0
-    assert all(GAP * 0.9 <= g < GAP + 1.0 for g in r.itl)
+    # The server spaces text chunks GAP apart; a chunk the client reads late shortens the next gap by as much
+    # (seen once in CI: one gap under 0.9 GAP), so the gaps' sum is bounded below, not each gap.
+    assert all(0 <= g < GAP + 1.0 for g in r.itl) and sum(r.itl) >= 0.9 * GAP * len(r.itl)
     assert r.latency >= r.ttft + sum(r.itl) - 1e-6
 
 

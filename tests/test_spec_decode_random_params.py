@@ -19,7 +19,8 @@ PROMPTS = ["Repeat this list: red, green, blue, red, green, blue, yellow. Again:
            "Write a short poem about the sea.", "The capital of France is",
            "def fib(n):\n    if n < 2:\n        return n\n", "Explain what a hash map is in two sentences.",
            "List three fruits:", "Once upon a time", "Translate to French: good morning, my friend."]
-# Drafting in every step and for every request, k as each method's longest useful draft here.
+# Drafting in every step and for every request; eagle drafts two tokens, so its head also drafts from its
+# own predicted feature.
 ALWAYS = {"disable_by_batch_size": None, "min_acceptance_rate": 0.0, "adaptive_draft_length": False}
 METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4},
