@@ -271,7 +271,8 @@ def main() -> None:
                                    num_key_value_heads=fcfg.num_key_value_heads, head_dim=fcfg.head_dim,
                                    rope_theta=fcfg.rope_theta)
     head = initial_head(hcfg, embedding, vocab_ids, args.seed).to(args.device)
-    soft_lm_head = embedding[vocab_ids].to(args.device)  # the target's LM head is its embedding (tied)
+    # --soft-labels reads the target's distribution off its LM head, which is its embedding (tied).
+    soft_lm_head = embedding[vocab_ids].to(args.device) if args.soft_labels > 0 else None
     before = acceptance(head, held, args.k)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
     warmup = max(0.05, 2 / args.steps)
