@@ -11,9 +11,9 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.entrypoints.openai.launcher import RemoteServer
+from server_helpers import metrics, wait_for
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -51,29 +51,6 @@ def http(server):
 def offline():
     from kvserve import LLM
     return LLM(max_model_len=MAX_MODEL_LEN, num_threads=1)
-
-
-def metrics(http: httpx.Client) -> dict[str, float]:
-    """{sample name with labels: value} from /metrics."""
-    out = {}
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
-                              if k not in ("model_name", "replica", "le"))
-            key = s.name + (f"{{{labels}}}" if labels else "")
-            if "le" in s.labels:
-                continue
-            out[key] = s.value
-    return out
-
-
-def wait_for(pred, timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def wait_idle(http: httpx.Client) -> dict[str, float]:

@@ -5,13 +5,12 @@ client that disconnects frees its blocks."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.entrypoints.openai.launcher import RemoteServer
+from server_helpers import metrics, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = "Copy the list: apples, pears, plums, cherries, grapes, lemons. Copy: apples, pears,"
@@ -33,22 +32,6 @@ def llm():
     return LLM(dtype="float32", quantization="none", max_model_len=256, num_threads=1)
 
 
-def metrics(http: httpx.Client) -> dict[str, float]:
-    """{sample name + its position label: value} from /metrics."""
-    values = {}
-    for fam in text_string_to_metric_families(http.get("/metrics").text):
-        for s in fam.samples:
-            values[s.name + s.labels.get("position", "")] = s.value
-    return values
-
-
-def wait_for(pred, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_server_speculates_and_exports_counters(server, llm):
     from kvserve import SamplingParams
     expected = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
@@ -62,9 +45,9 @@ def test_server_speculates_and_exports_counters(server, llm):
         assert values["kvserve:spec_decode_num_draft_tokens_total"] >= values["kvserve:spec_decode_num_drafts_total"]
         assert 0 < values["kvserve:spec_decode_num_accepted_tokens_total"] <= \
                values["kvserve:spec_decode_num_draft_tokens_total"]
-        assert values["kvserve:spec_decode_num_accepted_tokens_per_pos_total0"] >= \
-               values["kvserve:spec_decode_num_accepted_tokens_per_pos_total1"]
-        wait_for(lambda: "Draft acceptance rate" in server.output(), "the stats line")
+        assert values["kvserve:spec_decode_num_accepted_tokens_per_pos_total{position=0}"] >= \
+               values["kvserve:spec_decode_num_accepted_tokens_per_pos_total{position=1}"]
+        wait_for(lambda: "Draft acceptance rate" in server.output(), 10, "the stats line")
 
 
 def stream_texts(http: httpx.Client, body: dict) -> tuple[list[str], list[str | None]]:
@@ -111,7 +94,7 @@ def test_streams_with_drafts_stop_where_decoding_does_and_a_disconnect_frees_the
             usage = "kvserve:kv_cache_usage_perc"
             assert during["kvserve:num_requests_running"] == 1 and during[usage] > before[usage]
         # Leaving the block closes the connection mid-stream.
-        wait_for(lambda: metrics(http)["kvserve:num_requests_running"] == 0, "the aborted request to leave")
+        wait_for(lambda: metrics(http)["kvserve:num_requests_running"] == 0, 10, "the aborted request to leave")
         after = metrics(http)
         assert after[usage] == before[usage]
         assert after["kvserve:spec_decode_num_drafts_total"] > before["kvserve:spec_decode_num_drafts_total"]

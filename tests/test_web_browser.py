@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.entrypoints.openai.launcher import RemoteServer
+from server_helpers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
@@ -77,16 +78,6 @@ def browser():
 
 
 # ---------------------------------------------------------------- helpers
-
-def wait_for(pred, timeout_s: float = 30.0, what: str = "condition", every_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise AssertionError(f"timed out waiting for {what}")
-
 
 def js(browser, script: str, *args):
     return browser.execute_script(script, *args)
