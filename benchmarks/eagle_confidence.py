@@ -23,6 +23,7 @@ from train_eagle import examples
 from kvserve.spec_decode.eagle_head import SHIPPED_HEAD, EagleHeadReference, read_head
 
 EDGES = [0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+DEPTH = 2  # draft tokens per position: the first, and the second given the first
 
 
 @torch.no_grad()
@@ -31,12 +32,12 @@ def draft_pairs(head: EagleHeadReference, rows: list[tuple]) -> dict[str, torch.
     answer position: p1, first token accepted, p2, second token accepted."""
     out: dict[str, list[torch.Tensor]] = {"bench": [], "other": []}
     for ids, labels, feats, answer_start, kind in rows:
-        first, end = max(answer_start - 1, 0), ids.shape[0] - 3
+        first, end = max(answer_start - 1, 0), ids.shape[0] - DEPTH - 1  # as train_eagle.acceptance()
         if end <= first:
             continue
-        chains = head.unrolled(feats.float(), ids, 2)
+        chains = head.unrolled(feats.float(), ids, DEPTH)
         cols = []
-        for j in range(2):
+        for j in range(DEPTH):
             p, pred = head.logits(chains[j][first:end]).float().softmax(-1).max(-1)
             cols += [p, (pred == labels[first + 1 + j:end + 1 + j]).float()]
         out["bench" if kind == "bench" else "other"].append(torch.stack(cols, 1))
