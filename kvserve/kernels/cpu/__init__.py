@@ -14,12 +14,13 @@ the best this CPU supports. A forced ISA this CPU lacks logs a warning and falls
 (loading it would die of an illegal instruction). KVSERVE_CPU_KERNELS=0 is kept as an alias for none,
 and wins over KVSERVE_CPU_ISA. Call sites check applies(t), then call ops().<op>(...).
 
-The build is cached by torch (under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), so only the
-first process on a machine pays for it (45-100 s a variant on the 2-core dev machine). Its folder is named
-by what goes into it (sources, flags, torch), and it compiles copies of the sources kept there: checkouts
-and venvs that share the cache then share a build, where one folder per variant made them rebuild it in
-turn (ninja rebuilds when a compile command changes, and the source path is part of it). Anything that
-stops it (no compiler, no supported ISA, a failed build) leaves the torch paths in place, and is logged once.
+The build is cached by torch (under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), so only the first
+process on a machine pays for it (the avx2 variant: ~60 s on the 2-core dev machine; bindings.cpp says why
+registration has a file of its own). Its folder is named by what goes into it (sources, flags, torch), and
+it compiles copies of the sources kept there: checkouts and venvs that share the cache then share a build,
+where one folder per variant made them rebuild it in turn (ninja rebuilds when a compile command changes,
+and the source path is part of it). Anything that stops it (no compiler, no supported ISA, a failed build)
+leaves the torch paths in place, and is logged once.
 """
 from __future__ import annotations
 

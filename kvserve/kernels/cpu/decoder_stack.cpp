@@ -13,8 +13,8 @@
 // which is what kvserve/models/llama.py's DecoderLayer does for a model without q/k norms or biases,
 // weights in an interleaved quantized layout (quant_linear_x16.cpp, or quant_linear_x8.cpp where N is a
 // multiple of 8 but not 16), and every attention row on the paged kernel.
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cstdint>
 #include <optional>
@@ -83,12 +83,3 @@ void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::T
 
 }  // namespace KVSERVE_NS
 }  // namespace kvserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
-  m.def("decoder_stack_(Tensor(a!) x, Tensor(b!) residual, Tensor positions, Tensor?[] weights, "
-        "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor cos_sin, Tensor slots, Tensor row_token, "
-        "Tensor row_seq, Tensor row_len, Tensor block_tables, int num_heads, float eps, float scale, "
-        "int[] windows, float[] k_scales, float[] v_scales) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) { m.impl("decoder_stack_", &kvserve_cpu::decoder_stack_); }

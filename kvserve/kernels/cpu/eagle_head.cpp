@@ -9,8 +9,9 @@
 // With e the next token's embedding: x = fc([feature; e]); h = rms_norm(x); x += down(silu(gate) * up)(h);
 // token = vocab_ids[argmax(lm_head(rms_norm(x)))]. Weights in an interleaved quantized layout
 // (quant_linear_x16.cpp or quant_linear_x8.cpp).
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <optional>
 #include <tuple>
@@ -64,14 +65,3 @@ std::tuple<at::Tensor, at::Tensor> eagle_greedy_step(const at::Tensor& feature, 
 
 }  // namespace KVSERVE_NS
 }  // namespace kvserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
-  m.def("eagle_step(Tensor feature, Tensor embedding, Tensor?[] weights, float eps) -> (Tensor, Tensor)");
-  m.def("eagle_greedy_step(Tensor feature, Tensor embedding, Tensor?[] weights, Tensor vocab_ids, float eps) "
-        "-> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
-  m.impl("eagle_step", &kvserve_cpu::eagle_step);
-  m.impl("eagle_greedy_step", &kvserve_cpu::eagle_greedy_step);
-}

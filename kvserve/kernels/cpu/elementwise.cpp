@@ -5,10 +5,10 @@
 // bfloat16 results are rounded at the same points as the torch code they replace (kvserve/layers), so
 // the two agree to within a rounding step: RMSNorm normalises in float32, rounds, then multiplies by
 // the weight; SiLU rounds before the multiply by `up`.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
@@ -208,17 +208,3 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 }  // namespace KVSERVE_NS
 }  // namespace kvserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
-  m.def("fused_add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
-  m.def("gemma_rms_norm(Tensor x, Tensor(a!)? residual, Tensor weight, float eps) -> Tensor");
-  m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos_sin) -> ()");
-  m.def("silu_and_mul(Tensor x) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
-  m.impl("fused_add_rms_norm_", &kvserve_cpu::fused_add_rms_norm_);
-  m.impl("gemma_rms_norm", &kvserve_cpu::gemma_rms_norm);
-  m.impl("rotary_", &kvserve_cpu::rotary_);
-  m.impl("silu_and_mul", &kvserve_cpu::silu_and_mul);
-}

@@ -1,11 +1,15 @@
-// The kernels' entry points, declared for kernels that call others directly (decoder_stack.cpp) instead of
-// through the dispatcher. Each build (one per instruction set) defines them in its own inline namespace,
-// as vec.h does for its helpers, so two builds loaded into one process never bind to each other's code.
+// The kernels' entry points: registered with torch in bindings.cpp, and called directly by kernels that use
+// others (decoder_stack.cpp, eagle_head.cpp) instead of through the dispatcher. Each build (one per
+// instruction set) defines them in its own inline namespace, as vec.h does for its helpers, so two builds
+// loaded into one process never bind to each other's code.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Generator.h>
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <tuple>
 
 #ifndef KVSERVE_NS
 #error "KVSERVE_NS (the torch.ops namespace of this build, e.g. kvserve_avx2) must be defined"
@@ -16,6 +20,21 @@ inline namespace KVSERVE_NS {
 
 // argmax.cpp
 at::Tensor argmax_rows(const at::Tensor& x);
+
+// decoder_stack.cpp
+void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& positions,
+                    const c10::List<std::optional<at::Tensor>>& weights, at::TensorList k_caches,
+                    at::TensorList v_caches, const at::Tensor& cos_sin, const at::Tensor& slots,
+                    const at::Tensor& row_token, const at::Tensor& row_seq, const at::Tensor& row_len,
+                    const at::Tensor& block_tables, int64_t num_heads, double eps, double scale,
+                    at::IntArrayRef windows, at::ArrayRef<double> k_scales, at::ArrayRef<double> v_scales);
+
+// eagle_head.cpp
+std::tuple<at::Tensor, at::Tensor> eagle_step(const at::Tensor& feature, const at::Tensor& embedding,
+                                              const c10::List<std::optional<at::Tensor>>& weights, double eps);
+std::tuple<at::Tensor, at::Tensor> eagle_greedy_step(const at::Tensor& feature, const at::Tensor& embedding,
+                                                     const c10::List<std::optional<at::Tensor>>& weights,
+                                                     const at::Tensor& vocab_ids, double eps);
 
 // elementwise.cpp
 void fused_add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
@@ -32,13 +51,24 @@ void paged_attention_(const at::Tensor& q, const at::Tensor& out, const at::Tens
 void cache_kv_(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
                const at::Tensor& slots, double k_scale, double v_scale);
 
+// quant_linear.cpp
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& mins, int64_t group);
+
 // quant_linear_x8.cpp
 at::Tensor quant_linear_x8(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                            const std::optional<at::Tensor>& mins);
+at::Tensor quant_embedding_x8(const at::Tensor& ids, const at::Tensor& wq, const at::Tensor& scales,
+                              const std::optional<at::Tensor>& mins, at::ScalarType dtype);
 
 // quant_linear_x16.cpp
 at::Tensor quant_linear_x16(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                             const std::optional<at::Tensor>& mins);
+at::Tensor quant_embedding_x16(const at::Tensor& ids, const at::Tensor& wq, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& mins, at::ScalarType dtype);
+
+// uniform.cpp
+void mt19937_uniform_(const at::Tensor& out, const std::optional<at::Generator>& generator);
 
 // A weight in either tiled layout: x16's qs has four dimensions, x8's five (q4) or six (q8).
 inline at::Tensor quant_linear_tiled(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,

@@ -15,10 +15,9 @@
 //
 // Registered as torch.ops.<KVSERVE_NS>.paged_attention_ (in place on `out`). Scores and softmax are float32
 // whatever the cache dtype (bfloat16 or float32).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -330,16 +329,3 @@ void cache_kv_(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cac
 
 }  // namespace KVSERVE_NS
 }  // namespace kvserve_cpu
-
-TORCH_LIBRARY(KVSERVE_NS, m) {
-  m.def("paged_attention_(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, Tensor row_token, "
-        "Tensor row_seq, Tensor row_len, Tensor block_tables, float scale, int window, float k_scale=1.0, "
-        "float v_scale=1.0) -> ()");
-  m.def("cache_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, float k_scale=1.0, "
-        "float v_scale=1.0) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
-  m.impl("paged_attention_", &kvserve_cpu::paged_attention_);
-  m.impl("cache_kv_", &kvserve_cpu::cache_kv_);
-}

@@ -16,11 +16,10 @@
 // here with float32 activations (benchmarks/results/torch_packed_<isa>.md).
 //
 // Only AVX2 + FMA + F16C intrinsics: the same code runs on AVX-512 CPUs.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include <immintrin.h>
 
@@ -29,6 +28,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "ops.h"
 #include "quant_act.h"
 
 namespace {
@@ -140,6 +140,11 @@ void gemm(const QuantAct& a, int64_t M, int64_t N, const uint8_t* wq, const S* w
   });
 }
 
+}  // namespace
+
+namespace kvserve_cpu {
+inline namespace KVSERVE_NS {
+
 // x [.., K] float32/bfloat16 -> y [.., N] of x's dtype. wq: q8 int8 [N, K] / q4 uint8 [N, K / 2];
 // scales [N, K / group]; mins [N, K / 32] (q4) or undefined (q8).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
@@ -166,10 +171,5 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& wq, const at::Ten
   });
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
-  m.def("quant_linear(Tensor x, Tensor wq, Tensor scales, Tensor? mins, int group) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) { m.impl("quant_linear", &quant_linear); }
+}  // namespace KVSERVE_NS
+}  // namespace kvserve_cpu

@@ -20,9 +20,8 @@
 // The tensors are viewed [N/16, nb, G, 64]. vpdpbusd takes unsigned bytes times signed ones: the weights
 // are the unsigned side (nibbles, or q8's w + 128) and the activations the signed one. q8's offset comes
 // back out as a min of -128 * scale, so both layouts share the min term: + min * d * sum(a) per block.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <immintrin.h>
 
@@ -288,13 +287,3 @@ at::Tensor quant_embedding_x16(const at::Tensor& ids, const at::Tensor& wq, cons
 
 }  // namespace KVSERVE_NS
 }  // namespace kvserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
-  m.def("quant_linear_x16(Tensor x, Tensor wq, Tensor scales, Tensor? mins) -> Tensor");
-  m.def("quant_embedding_x16(Tensor ids, Tensor wq, Tensor scales, Tensor? mins, ScalarType dtype) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
-  m.impl("quant_linear_x16", &kvserve_cpu::quant_linear_x16);
-  m.impl("quant_embedding_x16", &kvserve_cpu::quant_embedding_x16);
-}

@@ -18,9 +18,8 @@
 // AVX2 code (maddubs, then madd to int32, three horizontal adds per block). Weights whose N is a multiple
 // of 16 use the 16-row layout instead (quant_linear_x16.cpp), which needs no horizontal adds; this one
 // keeps the rest (N a multiple of 8 only).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <immintrin.h>
 
@@ -202,13 +201,3 @@ at::Tensor quant_embedding_x8(const at::Tensor& ids, const at::Tensor& wq, const
 
 }  // namespace KVSERVE_NS
 }  // namespace kvserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
-  m.def("quant_linear_x8(Tensor x, Tensor wq, Tensor scales, Tensor? mins) -> Tensor");
-  m.def("quant_embedding_x8(Tensor ids, Tensor wq, Tensor scales, Tensor? mins, ScalarType dtype) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
-  m.impl("quant_linear_x8", &kvserve_cpu::quant_linear_x8);
-  m.impl("quant_embedding_x8", &kvserve_cpu::quant_embedding_x8);
-}

@@ -12,9 +12,8 @@
 // torch's own kernel, and the engine's state is written back, so a torch.rand after this one continues the
 // same stream (tests/test_cpu_uniform.py checks both against torch.rand).
 // AVX2 intrinsics only: the same code runs in the AVX-512 build.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <torch/library.h>
 
 #include <immintrin.h>
 
@@ -121,11 +120,3 @@ void mt19937_uniform_(const at::Tensor& out, const std::optional<at::Generator>&
 
 }  // namespace KVSERVE_NS
 }  // namespace kvserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(KVSERVE_NS, m) {
-  m.def("mt19937_uniform_(Tensor(a!) out, Generator? generator) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
-  m.impl("mt19937_uniform_", &kvserve_cpu::mt19937_uniform_);
-}

@@ -1,0 +1,61 @@
+// Every kernel's torch op: its schema and its CPU implementation (declared in ops.h), for torch.ops.<KVSERVE_NS>.
+//
+// Why one file: torch/library.h is the heaviest header the kernels would include (~7 s of GCC's time per
+// file on the 2-core dev machine, more than most kernels' own code), and only registration needs it. Kept
+// here, the other files parse ATen's Tensor headers alone, and a variant's first build is ~a third shorter.
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(KVSERVE_NS, m) {
+  // argmax.cpp
+  m.def("argmax_rows(Tensor x) -> Tensor");
+  // decoder_stack.cpp
+  m.def("decoder_stack_(Tensor(a!) x, Tensor(b!) residual, Tensor positions, Tensor?[] weights, "
+        "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor cos_sin, Tensor slots, Tensor row_token, "
+        "Tensor row_seq, Tensor row_len, Tensor block_tables, int num_heads, float eps, float scale, "
+        "int[] windows, float[] k_scales, float[] v_scales) -> ()");
+  // eagle_head.cpp
+  m.def("eagle_step(Tensor feature, Tensor embedding, Tensor?[] weights, float eps) -> (Tensor, Tensor)");
+  m.def("eagle_greedy_step(Tensor feature, Tensor embedding, Tensor?[] weights, Tensor vocab_ids, float eps) "
+        "-> (Tensor, Tensor)");
+  // elementwise.cpp
+  m.def("fused_add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("gemma_rms_norm(Tensor x, Tensor(a!)? residual, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos_sin) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  // paged_attention.cpp
+  m.def("paged_attention_(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, Tensor row_token, "
+        "Tensor row_seq, Tensor row_len, Tensor block_tables, float scale, int window, float k_scale=1.0, "
+        "float v_scale=1.0) -> ()");
+  m.def("cache_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, float k_scale=1.0, "
+        "float v_scale=1.0) -> ()");
+  // quant_linear.cpp, quant_linear_x8.cpp, quant_linear_x16.cpp
+  m.def("quant_linear(Tensor x, Tensor wq, Tensor scales, Tensor? mins, int group) -> Tensor");
+  m.def("quant_linear_x8(Tensor x, Tensor wq, Tensor scales, Tensor? mins) -> Tensor");
+  m.def("quant_embedding_x8(Tensor ids, Tensor wq, Tensor scales, Tensor? mins, ScalarType dtype) -> Tensor");
+  m.def("quant_linear_x16(Tensor x, Tensor wq, Tensor scales, Tensor? mins) -> Tensor");
+  m.def("quant_embedding_x16(Tensor ids, Tensor wq, Tensor scales, Tensor? mins, ScalarType dtype) -> Tensor");
+  // uniform.cpp
+  m.def("mt19937_uniform_(Tensor(a!) out, Generator? generator) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
+  using namespace kvserve_cpu;
+  m.impl("argmax_rows", &argmax_rows);
+  m.impl("decoder_stack_", &decoder_stack_);
+  m.impl("eagle_step", &eagle_step);
+  m.impl("eagle_greedy_step", &eagle_greedy_step);
+  m.impl("fused_add_rms_norm_", &fused_add_rms_norm_);
+  m.impl("gemma_rms_norm", &gemma_rms_norm);
+  m.impl("rotary_", &rotary_);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("paged_attention_", &paged_attention_);
+  m.impl("cache_kv_", &cache_kv_);
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear_x8", &quant_linear_x8);
+  m.impl("quant_embedding_x8", &quant_embedding_x8);
+  m.impl("quant_linear_x16", &quant_linear_x16);
+  m.impl("quant_embedding_x16", &quant_embedding_x16);
+  m.impl("mt19937_uniform_", &mt19937_uniform_);
+}
