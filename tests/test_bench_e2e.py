@@ -80,6 +80,7 @@ def test_bench_result_agrees_with_server_metrics(server, tmp_path, dataset, extr
     delta = settled_delta(server.base_url, before, n)
 
     assert m["completed"] == n and m["failed"] == 0, [r["error"] for r in reqs]
+    assert result["spec_decode"] is None  # this server does not speculate: no such section
     assert delta["kvserve:request_success_total"] == n
     assert delta["kvserve:generation_tokens_total"] == m["total_output_tokens"]
     assert delta["kvserve:prompt_tokens_total"] == m["total_input_tokens"]

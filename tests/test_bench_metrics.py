@@ -130,3 +130,40 @@ def test_parse_goodput():
     for bad in (["ttft"], ["foo:1"], ["tpot:abc"], ["ttft:-1"]):
         with pytest.raises(ValueError):
             parse_goodput(bad)
+
+
+def test_spec_counters_read_vllms_names_and_only_the_benchmarked_model():
+    """The speculative-decoding section reads vLLM's counters too (prefix vllm:, an engine label, and the
+    _created samples prometheus_client adds), and on a server of several models only the one benchmarked."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from kvserve.bench.spec_decode import SpecCounters, SpecDecodeStats, parse_spec_counters
+
+    reg = CollectorRegistry()
+    labels = ["model_name", "engine"]
+    drafts = Counter("vllm:spec_decode_num_drafts", "", labels, registry=reg)
+    tokens = Counter("vllm:spec_decode_num_draft_tokens", "", labels, registry=reg)
+    accepted = Counter("vllm:spec_decode_num_accepted_tokens", "", labels, registry=reg)
+    per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "", [*labels, "position"], registry=reg)
+    Counter("vllm:request_success", "", labels, registry=reg).labels("a", "0").inc(7)
+    for model, engine, n in (("a", "0", 10), ("a", "1", 6), ("b", "0", 100)):
+        drafts.labels(model, engine).inc(n)
+        tokens.labels(model, engine).inc(2 * n)
+        accepted.labels(model, engine).inc(n + n // 2)
+        per_pos.labels(model, engine, "0").inc(n)
+        per_pos.labels(model, engine, "1").inc(n // 2)
+    page = generate_latest(reg).decode()
+    assert "_created" in page
+
+    a = parse_spec_counters(page, "a")
+    assert a == SpecCounters(drafts=16, draft_tokens=32, accepted=24, accepted_per_pos={0: 16, 1: 8})
+    assert parse_spec_counters(page, "not served here").drafts == 116  # no such label: the whole server
+    assert parse_spec_counters("# nothing here\n", "a") is None
+
+    earlier = SpecCounters(drafts=6, draft_tokens=12, accepted=9, accepted_per_pos={0: 6, 1: 3})
+    stats = SpecDecodeStats.between(earlier, a)
+    assert (stats.drafts, stats.draft_tokens, stats.accepted_tokens) == (10, 20, 15)
+    assert stats.acceptance_rate == 0.75 and stats.acceptance_length == 2.5
+    assert stats.acceptance_by_position == [1.0, 0.5]
+    none_drafted = SpecDecodeStats.between(a, a)
+    assert none_drafted.acceptance_rate is None and none_drafted.acceptance_by_position == []

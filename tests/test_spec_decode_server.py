@@ -98,3 +98,36 @@ def test_streams_with_drafts_stop_where_decoding_does_and_a_disconnect_frees_the
         after = metrics(http)
         assert after[usage] == before[usage]
         assert after["kvserve:spec_decode_num_drafts_total"] > before["kvserve:spec_decode_num_drafts_total"]
+
+
+def test_bench_serve_reports_what_the_server_counted(server, tmp_path, capsys):
+    """`kvserve bench serve` against a speculating server adds a Speculative Decoding section, as `vllm bench
+    serve` does: the drafts, draft tokens and accepted tokens the server counted over the run (its /metrics,
+    read here before and after), the acceptance rate and length they give, and acceptance by draft position."""
+    from kvserve.bench.cli import main as bench_main
+    out = tmp_path / "bench.json"
+    argv = ["serve", "--base-url", server.base_url, "--model", "SmolLM2-135M-Instruct", "--dataset", "random",
+            "--num-prompts", "4", "--input-len", "48", "--output-len", "96", "--max-concurrency", "2", "--seed", "5",
+            "--no-test-request", "--disable-tqdm", "--save-result", str(out)]
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        # Drafts before the run, which the benchmark must not count.
+        assert http.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": PROMPT,
+                                                  "max_tokens": 16, "temperature": 0}).status_code == 200
+        before = wait_for(lambda: metrics(http).get("kvserve:spec_decode_num_drafts_total") and metrics(http), 10,
+                          "the warm-up's drafts in /metrics")
+        assert bench_main(argv) == 0
+        after = metrics(http)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith("kvserve:spec_decode_")}
+    spec = json.loads(out.read_text())["spec_decode"]
+    assert spec["drafts"] == delta["kvserve:spec_decode_num_drafts_total"] > 0
+    assert spec["draft_tokens"] == delta["kvserve:spec_decode_num_draft_tokens_total"]
+    assert spec["accepted_tokens"] == delta["kvserve:spec_decode_num_accepted_tokens_total"] > 0
+    assert spec["acceptance_rate"] == pytest.approx(spec["accepted_tokens"] / spec["draft_tokens"])
+    assert spec["acceptance_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["drafts"])
+    by_pos = [delta[f"kvserve:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}"] / spec["drafts"]
+              for i in range(3)]
+    assert spec["acceptance_by_position"] == pytest.approx(by_pos)
+    assert sum(by_pos) == pytest.approx(spec["acceptance_length"] - 1)
+    table = capsys.readouterr().out
+    assert "Speculative Decoding" in table
+    assert f"{100 * spec['acceptance_rate']:.2f}" in table.split("Acceptance rate (%):")[1].split("\n")[0]

@@ -127,7 +127,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = serve_config_from_args(args, args.base_url)
     res = asyncio.run(run_benchmark(cfg, load_tokenizer(cfg.tokenizer)))
-    print(format_table(res.metrics, cfg.request_rate, cfg.burstiness, cfg.max_concurrency, cfg.label))
+    print(format_table(res.metrics, cfg.request_rate, cfg.burstiness, cfg.max_concurrency, cfg.label,
+                       res.spec_decode))
     if args.save_result:
         res.save(args.save_result)
         print(f"saved {args.save_result}")

@@ -87,7 +87,7 @@ def build_payload(cfg: EndpointConfig, req: BenchRequest) -> dict[str, object]:
     return payload
 
 
-def _headers() -> dict[str, str]:
+def request_headers() -> dict[str, str]:
     h = {"Content-Type": "application/json"}
     key = os.environ.get("OPENAI_API_KEY")
     if key:
@@ -116,7 +116,7 @@ async def send_request(session: aiohttp.ClientSession, cfg: EndpointConfig,
     last = st
     got_first = False
     try:
-        async with session.post(cfg.url, json=payload, headers=_headers()) as resp:
+        async with session.post(cfg.url, json=payload, headers=request_headers()) as resp:
             if resp.status != 200:
                 body = (await resp.text())[:500]
                 out.error = f"HTTP {resp.status}: {body}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvserve.bench.metrics import BenchmarkMetrics, Distribution
+from kvserve.bench.spec_decode import SpecDecodeStats
 
 _W = 50
 
@@ -24,8 +25,21 @@ def _dist(short: str, d: Distribution) -> list[str]:
     return rows
 
 
+def _spec_decode(s: SpecDecodeStats) -> list[str]:
+    pct = lambda x: "n/a" if x is None else f"{100 * x:.2f}"  # noqa: E731
+    rows = [_section("Speculative Decoding"),
+            _line("Acceptance rate (%):", pct(s.acceptance_rate)),
+            _line("Acceptance length:", "n/a" if s.acceptance_length is None else f"{s.acceptance_length:.2f}"),
+            _line("Drafts:", s.drafts), _line("Draft tokens:", s.draft_tokens),
+            _line("Accepted tokens:", s.accepted_tokens)]
+    if s.acceptance_by_position:
+        rows.append("Acceptance by draft position (%):")
+        rows += [_line(f"  Position {i}:", pct(x)) for i, x in enumerate(s.acceptance_by_position)]
+    return rows
+
+
 def format_table(m: BenchmarkMetrics, request_rate: float, burstiness: float,
-                 max_concurrency: int | None, label: str = "") -> str:
+                 max_concurrency: int | None, label: str = "", spec: SpecDecodeStats | None = None) -> str:
     rows = [" Serving Benchmark Result ".center(_W, "=")]
     if label:
         rows.append(_line("Run:", label))
@@ -52,6 +66,7 @@ def format_table(m: BenchmarkMetrics, request_rate: float, burstiness: float,
         _section("Time per Output Token (excl. 1st token)"), *_dist("TPOT", m.tpot_ms),
         _section("Inter-token Latency"), *_dist("ITL", m.itl_ms),
         _section("End-to-end Latency"), *_dist("E2EL", m.e2el_ms),
+        *(_spec_decode(spec) if spec is not None else []),
         "=" * _W,
     ]
     return "\n".join(rows)

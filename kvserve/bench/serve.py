@@ -16,11 +16,12 @@ from pathlib import Path
 from tqdm.asyncio import tqdm
 
 from kvserve.bench.arrivals import arrival_offsets
-from kvserve.bench.client import EndpointConfig, RequestResult, make_session, send_request
+from kvserve.bench.client import EndpointConfig, RequestResult, make_session, request_headers, send_request
 from kvserve.bench.corpus import load_corpus
 from kvserve.bench.datasets import BenchRequest, DatasetConfig, cut_text, sample_requests
 from kvserve.bench.metrics import (DEFAULT_PERCENTILES, BenchmarkMetrics, calculate_metrics,
                                    output_token_count)
+from kvserve.bench.spec_decode import SpecCounters, SpecDecodeStats, settled_spec_counters
 from kvserve.bench.tokenizer import BenchTokenizer
 
 
@@ -49,6 +50,7 @@ class BenchResult:
     requests: list[BenchRequest]
     bench_start: float  # perf_counter() at the first send; raw start times are relative to it
     date: str
+    spec_decode: SpecDecodeStats | None = None  # the server's, over the run; None if it does not speculate
 
     def to_json(self) -> dict:
         cfg = asdict(self.config)
@@ -67,7 +69,8 @@ class BenchResult:
                 item["generated_text"] = r.generated_text
             raw.append(item)
         return {"date": self.date, "label": self.config.label, "machine": machine_info(),
-                "corpus": load_corpus().name, "config": cfg, "metrics": self.metrics.to_dict(), "requests": raw}
+                "corpus": load_corpus().name, "config": cfg, "metrics": self.metrics.to_dict(),
+                "spec_decode": asdict(self.spec_decode) if self.spec_decode else None, "requests": raw}
 
     def save(self, path: str | Path) -> None:
         p = Path(path)
@@ -115,6 +118,8 @@ async def run_benchmark(cfg: ServeConfig, tokenizer: BenchTokenizer,
             if not probe.success:
                 raise RuntimeError(f"test request to {cfg.endpoint.url} failed: {probe.error}")
 
+        base_url, model = cfg.endpoint.base_url, cfg.endpoint.model
+        spec_before = await settled_spec_counters(session, base_url, model, request_headers())
         pbar = None if cfg.disable_tqdm else tqdm(total=len(requests), desc=cfg.label or "requests")
 
         async def one(req: BenchRequest) -> RequestResult:
@@ -138,11 +143,14 @@ async def run_benchmark(cfg: ServeConfig, tokenizer: BenchTokenizer,
         duration = time.perf_counter() - bench_start
         if pbar is not None:
             pbar.close()
+        spec_after = await settled_spec_counters(session, base_url, model, request_headers())
 
     for r in results:  # servers without usage: count the streamed text (vLLM's fallback)
         if r.success and r.output_tokens is None:
             r.output_tokens = output_token_count(r, tokenizer.count)
     metrics = calculate_metrics(results, duration, cfg.goodput_slos_ms, cfg.percentiles,
                                 tokenize=tokenizer.count)
+    # kvserve registers the counters at its first speculative step: none before the run is zero.
+    spec = SpecDecodeStats.between(spec_before or SpecCounters(), spec_after) if spec_after is not None else None
     return BenchResult(cfg, metrics, results, requests, bench_start,
-                       dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+                       dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), spec)

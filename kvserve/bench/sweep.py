@@ -101,7 +101,8 @@ def run_sweep(sw: SweepConfig, tokenizer: BenchTokenizer) -> list[BenchResult]:
                 cfg = point_config(sw, server, i, value)
                 res = asyncio.run(run_benchmark(cfg, tokenizer))
                 print(format_table(res.metrics, cfg.request_rate, cfg.burstiness,
-                                   cfg.max_concurrency, f"{server.name} {_point_name(sw.axis, value)}"))
+                                   cfg.max_concurrency, f"{server.name} {_point_name(sw.axis, value)}",
+                                   res.spec_decode))
                 res.save(sw.result_dir / f"{server.name}_{_point_name(sw.axis, value)}.json")
                 results.append(res)
         finally:
@@ -114,6 +115,7 @@ def run_sweep(sw: SweepConfig, tokenizer: BenchTokenizer) -> list[BenchResult]:
                 "p99_ttft_ms": r.metrics.ttft_ms.percentiles.get("p99"),
                 "median_tpot_ms": r.metrics.tpot_ms.median,
                 "p99_tpot_ms": r.metrics.tpot_ms.percentiles.get("p99"),
+                "acceptance_rate": r.spec_decode.acceptance_rate if r.spec_decode else None,
                 "failed": r.metrics.failed} for r in results]
     (sw.result_dir / "sweep_summary.json").write_text(json.dumps(summary, indent=1))
     png = plot_curves([r.to_json() for r in results], sw.result_dir / "sweep.png",
