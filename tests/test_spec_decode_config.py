@@ -13,6 +13,8 @@ def test_vllm_fields_and_lookup_defaults():
                                  "prompt_lookup_min": 2})
     assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (4, 2, 4)
     assert c.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
+    # vLLM's method name for a standalone draft model.
+    assert SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 3}).method == "draft"
     only_max = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
     assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (5, 5)
     neither = SpeculativeConfig(method="ngram", num_speculative_tokens=2)

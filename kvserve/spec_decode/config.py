@@ -3,6 +3,7 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"method": "draft", "num_speculative_tokens": 3}                   # the shipped draft of the default model
     {"method": "draft", "num_speculative_tokens": 3, "model": PATH}    # any draft sharing the target's tokenizer
+                                                                       # (vLLM's "draft_model" is taken too)
     {"method": "eagle", "num_speculative_tokens": 1}                   # the head shipped for the default model
     {"method": "eagle", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
                                        # prompt lookup where the text repeats itself, the head elsewhere
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 METHODS = ("ngram", "draft", "eagle")
+# vLLM's name for a standalone draft model, so that a config written for vLLM runs unchanged.
+METHOD_ALIASES = {"draft_model": "draft"}
 
 # Above this many sequences decoding in a step, nobody drafts (vLLM's disable_by_batch_size); per method,
 # measured on a quiet 2-core AVX-512 machine with every method's engine taking turns at each point
@@ -73,8 +76,10 @@ class SpeculativeConfig:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"speculative_config: {name} {why}")
 
+        self.method = METHOD_ALIASES.get(self.method, self.method)
         if self.method not in METHODS:
-            raise bad("method", f"must be one of {', '.join(map(repr, METHODS))}, got {self.method!r}")
+            raise bad("method", f"must be one of {', '.join(map(repr, METHODS))} ('draft_model' is taken for "
+                                f"'draft'), got {self.method!r}")
         k = self.num_speculative_tokens
         if not _is_int(k) or k < 1:
             raise bad("num_speculative_tokens", f"must be an integer >= 1, got {k!r}")
