@@ -79,6 +79,29 @@ def test_generate_from_the_shell():
     assert out.stdout.strip()  # the model's answer (its wording is the model tests' business)
 
 
+@pytest.mark.timeout(300)
+def test_generate_with_speculation_prints_the_same_text_and_its_acceptance(capsys):
+    """`kvserve generate --speculative-config`: the same greedy text as without, and on stderr the drafts'
+    acceptance over the run (as llama.cpp's speculative example ends), consistent in its own numbers."""
+    import re
+
+    argv = ["generate", "--max-model-len", "256", "--max-tokens", "24",
+            "--prompt", "Copy the list: apples, pears, plums, cherries, grapes. Copy: apples, pears,"]
+    assert main(argv) == 0
+    plain = capsys.readouterr()
+    assert "Speculative decoding" not in plain.err
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'
+    assert main([*argv, "--speculative-config", spec]) == 0
+    drafted = capsys.readouterr()
+    assert drafted.out == plain.out
+    m = re.search(r"Speculative decoding: Draft acceptance rate: ([\d.]+)% \((\d+)/(\d+) tokens\), "
+                  r"Mean acceptance length: ([\d.]+)", drafted.err)
+    assert m, drafted.err[-2000:]
+    rate, accepted, tokens = float(m[1]), int(m[2]), int(m[3])
+    assert 0 < accepted <= tokens and rate == pytest.approx(100 * accepted / tokens, abs=0.05)
+    assert 1 < float(m[4]) <= 4
+
+
 def test_serve_models_from_the_command_line_and_a_file(tmp_path):
     from kvserve.entrypoints.cli import models_config
 

@@ -297,6 +297,8 @@ def models_config(args: argparse.Namespace) -> ModelsConfig | None:
 
 def _generate(args: argparse.Namespace) -> int:
     from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.stats import EngineStats
+    from kvserve.metrics.stat_logger import spec_decode_summary
     from kvserve.sampling_params import SamplingParams
 
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
@@ -322,6 +324,10 @@ def _generate(args: argparse.Namespace) -> int:
             if len(prompts) > 1 or args.n > 1:
                 print(f"--- prompt {i}: {prompt!r}")
             print(text if args.chat else prompt + text, flush=True)
+    stats = engine.get_stats()
+    if stats.spec_decode_enabled:  # on stderr, apart from the text
+        summary = spec_decode_summary(stats, EngineStats()) or "nothing was drafted"
+        print(f"Speculative decoding: {summary}", file=sys.stderr)
     return 0
 
 

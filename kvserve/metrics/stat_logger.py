@@ -26,13 +26,19 @@ def format_stats_line(now: EngineStats, before: EngineStats, interval_s: float) 
 
 
 def _spec_decode_part(now: EngineStats, before: EngineStats) -> str:
+    summary = spec_decode_summary(now, before)
+    return f", {summary}" if summary else ""
+
+
+def spec_decode_summary(now: EngineStats, before: EngineStats) -> str | None:
+    """The acceptance of the drafts verified between two readings of the stats; None without any."""
     drafts = now.spec_num_drafts - before.spec_num_drafts
     if not now.spec_decode_enabled or drafts <= 0:
-        return ""
+        return None
     drafted = now.spec_num_draft_tokens - before.spec_num_draft_tokens
     accepted = now.spec_num_accepted_tokens - before.spec_num_accepted_tokens
     # Mean acceptance length counts the token every verification adds besides the accepted drafts.
-    return (f", Draft acceptance rate: {100.0 * accepted / max(drafted, 1):.1f}% "
+    return (f"Draft acceptance rate: {100.0 * accepted / max(drafted, 1):.1f}% "
             f"({accepted}/{drafted} tokens), Mean acceptance length: {1 + accepted / drafts:.2f}")
 
 
