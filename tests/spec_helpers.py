@@ -202,12 +202,12 @@ def run_waves(engine: LLMEngine, waves, k: int, check: bool = False, after_step=
 PREEMPTING = dict(num_kv_blocks=20, max_num_seqs=8)  # engine arguments: a pool too small for preempting_wave
 
 
-def preempting_wave(path, k: int) -> tuple[list, dict]:
+def preempting_wave(path, k: int, **engine_kw) -> tuple[list, dict]:
     """Four prompts, n = 2, greedy with 2 logprobs: with PREEMPTING, chunked prefills and preemptions. The
-    wave, and non-speculative decoding's outputs for it."""
+    wave, and non-speculative decoding's outputs for it (an engine with engine_kw besides)."""
     params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     wave = [[(f"a{i}", p, params) for i, p in enumerate(prompts(2, [6, 23, 14, 31]))]]
-    return wave, run_waves(make_engine(path, **PREEMPTING), wave, k)
+    return wave, run_waves(make_engine(path, **PREEMPTING, **engine_kw), wave, k)
 
 
 def prompts(seed: int, lengths) -> list[list[int]]:

@@ -112,6 +112,17 @@ def test_greedy_identical_with_preemption_and_n(kind, tiny_model_dirs, drafts):
     assert_acceptance(engine, kind)
 
 
+def test_greedy_identical_with_an_fp8_kv_cache(tiny_model_dirs, drafts):
+    """A float8 KV cache: the draft model's pool is float8 too, with scales calibrated for it at start, and
+    greedy tokens and logprobs are those of the float8 engine without speculation, through preemptions."""
+    path, _ = tiny_model_dirs["llama"]
+    wave, ref = preempting_wave(path, K, kv_cache_dtype="fp8_e4m3")
+    engine = make_engine(path, spec(drafts["checkpoint"]), kv_cache_dtype="fp8_e4m3", **PREEMPTING)
+    assert_same(run(engine, wave, check=True), ref)
+    assert engine.get_stats().num_preemptions > 0
+    assert_acceptance(engine, "checkpoint")
+
+
 def test_prompt_lookup_in_front_of_the_draft(tiny_model_dirs, drafts):
     """Lookup drafts where the last token occurred before, the draft model elsewhere, in the same steps
     (n = 2, chunked prefills, preemptions): the non-speculative tokens and logprobs. The target as its own

@@ -291,6 +291,18 @@ def test_greedy_identical_with_preemption_and_n(kind, tiny_model_dirs, heads):
     assert_acceptance(engine, {"right": "all", "partial": "some", "wrong": "none"}[kind])
 
 
+def test_greedy_identical_with_an_fp8_kv_cache(tiny_model_dirs, heads):
+    """A float8 KV cache, its per-layer scales calibrated at start: the head keeps no K/V to calibrate (an
+    engine with both failed to start, reading the head as a draft model), and greedy tokens and logprobs are
+    those of the float8 engine without speculation, through preemptions."""
+    path, _ = tiny_model_dirs["llama"]
+    wave, ref = preempting_wave(path, K, kv_cache_dtype="fp8_e4m3")
+    engine = make_engine(path, spec(heads["partial"]), kv_cache_dtype="fp8_e4m3", **PREEMPTING)
+    assert_same(run(engine, wave, check=True), ref)
+    assert engine.get_stats().num_preemptions > 0
+    assert_acceptance(engine, "some")
+
+
 def test_greedy_identical_with_prefix_hits(tiny_model_dirs, heads):
     """A second wave whose prompts extend the first wave's outputs (prefix-cache hits on drafted blocks):
     the non-speculative output."""

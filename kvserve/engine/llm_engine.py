@@ -103,7 +103,8 @@ class LLMEngine:
                                    draft_quantization(config.quantization, self.device))
             draft = EagleProposer(head, self.device, self.eos_token_ids)
         if self.kv_cache_dtype == FP8:  # before graph capture: the graphs take the scales as constants
-            self._calibrate_kv_scales(self.runner, draft)
+            # An eagle head keeps no K/V (its state is one vector per sequence): a draft model's pool only.
+            self._calibrate_kv_scales(self.runner, draft if isinstance(draft, DraftProposer) else None)
         if self.device.type == "cuda" and not config.enforce_eager and self.runner.attn_backend.name == "triton":
             verify_seqs = 0 if spec is None else spec.max_drafting_seqs or config.max_num_seqs
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len,
