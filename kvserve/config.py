@@ -10,6 +10,8 @@ BatchingPolicy = Literal["continuous", "static", "dynamic"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight formats: see kvserve/layers/quantization
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3")  # auto: the compute dtype
+# vLLM's "fp8" is its fp8_e4m3 (outside ROCm), so a command line written for vLLM runs unchanged.
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see kvserve/attention/selector.py
 
 
@@ -77,6 +79,7 @@ class EngineConfig:
             raise ValueError(f"quantization must be {'|'.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quant_group_size not in (32, 128):
             raise ValueError(f"quant_group_size must be 32 or 128, got {self.quant_group_size}")
+        self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be {'|'.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -47,6 +47,8 @@ def test_serve_options_map_to_engine_config():
     assert cfg.block_size == 32 and cfg.kv_cache_memory == 512 * 2**20 and cfg.max_model_len == 1024
     assert not cfg.enable_prefix_caching and cfg.scheduling_policy == "priority" and cfg.max_waiting == 10
     assert cfg.dtype == "float32" and cfg.batching == "static" and cfg.kv_cache_dtype == "fp8_e4m3"
+    # vLLM's name for it.
+    assert engine_config(build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])).kv_cache_dtype == "fp8_e4m3"
     defaults = build_parser().parse_args(["serve"])
     assert defaults.host == "127.0.0.1" and defaults.port == 8000 and defaults.prefix_caching
 

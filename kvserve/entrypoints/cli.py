@@ -7,7 +7,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from kvserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from kvserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from kvserve.gateway.config import ROUTING_POLICIES, ModelsConfig
 from kvserve.spec_decode.config import SpeculativeConfig
 
@@ -60,11 +60,12 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                    help="Group size of --quantization int4 (default: %(default)s)")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda[:N] (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="Engine seed (default: %(default)s)")
-    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                   choices=[*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES],
                    help="KV cache storage. auto: the compute dtype, but bfloat16 on a CPU where --dtype auto "
                         "computes in float32 (half the bytes per token; faster decode at long contexts); "
-                        "fp8_e4m3: 8 bits per value, half the bytes of bfloat16, so twice the tokens fit "
-                        "(attention still computes in float32). (default: %(default)s)")
+                        "fp8_e4m3 (or fp8, as in vLLM): 8 bits per value, half the bytes of bfloat16, so twice "
+                        "the tokens fit (attention still computes in float32). (default: %(default)s)")
     p.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="auto: Triton on CUDA (when triton is installed), else torch, which runs the native CPU "
                         "kernels where they apply. (default: %(default)s)")
