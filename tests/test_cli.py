@@ -116,6 +116,9 @@ def test_serve_models_from_the_command_line_and_a_file(tmp_path):
                              "--served-model-name", "smol"))
     assert dp.models[0].name == "smol" and dp.models[0].data_parallel_size == 2
     assert dp.models[0].model == "smollm2-135m" and dp.routing.policy == "round_robin"
+    # Replicas of the default model answer to the name one engine of it answers to.
+    from kvserve.entrypoints.openai.api_server import ServerArgs
+    assert models_config(parse("--data-parallel-size", "2")).model_names() == ServerArgs().model_names()
     path = tmp_path / "models.yaml"
     path.write_text("models:\n  - {name: a, model: smollm2-135m, data_parallel_size: 3}\nrouting: {policy: least_loaded}\n")
     cfg = models_config(parse("--models-config", str(path)))

@@ -276,9 +276,13 @@ def models_config(args: argparse.Namespace) -> ModelsConfig | None:
     elif len(positional) > 1:
         models = ModelsConfig.from_models(positional)
     elif args.data_parallel_size not in (None, 1) or args.routing_policy is not None:
-        models = ModelsConfig.from_models(positional or [args.model_opt or "smollm2-135m"])
+        typed = positional or ([args.model_opt] if args.model_opt else [])
+        models = ModelsConfig.from_models(typed or ["smollm2-135m"])
         if args.served_model_name:
             models.models[0].name = args.served_model_name[0]
+        elif not typed:  # the default model, named as the one-engine server names it
+            from kvserve.entrypoints.openai.api_server import DEFAULT_MODEL_NAME
+            models.models[0].name = DEFAULT_MODEL_NAME
     else:
         return None
     if args.served_model_name and (args.models_config or len(positional) > 1):
