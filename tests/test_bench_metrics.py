@@ -157,8 +157,15 @@ def test_spec_counters_read_vllms_names_and_only_the_benchmarked_model():
 
     a = parse_spec_counters(page, "a")
     assert a == SpecCounters(drafts=16, draft_tokens=32, accepted=24, accepted_per_pos={0: 16, 1: 8})
-    assert parse_spec_counters(page, "not served here").drafts == 116  # no such label: the whole server
+    assert parse_spec_counters(page, "b").drafts == 100
+    # A third model that does not speculate: nothing, not the others' drafts.
+    Counter("vllm:request_success_x", "", labels, registry=reg).labels("c", "0").inc()
+    assert parse_spec_counters(generate_latest(reg).decode(), "c") is None
     assert parse_spec_counters("# nothing here\n", "a") is None
+    # One model, asked for by another name (an alias): its counters.
+    one = CollectorRegistry()
+    Counter("kvserve:spec_decode_num_drafts", "", ["model_name", "replica"], registry=one).labels("main", "0").inc(5)
+    assert parse_spec_counters(generate_latest(one).decode(), "alias").drafts == 5
 
     earlier = SpecCounters(drafts=6, draft_tokens=12, accepted=9, accepted_per_pos={0: 6, 1: 3})
     stats = SpecDecodeStats.between(earlier, a)

@@ -36,19 +36,24 @@ class SpecCounters:
 
 
 def parse_spec_counters(text: str, model: str | None = None) -> SpecCounters | None:
-    """The counters in a /metrics page (Prometheus text), or None when it has none. Where the samples are
-    labelled with model_name and one of them is `model`, only that model's count (a server of several
-    models); otherwise all of them."""
-    samples = []
+    """The counters of `model` in a /metrics page (Prometheus text), or None when it has none.
+
+    A server of one model (every sample's model_name label the same, or none) counts whatever name the
+    benchmark sends, an alias included. On a server of several models only the samples labelled with
+    `model` count: another model's drafts say nothing about this one's, so a model that does not speculate
+    there gets None (give a model's main name, the one its metrics carry)."""
+    samples, served = [], set()
     for family in text_string_to_metric_families(text):
         for s in family.samples:
+            if "model_name" in s.labels:
+                served.add(s.labels["model_name"])
             name = s.name.rpartition(":")[2]  # "kvserve:..." or "vllm:..."
             if name in (_DRAFTS, _DRAFT_TOKENS, _ACCEPTED, _PER_POS):
                 samples.append((name, s.labels, s.value))
+    if model is not None and len(served) > 1:
+        samples = [s for s in samples if s[1].get("model_name") == model]
     if not samples:
         return None
-    if model is not None and any(labels.get("model_name") == model for _, labels, _ in samples):
-        samples = [s for s in samples if s[1].get("model_name") == model]
     c = SpecCounters()
     for name, labels, value in samples:
         if name == _PER_POS:
