@@ -81,7 +81,8 @@ class EngineConfig:
             raise ValueError(f"quant_group_size must be 32 or 128, got {self.quant_group_size}")
         self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be {'|'.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+            raise ValueError(f"kv_cache_dtype must be {'|'.join(KV_CACHE_DTYPES)} ('fp8' is taken for 'fp8_e4m3'), "
+                             f"got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

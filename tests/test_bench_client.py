@@ -30,8 +30,12 @@ class StubServer:
     """Streams max_tokens chunks of one word each; chat streams start with a role-only delta and
     every stream ends with an empty finish chunk and (when asked) a usage chunk."""
 
-    def __init__(self, send_usage: bool = True):
+    def __init__(self, send_usage: bool = True, metrics: str | None = None):
         self.send_usage = send_usage
+        # /metrics: None, none (404); "html", a page that is not Prometheus text; "spec", vLLM's speculative
+        # counters, registered at the first request (as kvserve does at its first draft) and raised by each.
+        self.metrics = metrics
+        self.registry = None
         self.bodies: list[dict] = []
         self.in_flight = self.max_in_flight = 0
         self.port = 0
@@ -56,6 +60,8 @@ class StubServer:
         asyncio.set_event_loop(self._loop)
         app = web.Application()
         app.router.add_get("/v1/models", self._models)
+        if self.metrics is not None:
+            app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._handle)
         app.router.add_post("/v1/chat/completions", self._handle)
         runner = web.AppRunner(app)
@@ -70,9 +76,32 @@ class StubServer:
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "stub", "object": "model"}]})
 
+    async def _metrics(self, request: web.Request) -> web.Response:
+        from prometheus_client import generate_latest
+        if self.metrics == "html":
+            return web.Response(text="<html><body>metrics live elsewhere</body></html>", content_type="text/html")
+        return web.Response(body=generate_latest(self.registry) if self.registry else b"", content_type="text/plain")
+
+    def _count_drafts(self) -> None:
+        """Per request: 2 drafts of 3 tokens, 2 accepted at position 0, 1 at 1 and 2."""
+        from prometheus_client import CollectorRegistry, Counter
+        if self.registry is None:
+            self.registry = reg = CollectorRegistry()
+            self.counters = [Counter(f"vllm:spec_decode_num_{n}", "", ["model_name"], registry=reg).labels("stub")
+                             for n in ("drafts", "draft_tokens", "accepted_tokens")]
+            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "", ["model_name", "position"],
+                              registry=reg)
+            self.per_pos = [per_pos.labels("stub", str(i)) for i in range(3)]
+        for c, n in zip(self.counters, (2, 6, 4)):
+            c.inc(n)
+        for c, n in zip(self.per_pos, (2, 1, 1)):
+            c.inc(n)
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if self.metrics == "spec":
+            self._count_drafts()
         chat = "messages" in body
         text_in = body["messages"][-1]["content"] if chat else body["prompt"]
         if "FAIL" in text_in:
@@ -188,6 +217,26 @@ def test_serve_command_end_to_end_against_stub(tmp_path):
     assert d["config"]["request_rate"] == "inf"
     assert d["config"]["tags"]["command"].startswith("kvserve bench serve --base-url")
     assert d["machine"]["cpu_count"] >= 1
+
+
+@needs_data
+@pytest.mark.parametrize("metrics", ["spec", "html", None])
+def test_serve_reads_speculative_counters_only_where_there_are_some(tmp_path, capsys, metrics):
+    """The Speculative Decoding section: the counters' rise over the run, from zero where they appeared
+    only with the run's first request; none for a /metrics that is not Prometheus text, or no /metrics."""
+    out = tmp_path / "r.json"
+    with StubServer(metrics=metrics) as srv:
+        assert main(["serve", "--base-url", srv.url, "--model", "stub", "--dataset", "random", "--num-prompts", "5",
+                     "--input-len", "20", "--output-len", "2", "--no-test-request", "--disable-tqdm",
+                     "--save-result", str(out)]) == 0
+    spec, table = json.loads(out.read_text())["spec_decode"], capsys.readouterr().out
+    if metrics != "spec":
+        assert spec is None and "Speculative Decoding" not in table
+        return
+    assert spec == {"drafts": 10, "draft_tokens": 30, "accepted_tokens": 20, "acceptance_rate": pytest.approx(2 / 3),
+                    "acceptance_length": 3.0, "acceptance_by_position": [1.0, 0.5, 0.5]}
+    assert "Acceptance rate (%):                    66.67" in table
+    assert "  Position 2:                           50.00" in table
 
 
 @needs_data

@@ -137,6 +137,7 @@ def test_spec_counters_read_vllms_names_and_only_the_benchmarked_model():
     _created samples prometheus_client adds), and on a server of several models only the one benchmarked."""
     from prometheus_client import CollectorRegistry, Counter, generate_latest
 
+    from kvserve.bench.report import format_table
     from kvserve.bench.spec_decode import SpecCounters, SpecDecodeStats, parse_spec_counters
 
     reg = CollectorRegistry()
@@ -174,3 +175,12 @@ def test_spec_counters_read_vllms_names_and_only_the_benchmarked_model():
     assert stats.acceptance_by_position == [1.0, 0.5]
     none_drafted = SpecDecodeStats.between(a, a)
     assert none_drafted.acceptance_rate is None and none_drafted.acceptance_by_position == []
+    assert "Acceptance rate (%):                    n/a" in format_table(
+        calculate_metrics([], 1.0, {}, (50.0,)), float("inf"), 1.0, None, spec=none_drafted)
+    # Counters lower after the run than before: the server restarted, and what they hold is the run's.
+    restarted = SpecDecodeStats.between(a, earlier)
+    assert (restarted.drafts, restarted.accepted_tokens, restarted.acceptance_by_position) == (6, 9, [1.0, 0.5])
+    # A per-position sample without its position label is left out, not a crash.
+    page_without = "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter\n" \
+                   "vllm:spec_decode_num_accepted_tokens_per_pos_total 3.0\n"
+    assert parse_spec_counters(page_without, "a") == SpecCounters()

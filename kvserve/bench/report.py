@@ -25,16 +25,19 @@ def _dist(short: str, d: Distribution) -> list[str]:
     return rows
 
 
+def _pct(x: float | None) -> float | str:
+    return "n/a" if x is None else 100 * x
+
+
 def _spec_decode(s: SpecDecodeStats) -> list[str]:
-    pct = lambda x: "n/a" if x is None else f"{100 * x:.2f}"  # noqa: E731
     rows = [_section("Speculative Decoding"),
-            _line("Acceptance rate (%):", pct(s.acceptance_rate)),
-            _line("Acceptance length:", "n/a" if s.acceptance_length is None else f"{s.acceptance_length:.2f}"),
+            _line("Acceptance rate (%):", _pct(s.acceptance_rate)),
+            _line("Acceptance length:", "n/a" if s.acceptance_length is None else s.acceptance_length),
             _line("Drafts:", s.drafts), _line("Draft tokens:", s.draft_tokens),
             _line("Accepted tokens:", s.accepted_tokens)]
     if s.acceptance_by_position:
         rows.append("Acceptance by draft position (%):")
-        rows += [_line(f"  Position {i}:", pct(x)) for i, x in enumerate(s.acceptance_by_position)]
+        rows += [_line(f"  Position {i}:", _pct(x)) for i, x in enumerate(s.acceptance_by_position)]
     return rows
 
 

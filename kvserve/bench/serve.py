@@ -4,6 +4,7 @@ and concurrency, then report latency/throughput metrics (kvserve/bench/metrics.p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
@@ -21,7 +22,8 @@ from kvserve.bench.corpus import load_corpus
 from kvserve.bench.datasets import BenchRequest, DatasetConfig, cut_text, sample_requests
 from kvserve.bench.metrics import (DEFAULT_PERCENTILES, BenchmarkMetrics, calculate_metrics,
                                    output_token_count)
-from kvserve.bench.spec_decode import SpecCounters, SpecDecodeStats, settled_spec_counters
+from kvserve.bench.spec_decode import (MetricsUnavailable, SpecCounters, SpecDecodeStats,
+                                       settled_spec_counters)
 from kvserve.bench.tokenizer import BenchTokenizer
 
 
@@ -119,7 +121,10 @@ async def run_benchmark(cfg: ServeConfig, tokenizer: BenchTokenizer,
                 raise RuntimeError(f"test request to {cfg.endpoint.url} failed: {probe.error}")
 
         base_url, model = cfg.endpoint.base_url, cfg.endpoint.model
-        spec_before = await settled_spec_counters(session, base_url, model, request_headers())
+        try:  # none yet: nothing drafted yet (kvserve registers them at its first draft)
+            spec_before = await settled_spec_counters(session, base_url, model, request_headers()) or SpecCounters()
+        except MetricsUnavailable:  # no /metrics: no speculative-decoding section
+            spec_before = None
         pbar = None if cfg.disable_tqdm else tqdm(total=len(requests), desc=cfg.label or "requests")
 
         async def one(req: BenchRequest) -> RequestResult:
@@ -143,14 +148,17 @@ async def run_benchmark(cfg: ServeConfig, tokenizer: BenchTokenizer,
         duration = time.perf_counter() - bench_start
         if pbar is not None:
             pbar.close()
-        spec_after = await settled_spec_counters(session, base_url, model, request_headers())
+        spec_after = None
+        if spec_before is not None:
+            with contextlib.suppress(MetricsUnavailable):
+                spec_after = await settled_spec_counters(session, base_url, model, request_headers())
 
     for r in results:  # servers without usage: count the streamed text (vLLM's fallback)
         if r.success and r.output_tokens is None:
             r.output_tokens = output_token_count(r, tokenizer.count)
     metrics = calculate_metrics(results, duration, cfg.goodput_slos_ms, cfg.percentiles,
                                 tokenize=tokenizer.count)
-    # kvserve registers the counters at its first speculative step: none before the run is zero.
-    spec = SpecDecodeStats.between(spec_before or SpecCounters(), spec_after) if spec_after is not None else None
+    spec = (SpecDecodeStats.between(spec_before, spec_after)
+            if spec_before is not None and spec_after is not None else None)
     return BenchResult(cfg, metrics, results, requests, bench_start,
                        dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), spec)

@@ -57,8 +57,9 @@ def parse_spec_counters(text: str, model: str | None = None) -> SpecCounters | N
     c = SpecCounters()
     for name, labels, value in samples:
         if name == _PER_POS:
-            pos = int(labels["position"])
-            c.accepted_per_pos[pos] = c.accepted_per_pos.get(pos, 0.0) + value
+            if "position" in labels:  # what else could a sample without one count?
+                pos = int(labels["position"])
+                c.accepted_per_pos[pos] = c.accepted_per_pos.get(pos, 0.0) + value
         elif name == _DRAFTS:
             c.drafts += value
         elif name == _DRAFT_TOKENS:
@@ -80,6 +81,8 @@ class SpecDecodeStats:
 
     @classmethod
     def between(cls, before: SpecCounters, after: SpecCounters) -> SpecDecodeStats:
+        if after.drafts < before.drafts or after.draft_tokens < before.draft_tokens or after.accepted < before.accepted:
+            before = SpecCounters()  # the counters restarted (a new server process): all they hold is this run's
         drafts = round(after.drafts - before.drafts)
         tokens = round(after.draft_tokens - before.draft_tokens)
         accepted = round(after.accepted - before.accepted)
@@ -91,33 +94,39 @@ class SpecDecodeStats:
                    acceptance_by_position=[a / drafts for a in by_pos] if drafts else [])
 
 
+class MetricsUnavailable(Exception):
+    """The server's /metrics could not be read as Prometheus text."""
+
+
 async def read_spec_counters(session: aiohttp.ClientSession, base_url: str, model: str,
                              headers: dict[str, str]) -> SpecCounters | None:
-    """The server's counters now; None when it has no /metrics or no speculative-decoding counters."""
+    """The server's counters now; None when its /metrics has none (it does not speculate, or kvserve has
+    not drafted yet: it registers them at the first draft). Raises MetricsUnavailable."""
     try:
         async with session.get(base_url.rstrip("/") + "/metrics", headers=headers,
                                timeout=aiohttp.ClientTimeout(total=30)) as resp:
             if resp.status != 200:
-                return None
+                raise MetricsUnavailable(f"HTTP {resp.status}")
             text = await resp.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        return None
-    try:
         return parse_spec_counters(text, model)
-    except ValueError:  # not Prometheus text
-        return None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # ValueError: not Prometheus text
+        raise MetricsUnavailable(str(e)) from e
 
 
 async def settled_spec_counters(session: aiohttp.ClientSession, base_url: str, model: str,
                                 headers: dict[str, str], timeout_s: float = 3.0) -> SpecCounters | None:
     """The counters once they stop moving: a server may book a request's last step a moment after its
-    last chunk reached the client. Read until two readings 0.2 s apart agree (at most timeout_s)."""
+    last chunk reached the client. Read until two readings 0.2 s apart agree (at most timeout_s; a failed
+    re-reading keeps the last good one). Raises MetricsUnavailable if the first reading fails."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     now = await read_spec_counters(session, base_url, model, headers)
     while now is not None and loop.time() < deadline:
         await asyncio.sleep(0.2)
-        again = await read_spec_counters(session, base_url, model, headers)
+        try:
+            again = await read_spec_counters(session, base_url, model, headers)
+        except MetricsUnavailable:
+            break
         if again == now:
             break
         now = again

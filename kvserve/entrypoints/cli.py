@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from kvserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from kvserve.gateway.config import ROUTING_POLICIES, ModelsConfig
+from kvserve.models.presets import DEFAULT_PRESET
 from kvserve.spec_decode.config import SpeculativeConfig
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -277,7 +278,7 @@ def models_config(args: argparse.Namespace) -> ModelsConfig | None:
         models = ModelsConfig.from_models(positional)
     elif args.data_parallel_size not in (None, 1) or args.routing_policy is not None:
         typed = positional or ([args.model_opt] if args.model_opt else [])
-        models = ModelsConfig.from_models(typed or ["smollm2-135m"])
+        models = ModelsConfig.from_models(typed or [DEFAULT_PRESET])
         if args.served_model_name:
             models.models[0].name = args.served_model_name[0]
         elif not typed:  # the default model, named as the one-engine server names it

@@ -120,7 +120,8 @@ def namespace(isa_name: str) -> str:
 
 
 def sources() -> list[Path]:
-    """Every .cpp here goes into every variant (a new kernel file joins the build by being here)."""
+    """Every .cpp here goes into every variant: a new kernel file joins the build by being here, and its
+    ops reach torch.ops once bindings.cpp registers them (declared in ops.h)."""
     return sorted(_DIR.glob("*.cpp"))
 
 

@@ -3,6 +3,7 @@
 // Why one file: torch/library.h is the heaviest header the kernels would include (~7 s of GCC's time per
 // file on the 2-core dev machine, more than most kernels' own code), and only registration needs it. Kept
 // here, the other files parse ATen's Tensor headers alone, and a variant's first build is ~a third shorter.
+// A new kernel's op is declared in ops.h and registered below; a kernel file alone compiles but reaches no op.
 #include <torch/library.h>
 
 #include "ops.h"
