@@ -101,26 +101,17 @@ def assert_acceptance(engine: LLMEngine, kind: str) -> None:
         assert s.spec_num_accepted_tokens < 0.5 * s.spec_num_draft_tokens
 
 
-@pytest.mark.parametrize("kind", ["self", "checkpoint", "other"])
-def test_greedy_identical_with_preemption_and_n(kind, tiny_model_dirs, drafts):
-    """Chunked prefills, n = 2, and a pool too small for the batch: the non-speculative tokens and logprobs."""
+@pytest.mark.parametrize("kind, kv_cache_dtype", [("self", "auto"), ("checkpoint", "auto"), ("other", "auto"),
+                                                  ("checkpoint", "fp8_e4m3")])
+def test_greedy_identical_with_preemption_and_n(kind, kv_cache_dtype, tiny_model_dirs, drafts):
+    """Chunked prefills, n = 2, and a pool too small for the batch: the non-speculative tokens and logprobs.
+    With a float8 KV cache, the draft model's pool is float8 too, its scales calibrated for it at start."""
     path, _ = tiny_model_dirs["llama"]
-    wave, ref = preempting_wave(path, K)
-    engine = make_engine(path, spec(drafts[kind]), **PREEMPTING)
+    wave, ref = preempting_wave(path, K, kv_cache_dtype=kv_cache_dtype)
+    engine = make_engine(path, spec(drafts[kind]), kv_cache_dtype=kv_cache_dtype, **PREEMPTING)
     assert_same(run(engine, wave, check=True), ref)
     assert engine.get_stats().num_preemptions > 0
     assert_acceptance(engine, kind)
-
-
-def test_greedy_identical_with_an_fp8_kv_cache(tiny_model_dirs, drafts):
-    """A float8 KV cache: the draft model's pool is float8 too, with scales calibrated for it at start, and
-    greedy tokens and logprobs are those of the float8 engine without speculation, through preemptions."""
-    path, _ = tiny_model_dirs["llama"]
-    wave, ref = preempting_wave(path, K, kv_cache_dtype="fp8_e4m3")
-    engine = make_engine(path, spec(drafts["checkpoint"]), kv_cache_dtype="fp8_e4m3", **PREEMPTING)
-    assert_same(run(engine, wave, check=True), ref)
-    assert engine.get_stats().num_preemptions > 0
-    assert_acceptance(engine, "checkpoint")
 
 
 def test_prompt_lookup_in_front_of_the_draft(tiny_model_dirs, drafts):
