@@ -57,7 +57,7 @@ def parse_spec_counters(text: str, model: str | None = None) -> SpecCounters | N
     c = SpecCounters()
     for name, labels, value in samples:
         if name == _PER_POS:
-            if "position" in labels:  # what else could a sample without one count?
+            if "position" in labels:  # a sample without one counts at no position
                 pos = int(labels["position"])
                 c.accepted_per_pos[pos] = c.accepted_per_pos.get(pos, 0.0) + value
         elif name == _DRAFTS:
