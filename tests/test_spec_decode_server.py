@@ -113,7 +113,7 @@ def test_bench_serve_reports_what_the_server_counted(server, tmp_path, capsys):
         # Drafts before the run, which the benchmark must not count.
         assert http.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": PROMPT,
                                                   "max_tokens": 16, "temperature": 0}).status_code == 200
-        before = wait_for(lambda: metrics(http).get("kvserve:spec_decode_num_drafts_total") and metrics(http), 10,
+        before = wait_for(lambda: (m := metrics(http)).get("kvserve:spec_decode_num_drafts_total") and m, 10,
                           "the warm-up's drafts in /metrics")
         assert bench_main(argv) == 0
         after = metrics(http)
