@@ -250,3 +250,42 @@ def test_cuda_eagle_seeded_sampling_matches_no_speculation(tiny_model_dirs, tmp_
     engine = make_engine(path, spec(head_path), device="cuda")
     assert engine.runner.device.type == "cuda"
     check_seeded(run(engine, wave, check=True), ref, engine, len(ps))
+
+
+def test_cuda_eagle_head_graphs_keep_greedy_tokens(tiny_model_dirs, tmp_path) -> None:
+    """With the engine's graphs on, the eagle head drafts by replaying graphs of its own (eagle_graphs.py):
+    the eagle engine's greedy tokens equal an engine's without speculation, the head's graphs really ran
+    (a padded size among them), and a replay gives what the same step run eagerly gives."""
+    from spec_helpers import make_engine, prompts
+    from test_spec_decode_eagle import run, spec, train_head
+    from kvserve.spec_decode.eagle_head import save_head
+
+    path, hf = tiny_model_dirs["llama"]
+    head, head_path = train_head(hf, 40), tmp_path / "head.safetensors"
+    save_head(head_path, head.cfg, head.state_tensors())
+    ps = prompts(5, [5, 13, 21])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    wave = [[(str(i), p, params) for i, p in enumerate(ps)]]
+    ref = run(make_engine(path, device="cuda"), wave)
+    engine = make_engine(path, spec(head_path), device="cuda")
+    graphs = engine.speculator.draft.model.graphs
+    assert graphs is not None and graphs.graphs
+    replays = []
+    run_graph = graphs.run
+    graphs.run = lambda feature, tokens: replays.append(len(tokens)) or run_graph(feature, tokens)
+    got = run(engine, wave, check=True)
+    for i in range(len(ps)):
+        assert got[str(i)].outputs[0].token_ids == ref[str(i)].outputs[0].token_ids, i
+    assert engine.get_stats().spec_num_accepted_tokens > 0
+    assert 3 in replays and 3 not in graphs.sizes
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    feature = torch.randn(3, hf.config.hidden_size, device="cuda", generator=g)
+    tokens = torch.tensor([6, 23, 14], device="cuda")
+    with torch.inference_mode():
+        replayed = [out.clone() for out in run_graph(feature, tokens)]
+        eager = graphs.forward(4)
+    torch.testing.assert_close(replayed[1], eager[1][:3], rtol=1e-5, atol=1e-5)
+    assert torch.equal(replayed[2], eager[2][:3])
+    drain(engine)
+    assert_no_leaks(engine)

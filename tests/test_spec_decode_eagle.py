@@ -153,6 +153,35 @@ def test_native_greedy_step_matches_the_layers_bit_for_bit(tiny_model_dirs, tmp_
     assert len(set(tokens.tolist())) > 1
 
 
+def test_head_graph_step_over_padded_rows_is_the_heads_step(tiny_model_dirs, tmp_path):
+    """What a head graph records (eagle_graphs.HeadGraphs: the buffers' rows padded to a captured size, the
+    padding left from an earlier, larger load) gives the real rows the features, logits and greedy tokens
+    of the head's own step over them alone; rows beyond the largest size are left to the eager step."""
+    from kvserve.spec_decode.eagle_graphs import HeadGraphs
+
+    path, hf = tiny_model_dirs["llama"]
+    target_model = load_model(str(path), torch.float32, CPU)
+    ref = random_head(hf, list(range(1, hf.config.vocab_size, 2)), seed=3, inter=128)
+    file = tmp_path / "head.safetensors"
+    save_head(file, ref.cfg, ref.state_tensors())
+    head = load_eagle_head(str(file), target_model, torch.float32, CPU, quantization="none")
+    graphs = HeadGraphs(head, max_rows=5)
+    assert graphs.sizes == [1, 2, 4, 5]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        assert graphs.load(torch.randn(5, ref.cfg.hidden_size, generator=g), torch.tensor([3, 9, 1, 30, 2])) == 5
+        feature, tokens = torch.randn(3, ref.cfg.hidden_size, generator=g), torch.tensor([6, 23, 14])
+        assert graphs.load(feature, tokens) == 4
+        got = graphs.forward(4)
+        want_feature, normed = head.step(feature, tokens)
+        want_logits = head.lm_head(normed).float()
+        torch.testing.assert_close(got[0][:3], want_feature, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1][:3], want_logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[2][:3], head.vocab_ids[want_logits.argmax(-1)])
+        assert len(set(got[2][:3].tolist())) > 1
+        assert graphs.load(torch.randn(6, ref.cfg.hidden_size), torch.arange(6)) is None
+
+
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_sampled_drafts_over_the_heads_vocabulary_are_the_full_vocabularys(tiny_model_dirs, tmp_path, quantization):
     """A sampled draft is drawn over the head's own vocabulary, with the target's noise at those tokens

@@ -109,6 +109,8 @@ class LLMEngine:
             verify_seqs = 0 if spec is None else spec.max_drafting_seqs or config.max_num_seqs
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len,
                                        1 + spec.num_speculative_tokens if spec is not None else None, verify_seqs)
+            if isinstance(draft, EagleProposer):
+                draft.model.capture_graphs(verify_seqs)
         self.speculator = None
         if spec is not None:
             classes = whitespace_classes(self.tokenizer, mc.vocab_size) if spec.method == "ngram" else None

@@ -43,6 +43,7 @@ from kvserve.sampling.sampler import argmax
 from kvserve.spec_decode.draft_model import target_embedding
 from kvserve.spec_decode.draft_format import has_metadata, read_with_config, save_with_config
 from kvserve.spec_decode.draft_reference import ReferenceTensors, rope, rms_norm
+from kvserve.spec_decode.eagle_graphs import HeadGraphs
 
 METADATA_KEY = "kvserve_eagle"
 SHIPPED_HEAD = Path(__file__).parent / "drafts" / "smollm2-135m-eagle.safetensors"
@@ -220,6 +221,14 @@ class EagleHead(nn.Module):
         self.lm_head = ColumnLinear(d, len(vocab_ids), quant.method(["lm_head.weight"]), "lm_head.weight")
         self.register_buffer("vocab_ids", vocab_ids.to(torch.int64), persistent=False)
         self.native_weights: list[torch.Tensor | None] | None = None  # see use_native_kernel
+        self.graphs: HeadGraphs | None = None  # see capture_graphs
+
+    def capture_graphs(self, max_rows: int) -> None:
+        """On CUDA, after loading: greedy_step and head_logits_step replay a captured graph for up to max_rows
+        rows (eagle_graphs.py)."""
+        graphs = HeadGraphs(self, max_rows)
+        graphs.capture()
+        self.graphs = graphs
 
     def use_native_kernel(self) -> None:
         """After loading: greedy_step and head_logits_step run as one native call (kernels/cpu/eagle_head.cpp)
@@ -255,7 +264,9 @@ class EagleHead(nn.Module):
     def greedy_step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """step() then greedy_tokens(): (the predicted next features, the head's most likely tokens). In one
         native call where use_native_kernel() set it up: at one stream on two AVX2 cores, dispatching the dozen
-        small calls from Python cost about as much as the head's matmuls."""
+        small calls from Python cost about as much as the head's matmuls. On CUDA, one graph replay."""
+        if self.graphs is not None and (out := self.graphs.run(feature, token_ids)) is not None:
+            return out[0], out[2]
         if not self._runs_natively(feature):
             feature, normed = self.step(feature, token_ids)
             return feature, self.greedy_tokens(normed)
@@ -264,7 +275,9 @@ class EagleHead(nn.Module):
 
     def head_logits_step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """step() then the LM head: (the predicted next features, float32 logits over the head's vocabulary
-        [N, len(vocab_ids)], what a sampled draft is drawn from). In one native call, as greedy_step."""
+        [N, len(vocab_ids)], what a sampled draft is drawn from). In one native call or replay, as greedy_step."""
+        if self.graphs is not None and (out := self.graphs.run(feature, token_ids)) is not None:
+            return out[0], out[1]
         if not self._runs_natively(feature):
             feature, normed = self.step(feature, token_ids)
             return feature, self.lm_head(normed).float()
