@@ -92,8 +92,9 @@ if [ "${STAGE:-}" = bench ]; then
     # shellcheck disable=SC2206  # CONCURRENCY and BENCH_ARGS (a rehearsal's smaller runs) split on spaces
     args=(--workloads repeat chat summarise --concurrency ${CONCURRENCY:-1 4 32} --rounds "${ROUNDS:-3}"
           --dtype "${DTYPE:-float32}" --name speculative_gpu ${BENCH_ARGS:-})
+    # shellcheck disable=SC2086  # METHODS: names, split on spaces
     timeout "${BENCH_S:-420}" python3 benchmarks/speculative.py "${args[@]}" \
-        --methods none none-control ngram eagle-lookup 2>&1 | tee "$OUT/bench.log"
+        --methods ${METHODS:-none none-control ngram eagle-lookup} 2>&1 | tee "$OUT/bench.log"
     rc=${PIPESTATUS[0]}
     if [ "$rc" != 0 ] && [ "$rc" != 124 ]; then
         echo "== exit $rc: again without eagle-lookup" | tee -a "$OUT/bench.log"
