@@ -17,6 +17,20 @@ import torch
 RESULTS = Path(os.environ.get("KVSERVE_BENCH_RESULTS") or Path(__file__).parent / "results")
 
 
+BLAS_CHOICES = ("choose", "preferred", "cublaslt")
+
+
+def use_blas(choice: str) -> None:
+    """--blas, on a GPU, before any engine is built: each captured step shape with the faster of cuBLAS and
+    cuBLASLt (choose, the engine's own way), every graph with torch's preference (preferred, as before the
+    engine chose), or cuBLASLt for everything, eager steps too (cublaslt, as TORCH_BLAS_PREFER_CUBLASLT=1)."""
+    from kvserve.worker import cuda_graphs
+
+    cuda_graphs.CHOOSE_BLAS = choice == "choose"
+    if choice == "cublaslt":
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+
+
 def median_seconds(fn, repeat: int) -> float:
     """Median wall time of fn() over `repeat` calls, after one warm-up call."""
     fn()

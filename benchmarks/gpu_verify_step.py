@@ -5,6 +5,7 @@ token (decode) or 1 + k tokens (verification) at a given context length.
 
     python benchmarks/gpu_verify_step.py                      # the default model, float32, context 448, k 4
     python benchmarks/gpu_verify_step.py --no-verify-split    # verification rows' attention left unsplit
+    python benchmarks/gpu_verify_step.py --blas preferred     # every graph with torch's BLAS preference
 
 The sequences read the same blocks, and their new tokens write nothing (slot -1): the attention reads and
 the matmuls are a real step's; the cache writes, a few hundred bytes, are left out.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import median_seconds, report
+from common import BLAS_CHOICES, median_seconds, report, use_blas
 
 from kvserve import LLM
 from kvserve.attention.triton import backend as triton_backend
@@ -36,8 +37,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--no-verify-split", action="store_true",
                     help="split-KV for decode steps only, as before verification steps could split")
+    ap.add_argument("--blas", choices=BLAS_CHOICES, default="choose", help="the graphs' BLAS library (common.use_blas)")
     ap.add_argument("--name", default="gpu_verify_step")
     args = ap.parse_args()
+    use_blas(args.blas)
     if args.no_verify_split:
         triton_backend.SPLIT_MAX_QUERY_LEN = 1
     llm = LLM(dtype=args.dtype, max_num_seqs=4, kv_cache_memory=512 << 20,
@@ -46,8 +49,8 @@ def main() -> None:
     runner = llm.engine.runner
     graphs, bs = runner.graphs, runner.block_size
     assert graphs is not None, "needs CUDA graphs (a GPU, without --enforce-eager)"
-    results, lines = {}, ["| sequences | tokens each | GPU ms per replay | run() wall ms | x one decode token |",
-                          "|---:|---:|---:|---:|---:|"]
+    results, lines = {}, ["| sequences | tokens each | BLAS | GPU ms per replay | run() wall ms | x one decode token |",
+                          "|---:|---:|---|---:|---:|---:|"]
     base = None
     for width in graphs.widths:
         for size in (1, 2, 4):
@@ -66,10 +69,12 @@ def main() -> None:
             # As a step reads its tokens back.
             wall_ms = 1000 * median_seconds(lambda: graphs.run(inputs, shape)[1].argmax(-1).tolist(), args.repeats)
             base = base or gpu_ms
-            results[f"{size}x{width}"] = {"gpu_ms": gpu_ms, "run_wall_ms": wall_ms}
-            lines.append(f"| {size} | {width} | {gpu_ms:.3f} | {wall_ms:.3f} | {gpu_ms / base:.2f} |")
+            blas = graphs.blas[shape]
+            results[f"{size}x{width}"] = {"gpu_ms": gpu_ms, "run_wall_ms": wall_ms, "blas": blas}
+            lines.append(f"| {size} | {width} | {blas} | {gpu_ms:.3f} | {wall_ms:.3f} | {gpu_ms / base:.2f} |")
     setup = (f"GPU: {torch.cuda.get_device_name()}; the default model, {args.dtype}; context {args.context} "
              f"tokens per sequence; verification attention {'unsplit' if args.no_verify_split else 'split-KV'}; "
+             f"BLAS per graph: {args.blas}; "
              f"{args.repeats} replays per shape (run() wall: the median).")
     report(args.name, "Decode and verification steps on a GPU", args, setup, "\n".join(lines), results,
            script="gpu_verify_step")

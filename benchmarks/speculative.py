@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import report
+from common import BLAS_CHOICES, report, use_blas
 from kvserve import LLM, SamplingParams
 from kvserve.bench.corpus import load_corpus
 from kvserve.kernels import cpu as cpu_kernels
@@ -374,6 +374,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--blas", choices=BLAS_CHOICES, default="choose", help="on a GPU: the step graphs' BLAS library "
+                    "(common.use_blas)")
     ap.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="bytes of KV per engine (all live at once)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="runs of every method at each point, taking turns; the table gives medians")
@@ -389,6 +391,7 @@ def main() -> None:
     if "none" not in args.methods:
         args.methods = ["none", *args.methods]  # the baseline every ratio is taken against
 
+    use_blas(args.blas)
     results: dict = {}
     load_before = os.getloadavg()
     # Every method's engine lives for the whole run and the methods take turns at each point: this host's

@@ -123,6 +123,21 @@ def test_cuda_graphs_give_the_eager_steps_tokens(tiny_model_dirs) -> None:
                 assert lx[t].logprob == pytest.approx(ly[t].logprob, abs=1e-4)
 
 
+def test_cuda_graphs_are_captured_with_a_blas_library_each_and_torchs_preference_stays(tiny_model_dirs) -> None:
+    """Capture tries each shape with both BLAS libraries and keeps one graph per shape; torch's preference
+    for the eager steps is what it was before."""
+    from kvserve.worker.cuda_graphs import blas_candidates
+
+    path, _ = tiny_model_dirs["llama"]
+    before = torch.backends.cuda.preferred_blas_library()
+    graphs = cuda_engine(path, "float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3}
+                         ).runner.graphs
+    assert torch.backends.cuda.preferred_blas_library() == before
+    assert set(graphs.blas) == set(graphs.graphs) == set(graphs.outputs)
+    assert len({w for _, w in graphs.graphs}) == 2
+    assert set(graphs.blas.values()) <= set(blas_candidates(before.name.lower()))
+
+
 def test_cuda_verification_graphs_give_the_eager_steps_tokens(tiny_model_dirs) -> None:
     """Speculative decoding with drafts right and wrong at every position, with verification graphs (rows
     of 1 to 4 tokens padded to 4, padded batches) and with --enforce-eager: the greedy tokens of an engine

@@ -8,7 +8,9 @@ from collections import Counter
 
 import torch
 
-from kvserve.worker.cuda_graphs import StepInputs, capture_sizes, padded_size, samples_every_token
+from kvserve.worker import cuda_graphs
+from kvserve.worker.cuda_graphs import (StepInputs, blas_candidates, capture_sizes, fastest, padded_size,
+                                        samples_every_token)
 
 
 def test_capture_sizes_and_padding_bucket() -> None:
@@ -21,6 +23,21 @@ def test_capture_sizes_and_padding_bucket() -> None:
     assert padded_size(101, sizes) is None
     for n in range(1, 101):  # never more than 15 padding rows above 16, never fewer rows than asked
         assert 0 <= padded_size(n, sizes) - n <= (15 if n > 16 else n)
+
+
+def test_blas_choice_keeps_the_preferred_library_unless_another_is_clearly_faster(monkeypatch) -> None:
+    """Each shape is captured with torch's preferred BLAS library and the other of cuBLAS and cuBLASLt;
+    the other replaces the preferred one only where it is faster by more than the margin (replay noise)."""
+    assert fastest([1.0, 0.99]) == 0 and fastest([1.0, 0.9]) == 1 and fastest([0.9, 1.0]) == 0
+    assert fastest([2.0, 1.0], margin=0.6) == 0 and fastest([1.0]) == 0
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert blas_candidates("default") == ["default", "cublaslt"]
+    assert blas_candidates("cublaslt") == ["cublaslt", "cublas"]
+    monkeypatch.setattr(cuda_graphs, "CHOOSE_BLAS", False)
+    assert blas_candidates("default") == ["default"]
+    monkeypatch.setattr(cuda_graphs, "CHOOSE_BLAS", True)
+    monkeypatch.setattr(torch.version, "cuda", None)  # a ROCm or CPU build: nothing to choose from
+    assert blas_candidates("default") == ["default"]
 
 
 def test_decode_inputs_padding_rows_write_nothing() -> None:
