@@ -131,3 +131,40 @@ def test_bench_serve_reports_what_the_server_counted(server, tmp_path, capsys):
     table = capsys.readouterr().out
     assert "Speculative Decoding" in table
     assert f"{100 * spec['acceptance_rate']:.2f}" in table.split("Acceptance rate (%):")[1].split("\n")[0]
+
+
+def test_offline_get_metrics_gives_the_engines_counts_under_the_servers_series(server):
+    """LLM.get_metrics(), what vLLM's offline speculative example reads acceptance from: the engine's own
+    counts, each under a name and label set that the real server's /metrics has (read over HTTP and parsed
+    by prometheus_client), the accepted tokens by position as one Vector."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvserve import LLM, SamplingParams
+    from kvserve.metrics.reader import Counter, Gauge, Vector
+
+    offline = LLM(dtype="float32", quantization="none", max_model_len=256, num_threads=1,
+                  speculative_config=json.loads(SPEC))
+    out = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    got = {m.name: m for m in offline.get_metrics()}
+    s = offline.engine.get_stats()
+    assert isinstance(got["kvserve:spec_decode_num_drafts"], Counter)
+    assert got["kvserve:spec_decode_num_drafts"].value == s.spec_num_drafts > 0
+    assert got["kvserve:spec_decode_num_draft_tokens"].value == s.spec_num_draft_tokens
+    assert got["kvserve:spec_decode_num_accepted_tokens"].value == s.spec_num_accepted_tokens > 0
+    per_pos = got["kvserve:spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(per_pos, Vector) and per_pos.values == s.spec_accepted_per_pos
+    assert sum(per_pos.values) == s.spec_num_accepted_tokens
+    assert got["kvserve:generation_tokens"].value == len(out.outputs[0].token_ids) == 24
+    assert got["kvserve:prompt_tokens"].value == len(out.prompt_token_ids)
+    assert isinstance(got["kvserve:kv_cache_usage_perc"], Gauge) and got["kvserve:num_requests_running"].value == 0
+
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        r = http.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": PROMPT,
+                                               "max_tokens": 24, "temperature": 0})
+        assert r.status_code == 200, r.text
+        page = http.get("/metrics").text
+    series = {(sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "position")))
+              for family in text_string_to_metric_families(page) for sample in family.samples}
+    for m in got.values():
+        name = m.name + ("_total" if isinstance(m, (Counter, Vector)) else "")
+        assert (name, tuple(sorted(m.labels.items()))) in series, m

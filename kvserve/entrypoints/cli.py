@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from kvserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from kvserve.gateway.config import ROUTING_POLICIES, ModelsConfig
+from kvserve.models.default import served_name
 from kvserve.models.presets import DEFAULT_PRESET
 from kvserve.spec_decode.config import SpeculativeConfig
 
@@ -282,8 +283,7 @@ def models_config(args: argparse.Namespace) -> ModelsConfig | None:
         if args.served_model_name:
             models.models[0].name = args.served_model_name[0]
         elif not typed:  # the default model, named as the one-engine server names it
-            from kvserve.entrypoints.openai.api_server import DEFAULT_MODEL_NAME
-            models.models[0].name = DEFAULT_MODEL_NAME
+            models.models[0].name = served_name(None)
     else:
         return None
     if args.served_model_name and (args.models_config or len(positional) > 1):

@@ -8,6 +8,8 @@ from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.metrics.reader import Metric, engine_metrics
+from kvserve.models.default import served_name
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer.chat_messages import check_messages
@@ -35,6 +37,12 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters since it started and its gauges, named and labelled as the server's /metrics
+        names them (kvserve:spec_decode_num_drafts, ...; accepted draft tokens by position as one Vector), as
+        vLLM's LLM.get_metrics() returns its own. Request latency histograms are the server's alone."""
+        return engine_metrics(self.engine.get_stats(), served_name(self.engine.config.model))
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,

@@ -5,6 +5,13 @@ import importlib.util
 from pathlib import Path
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what the server, and metrics' model_name, call it
+
+
+def served_name(model: str | None) -> str:
+    """The name a model given as `model` (a path, a preset, or None for the default) is served and labelled by
+    when no --served-model-name says otherwise, as vLLM names a model by what was passed."""
+    return model or DEFAULT_MODEL_NAME
 
 
 def default_model_path() -> str:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 
-from kvserve.entrypoints.openai.api_server import DEFAULT_MODEL_NAME, ServerArgs
+from kvserve.entrypoints.openai.api_server import ServerArgs
 from kvserve.gateway.config import ModelsConfig, ModelsConfigError
-
-DEFAULT_PRESET = "smollm2-135m"
+from kvserve.models.presets import DEFAULT_PRESET
 
 
 def models_config_for(path: str | None, args: ServerArgs) -> ModelsConfig:
@@ -15,7 +14,7 @@ def models_config_for(path: str | None, args: ServerArgs) -> ModelsConfig:
     if path is not None:
         config = ModelsConfig.from_yaml(path)
     else:
-        name = (args.served_model_names or [args.engine.model or DEFAULT_MODEL_NAME])[0]
+        name = args.model_names()[0]
         config = ModelsConfig.from_dict({"models": [{"name": name, "model": args.engine.model or DEFAULT_PRESET}]})
     if config.routing.auto:
         # Easy/hard routing lives in the local gateway; Ray Serve's router only balances replicas of a name.

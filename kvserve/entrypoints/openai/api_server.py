@@ -40,11 +40,11 @@ from kvserve.gateway.config import AUTO_MODEL, AdmissionConfig, ModelEntry, Mode
 from kvserve.gateway.registry import ModelRegistry
 from kvserve.metrics.dashboard import MetricsHistory
 from kvserve.metrics.prometheus import MetricFamilies, ServerMetrics
+from kvserve.models.default import served_name
 from kvserve.metrics.stat_logger import log_stats_periodically
 
 logger = logging.getLogger("kvserve.server")
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 VERSION = "0.1.0"
 # New /v1 requests that start their parsing and tokenizing per event-loop turn (see openai/pacing.py).
 REQUESTS_PER_LOOP_TURN = 16
@@ -73,7 +73,7 @@ class ServerArgs:
             return self.models.model_names()
         if self.served_model_names:
             return self.served_model_names
-        return [self.engine.model or DEFAULT_MODEL_NAME]
+        return [served_name(self.engine.model)]
 
     def models_config(self) -> ModelsConfig:
         if self.models is not None:
