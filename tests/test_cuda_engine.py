@@ -123,19 +123,33 @@ def test_cuda_graphs_give_the_eager_steps_tokens(tiny_model_dirs) -> None:
                 assert lx[t].logprob == pytest.approx(ly[t].logprob, abs=1e-4)
 
 
-def test_cuda_graphs_are_captured_with_a_blas_library_each_and_torchs_preference_stays(tiny_model_dirs) -> None:
-    """Capture tries each shape with both BLAS libraries and keeps one graph per shape; torch's preference
-    for the eager steps is what it was before."""
-    from kvserve.worker.cuda_graphs import blas_candidates
+def test_cuda_graphs_captured_with_the_other_blas_library_give_the_eager_steps_tokens(tiny_model_dirs,
+                                                                                      monkeypatch) -> None:
+    """Capture tries both BLAS libraries (blas_choice.py); with the other library's graph kept for every shape
+    (the timing overruled), decode and verification steps give the eager engine's greedy tokens, and torch's
+    preference for eager steps is what it was before."""
+    from spec_helpers import every_step_ngram, prompts, run_waves
+    from kvserve.worker import blas_choice
 
     path, _ = tiny_model_dirs["llama"]
     before = torch.backends.cuda.preferred_blas_library()
-    graphs = cuda_engine(path, "float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3}
-                         ).runner.graphs
-    assert torch.backends.cuda.preferred_blas_library() == before
-    assert set(graphs.blas) == set(graphs.graphs) == set(graphs.outputs)
-    assert len({w for _, w in graphs.graphs}) == 2
-    assert set(graphs.blas.values()) <= set(blas_candidates(before.name.lower()))
+    libraries = blas_choice.usable_libraries(torch.device("cuda"))
+    assert len(libraries) == 2, libraries  # a CUDA build of torch has both
+    monkeypatch.setattr(blas_choice, "fastest", lambda ms: 1)
+    ps = [p * 3 for p in prompts(3, [5, 7, 4, 6])]  # repeated text, so that prompt lookup finds drafts
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    wave = [[(str(i), p, params) for i, p in enumerate(ps)]]
+    got = []
+    for eager in (False, True):
+        engine = cuda_engine(path, "float32", speculative_config=every_step_ngram(3), enforce_eager=eager)
+        assert torch.backends.cuda.preferred_blas_library() == before
+        if not eager:
+            graphs = engine.runner.graphs
+            assert len({w for _, w in graphs.graphs}) == 2 and set(graphs.blas.values()) == {libraries[1]}
+        got.append(run_waves(engine, wave, 3, check=True))
+        assert engine.get_stats().spec_num_drafts > 0
+    for i in range(len(ps)):
+        assert got[0][str(i)].outputs[0].token_ids == got[1][str(i)].outputs[0].token_ids, i
 
 
 def test_cuda_verification_graphs_give_the_eager_steps_tokens(tiny_model_dirs) -> None:

@@ -8,9 +8,9 @@ from collections import Counter
 
 import torch
 
-from kvserve.worker import cuda_graphs
-from kvserve.worker.cuda_graphs import (StepInputs, blas_candidates, capture_sizes, fastest, padded_size,
-                                        samples_every_token)
+from kvserve.worker import blas_choice
+from kvserve.worker.blas_choice import blas_candidates, fastest
+from kvserve.worker.cuda_graphs import StepInputs, capture_sizes, padded_size, samples_every_token
 
 
 def test_capture_sizes_and_padding_bucket() -> None:
@@ -33,9 +33,9 @@ def test_blas_choice_keeps_the_preferred_library_unless_another_is_clearly_faste
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     assert blas_candidates("default") == ["default", "cublaslt"]
     assert blas_candidates("cublaslt") == ["cublaslt", "cublas"]
-    monkeypatch.setattr(cuda_graphs, "CHOOSE_BLAS", False)
+    monkeypatch.setattr(blas_choice, "CHOOSE_BLAS", False)
     assert blas_candidates("default") == ["default"]
-    monkeypatch.setattr(cuda_graphs, "CHOOSE_BLAS", True)
+    monkeypatch.setattr(blas_choice, "CHOOSE_BLAS", True)
     monkeypatch.setattr(torch.version, "cuda", None)  # a ROCm or CPU build: nothing to choose from
     assert blas_candidates("default") == ["default"]
 

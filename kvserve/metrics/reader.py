@@ -4,8 +4,8 @@
 They are read from a Prometheus registry that ServerMetrics fed from the engine's stats, so names and labels
 are those of the server's /metrics by construction: a counter is named without `_total` (as its family is),
 and a counter with a `position` label, the accepted draft tokens by position, comes as one Vector per label
-set. Request histograms (time to first token, latencies) are the server's, observed as responses are
-delivered; an engine's stats hold none, so none are returned.
+set. Request histograms (time to first token, latencies) and finished requests by reason are the server's,
+counted as responses are delivered; an engine's stats hold none of them, so they are not returned.
 """
 from __future__ import annotations
 

@@ -9,16 +9,19 @@ logits. The head keeps no state between steps (its input is the previous feature
 graph is the same whatever the sequences: padding rows are whatever the buffers hold, their outputs dropped.
 Rows never mix in the head, so the real rows' results do not depend on the padding's.
 
-Load and forward, what a replay repeats, run anywhere (the tests check them on the CPU); capture and
-replay need CUDA.
+Each size's graph records its matmuls with the faster of two BLAS libraries, as the step graphs do
+(kvserve/worker/blas_choice.py). Load and forward, what a replay repeats, run anywhere (the tests check
+them on the CPU); capture and replay need CUDA.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.sampling.sampler import argmax
+from kvserve.worker.blas_choice import capture_fastest, usable_libraries
 from kvserve.worker.cuda_graphs import capture_sizes, padded_size
 
 if TYPE_CHECKING:
@@ -28,6 +31,8 @@ HeadOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # next features, 
 
 
 class HeadGraphs:
+    """The head's step, LM head and greedy token captured per padded batch size, with the buffers they read."""
+
     def __init__(self, head: EagleHead, max_rows: int) -> None:
         """max_rows: the most sequences the head drafts for in one step; larger batches run eagerly."""
         self.head = head
@@ -37,6 +42,7 @@ class HeadGraphs:
         self.tokens = torch.zeros(n, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, HeadOutputs] = {}
+        self.blas: dict[int, str] = {}  # the BLAS library each size's graph was captured with
 
     def load(self, feature: torch.Tensor, token_ids: torch.Tensor) -> int | None:
         """The rows into the buffers; the captured size that holds them, None: too many (run eagerly)."""
@@ -60,12 +66,10 @@ class HeadGraphs:
         dev = self.feature.device
         assert dev.type == "cuda"
         pool = None
+        libraries = usable_libraries(dev)
         for size in reversed(self.sizes):
-            self.forward(size)  # warm-up outside the graph: cuBLAS picks its kernels
-            torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.forward(size)
+            graph, self.outputs[size], self.blas[size] = capture_fastest(partial(self.forward, size), libraries,
+                                                                         dev, pool)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize(dev)
@@ -78,4 +82,5 @@ class HeadGraphs:
             return None
         self.graphs[size].replay()
         n = len(token_ids)
-        return tuple(out[:n] for out in self.outputs[size])  # type: ignore[return-value]
+        feature, logits, tokens = self.outputs[size]
+        return feature[:n], logits[:n], tokens[:n]

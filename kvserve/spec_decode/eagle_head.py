@@ -264,7 +264,8 @@ class EagleHead(nn.Module):
     def greedy_step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """step() then greedy_tokens(): (the predicted next features, the head's most likely tokens). In one
         native call where use_native_kernel() set it up: at one stream on two AVX2 cores, dispatching the dozen
-        small calls from Python cost about as much as the head's matmuls. On CUDA, one graph replay."""
+        small calls from Python cost about as much as the head's matmuls. On CUDA, one graph replay (after
+        capture_graphs): then both are views into the graph's outputs, valid until the head's next step."""
         if self.graphs is not None and (out := self.graphs.run(feature, token_ids)) is not None:
             return out[0], out[2]
         if not self._runs_natively(feature):
@@ -275,7 +276,8 @@ class EagleHead(nn.Module):
 
     def head_logits_step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """step() then the LM head: (the predicted next features, float32 logits over the head's vocabulary
-        [N, len(vocab_ids)], what a sampled draft is drawn from). In one native call or replay, as greedy_step."""
+        [N, len(vocab_ids)], what a sampled draft is drawn from). In one native call or one replay (views valid
+        until the next step), as greedy_step."""
         if self.graphs is not None and (out := self.graphs.run(feature, token_ids)) is not None:
             return out[0], out[1]
         if not self._runs_natively(feature):

@@ -18,65 +18,19 @@ one (on an H200, 4 sequences: 2.19 ms at width 5 against 1.57 at width 1, benchm
 Only the Triton backend is captured: its metadata is the step's own tensors plus a tile schedule that is
 the same for every step of one shape. The split-KV count is fixed per graph from max_model_len.
 
-Each shape is captured twice, with cuBLAS and with cuBLASLt preferred, and the faster graph is kept: the
-library is chosen when a matmul is recorded, and neither is best at every shape. On an H200 with the
-default model in float32, torch's default picked kernels for 2-16 rows of the 576-wide projections that
-took 2-5x the 1-row time (o_proj 9.4 us at 2 rows against 2.7 at 1; cuBLASLt 3.4), so a 2-token step cost
-1.73 ms against 1.21 for 1 token, 1.38 ms with cuBLASLt; but cuBLASLt made 32-sequence decode 16% slower
-and 4 x 5-token verification 2.55 ms against 2.19 (benchmarks/results/gpu_verify_step_k1*.md,
-speculative_gpu_decode_blas_*.md). The eager steps keep torch's preference.
+Each shape's graph records its matmuls with the faster of two BLAS libraries (blas_choice.py).
 
 The padding and bucketing are pure functions, tested on the CPU; StepGraphs itself needs CUDA to capture.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from kvserve.attention.backend import AttentionBackend, KVCache, StepBatch
-
-
-CHOOSE_BLAS = True   # capture each shape with both BLAS libraries and keep the faster (benchmarks turn it off)
-BLAS_MARGIN = 0.03   # the other library must be this much faster to replace the preferred one (replay noise)
-
-
-def blas_candidates(preferred: str) -> list[str]:
-    """The libraries a shape is captured with: torch's preference first, then the other of cuBLAS and
-    cuBLASLt. On ROCm builds, and with CHOOSE_BLAS off, the preference alone."""
-    if not CHOOSE_BLAS or torch.version.cuda is None:
-        return [preferred]
-    return [preferred, "cublas" if preferred == "cublaslt" else "cublaslt"]
-
-
-def fastest(ms: list[float], margin: float = BLAS_MARGIN) -> int:
-    """The index of the candidate to keep: the first (the preferred library) unless another's time is below
-    its own by more than margin."""
-    best = min(range(len(ms)), key=ms.__getitem__)
-    return best if ms[best] < ms[0] * (1 - margin) else 0
-
-
-@contextmanager
-def preferred_blas(name: str) -> Iterator[None]:
-    before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(name)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 5) -> float:
-    """GPU milliseconds per replay of a captured graph, over `replays` back-to-back replays."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays
+from kvserve.worker.blas_choice import capture_fastest, usable_libraries
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -237,35 +191,19 @@ class StepGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Largest first, all shapes sharing one memory pool (a smaller graph's buffers fit in a larger's); each
-        shape once per BLAS candidate, the fastest kept (a dropped graph's memory goes back to the pool)."""
+        with the faster BLAS library (blas_choice.capture_fastest: a dropped candidate's memory goes back to the
+        pool)."""
         dev = self.backend.device
         assert dev.type == "cuda"
         pool = None
         shapes = sorted(((s, w) for w, sizes in self.sizes.items() for s in sizes),
                         key=lambda sw: sw[0] * sw[1], reverse=True)
-        preferred = torch.backends.cuda.preferred_blas_library().name.lower()  # "default", "cublas", ...
-        libraries = blas_candidates(preferred)
+        libraries = usable_libraries(dev)
         for shape in shapes:
-            captured = []
-            for library in libraries:
-                with preferred_blas(library):
-                    self.forward(shape)  # warm-up outside the graph: metadata, Triton compiles, BLAS picks kernels
-                    torch.cuda.synchronize(dev)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        outputs = self.forward(shape)
-                pool = graph.pool()
-                captured.append((graph, outputs))
-            keep = 0
-            if len(captured) > 1:
-                # Alternating rounds, each candidate's best: the replays themselves are the measurement.
-                ms = [float("inf")] * len(captured)
-                for _ in range(3):
-                    for i, (graph, _) in enumerate(captured):
-                        ms[i] = min(ms[i], replay_ms(graph))
-                keep = fastest(ms)
-            self.graphs[shape], self.outputs[shape] = captured[keep]
-            self.blas[shape] = libraries[keep]
+            graph, self.outputs[shape], self.blas[shape] = capture_fastest(partial(self.forward, shape), libraries,
+                                                                           dev, pool)
+            pool = graph.pool()
+            self.graphs[shape] = graph
         torch.cuda.synchronize(dev)
 
     def replay(self, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,8 +40,8 @@ from kvserve.gateway.config import AUTO_MODEL, AdmissionConfig, ModelEntry, Mode
 from kvserve.gateway.registry import ModelRegistry
 from kvserve.metrics.dashboard import MetricsHistory
 from kvserve.metrics.prometheus import MetricFamilies, ServerMetrics
-from kvserve.models.default import served_name
 from kvserve.metrics.stat_logger import log_stats_periodically
+from kvserve.models.default import served_name
 
 logger = logging.getLogger("kvserve.server")
 
