@@ -33,7 +33,7 @@
 # benchmarks/results). A rehearsal on the CPU: STORE, SITE, OUT and KVSERVE_BENCH_RESULTS in a scratch
 # folder, CONCURRENCY=1 ROUNDS=1 BENCH_ARGS="--num-requests 2 --repeat-max-tokens 8 --max-tokens 8".
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 
 if [ "${1:-}" = prepare ]; then
     model=$(python -c "from kvserve.models.default import default_model_path as p; print(p())") || exit 1
@@ -137,6 +137,7 @@ if [ "${STAGE:-}" = eagle ]; then
     [ -f "$OUT/eagle_gpu.safetensors" ] && head=(--eagle-b-model "$OUT/eagle_gpu.safetensors") b=(eagle-b)
     # shellcheck disable=SC2206
     args=(--workloads chat --rounds "${ROUNDS:-3}" --dtype float32 "${head[@]}" ${BENCH_ARGS:-})
+    # shellcheck disable=SC2086  # CONCURRENCY: numbers, split on spaces
     timeout "${BENCH_S:-130}" python3 benchmarks/speculative.py "${args[@]}" --concurrency ${CONCURRENCY:-1 4} \
         --methods none none-control eagle "${b[@]}" --eagle-k 1 --name speculative_gpu_eagle_k1 2>&1 | tee "$OUT/bench.log"
     timeout "${BENCH3_S:-80}" python3 benchmarks/speculative.py "${args[@]}" --concurrency 1 \
@@ -162,7 +163,7 @@ if [ "${STAGE:-}" = fuse ] || [ "${STAGE:-}" = attention ]; then
     left=$(( ${CALL_S:-570} - SECONDS - 60 ))
     echo "== two heads side by side, --time-limit $left s"
     for name in $variant base; do
-        options=$extra && [ $name = base ] && options=
+        options=$extra && [ "$name" = base ] && options=
         # shellcheck disable=SC2086
         OMP_NUM_THREADS=6 timeout $(( left + 90 )) python3 benchmarks/train_eagle.py "${train[@]}" $options \
             --time-limit "$left" --out "$OUT/eagle_$name.safetensors" \
