@@ -5,6 +5,9 @@ its drafts, like a chunk of prefill; every one of those positions is sampled, an
 while they equal the samples (kvserve/spec_decode/verify.py)."""
 from __future__ import annotations
 
+import logging
+import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +26,8 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.verify import num_accepted, verification_noise
 from kvserve.worker.cuda_graphs import StepInputs, samples_every_token
 from kvserve.worker.memory_profile import worst_case_batch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,7 +65,11 @@ class ModelRunner:
         from kvserve.worker.cuda_graphs import StepGraphs
         self.graphs = StepGraphs(self.model, self.attn_backend, self.kv_caches, max_num_seqs, max_model_len,
                                  self.block_size, verify_width, verify_max_seqs)
+        start = time.perf_counter()
         self.graphs.capture()
+        libraries = ", ".join(f"{name} {n}" for name, n in Counter(self.graphs.blas.values()).most_common())
+        logger.info("CUDA graphs: %d step shapes captured in %.1f s (BLAS library kept, by shapes: %s)",
+                    len(self.graphs.graphs), time.perf_counter() - start, libraries)
 
     def step_tokens(self, num_seqs: int, num_tokens: int, num_drafts: int) -> int:
         """The tokens a step of num_seqs sequences, num_tokens without drafts and num_drafts draft tokens, will
