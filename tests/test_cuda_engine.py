@@ -260,43 +260,50 @@ def test_cuda_decode_step_reads_back_only_the_sampled_ids(tiny_model_dirs) -> No
     assert_no_leaks(engine)
 
 
-def test_cuda_eagle_seeded_sampling_matches_no_speculation(tiny_model_dirs, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def trained_head(tiny_model_dirs, tmp_path_factory):
+    """A small eagle head trained on the tiny llama's greedy continuations (test_spec_decode_eagle.train_head),
+    as a file."""
+    from test_spec_decode_eagle import train_head
+    from kvserve.spec_decode.eagle_head import save_head
+
+    _, hf = tiny_model_dirs["llama"]
+    head, head_path = train_head(hf, 40), tmp_path_factory.mktemp("eagle") / "head.safetensors"
+    save_head(head_path, head.cfg, head.state_tensors())
+    return head_path
+
+
+def test_cuda_eagle_seeded_sampling_matches_no_speculation(tiny_model_dirs, trained_head) -> None:
     """An eagle engine's seeded tokens and logprobs equal an engine's without speculation on the GPU too: the
     draft samples with the noise the target will use, and the target takes it from the draft and sets the
     request's CUDA generator to where the kept rows leave it (get_state / set_state)."""
     from spec_helpers import make_engine, prompts
-    from test_spec_decode_eagle import check_seeded, run, spec, train_head
-    from kvserve.spec_decode.eagle_head import save_head
+    from test_spec_decode_eagle import check_seeded, run, spec
 
-    path, hf = tiny_model_dirs["llama"]
-    head, head_path = train_head(hf, 40), tmp_path / "head.safetensors"
-    save_head(head_path, head.cfg, head.state_tensors())
+    path, _ = tiny_model_dirs["llama"]
     ps = prompts(4, [5, 13, 21, 8])
     params = SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
                             min_tokens=5, max_tokens=24, seed=11, logprobs=1)
     wave = [[(str(i), p, params) for i, p in enumerate(ps)]]
     ref = run(make_engine(path, device="cuda"), wave)
-    engine = make_engine(path, spec(head_path), device="cuda")
+    engine = make_engine(path, spec(trained_head), device="cuda")
     assert engine.runner.device.type == "cuda"
     check_seeded(run(engine, wave, check=True), ref, engine, len(ps))
 
 
-def test_cuda_eagle_head_graphs_keep_greedy_tokens(tiny_model_dirs, tmp_path) -> None:
+def test_cuda_eagle_head_graphs_keep_greedy_tokens(tiny_model_dirs, trained_head) -> None:
     """With the engine's graphs on, the eagle head drafts by replaying graphs of its own (eagle_graphs.py):
     the eagle engine's greedy tokens equal an engine's without speculation, the head's graphs really ran
     (a padded size among them), and a replay gives what the same step run eagerly gives."""
     from spec_helpers import make_engine, prompts
-    from test_spec_decode_eagle import run, spec, train_head
-    from kvserve.spec_decode.eagle_head import save_head
+    from test_spec_decode_eagle import run, spec
 
     path, hf = tiny_model_dirs["llama"]
-    head, head_path = train_head(hf, 40), tmp_path / "head.safetensors"
-    save_head(head_path, head.cfg, head.state_tensors())
     ps = prompts(5, [5, 13, 21])
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     wave = [[(str(i), p, params) for i, p in enumerate(ps)]]
     ref = run(make_engine(path, device="cuda"), wave)
-    engine = make_engine(path, spec(head_path), device="cuda")
+    engine = make_engine(path, spec(trained_head), device="cuda")
     graphs = engine.speculator.draft.model.graphs
     assert graphs is not None and graphs.graphs
     replays = []

@@ -15,13 +15,12 @@ them on the CPU); capture and replay need CUDA.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.sampling.sampler import argmax
-from kvserve.worker.blas_choice import capture_fastest, usable_libraries
+from kvserve.worker.blas_choice import capture_all
 from kvserve.worker.cuda_graphs import capture_sizes, padded_size
 
 if TYPE_CHECKING:
@@ -62,17 +61,9 @@ class HeadGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Largest first, sharing one memory pool (as StepGraphs)."""
-        dev = self.feature.device
-        assert dev.type == "cuda"
-        pool = None
-        libraries = usable_libraries(dev)
-        for size in reversed(self.sizes):
-            graph, self.outputs[size], self.blas[size] = capture_fastest(partial(self.forward, size), libraries,
-                                                                         dev, pool)
-            pool = graph.pool()
-            self.graphs[size] = graph
-        torch.cuda.synchronize(dev)
+        """Every size, largest first, into one memory pool (as StepGraphs)."""
+        assert self.feature.device.type == "cuda"
+        self.graphs, self.outputs, self.blas = capture_all(self.sizes[::-1], self.forward, self.feature.device)
 
     def run(self, feature: torch.Tensor, token_ids: torch.Tensor) -> HeadOutputs | None:
         """The head's step over these rows by replay (views into the graph's outputs: read them before the

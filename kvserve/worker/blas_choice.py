@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import TypeVar
 
 import torch
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
 
 CHOOSE_BLAS = True   # capture with both libraries and keep the faster (benchmarks turn it off to compare)
 BLAS_MARGIN = 0.03   # the other library must be this much faster to replace the preferred one (replay noise)
@@ -109,3 +111,20 @@ def capture_fastest(forward: Callable[[], T], libraries: list[str], device: torc
         keep = fastest(ms)
     graph, outputs = captured[keep]
     return graph, outputs, libraries[keep]
+
+
+def capture_all(keys: list[K], forward: Callable[[K], T], device: torch.device
+                ) -> tuple[dict[K, torch.cuda.CUDAGraph], dict[K, T], dict[K, str]]:
+    """forward(key) captured for each key in the order given (largest first: a smaller graph's buffers fit
+    in a larger's), all sharing one memory pool, each with the faster library (capture_fastest; a dropped
+    candidate's memory goes back to the pool): the graphs, their outputs and their libraries by key."""
+    graphs: dict[K, torch.cuda.CUDAGraph] = {}
+    outputs: dict[K, T] = {}
+    blas: dict[K, str] = {}
+    libraries = usable_libraries(device)
+    pool = None
+    for key in keys:
+        graphs[key], outputs[key], blas[key] = capture_fastest(partial(forward, key), libraries, device, pool)
+        pool = graphs[key].pool()
+    torch.cuda.synchronize(device)
+    return graphs, outputs, blas

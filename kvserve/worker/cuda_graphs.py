@@ -25,12 +25,11 @@ The padding and bucketing are pure functions, tested on the CPU; StepGraphs itse
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
 from kvserve.attention.backend import AttentionBackend, KVCache, StepBatch
-from kvserve.worker.blas_choice import capture_fastest, usable_libraries
+from kvserve.worker.blas_choice import capture_all
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -190,21 +189,13 @@ class StepGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Largest first, all shapes sharing one memory pool (a smaller graph's buffers fit in a larger's); each
-        with the faster BLAS library (blas_choice.capture_fastest: a dropped candidate's memory goes back to the
-        pool)."""
+        """Every shape, largest first, into one memory pool, each with the faster BLAS library
+        (blas_choice.capture_all)."""
         dev = self.backend.device
         assert dev.type == "cuda"
-        pool = None
         shapes = sorted(((s, w) for w, sizes in self.sizes.items() for s in sizes),
                         key=lambda sw: sw[0] * sw[1], reverse=True)
-        libraries = usable_libraries(dev)
-        for shape in shapes:
-            graph, self.outputs[shape], self.blas[shape] = capture_fastest(partial(self.forward, shape), libraries,
-                                                                           dev, pool)
-            pool = graph.pool()
-            self.graphs[shape] = graph
-        torch.cuda.synchronize(dev)
+        self.graphs, self.outputs, self.blas = capture_all(shapes, self.forward, dev)
 
     def replay(self, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The graph of this shape over the loaded buffers: its (hidden, logits) outputs."""
