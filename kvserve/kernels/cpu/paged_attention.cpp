@@ -93,26 +93,38 @@ void score_keys(const Vec16 (*q)[kC], const C* k_cache, const int64_t* table, in
 }
 
 // out[h] = inv_sum[h] * sum_t p[h][t] v_(first + t) for kN heads (out: their D-wide rows, contiguous) over
-// the keys [first, first + n); p holds their kN rows of n weights.
+// the keys [first, first + n); p holds their kN rows of n weights. The head dimension is taken kW vectors
+// at a time, one pass over the keys each, so that kN * kW accumulators and kW V vectors fit the registers:
+// with AVX2's sixteen (a Vec16 is two), three heads' four vectors each had spilled. Two passes of two: the
+// same bits, PV 15-20% faster on one Zen 3 core with the keys in cache; the whole kernel up to 9% faster
+// over 30 layers' caches on two cores (256-row prefill chunks; decode rows within noise).
+#ifdef KVSERVE_VEC_AVX512
+template <int kC, int kN> constexpr int kPvWidth = kC;
+#else
+template <int kC, int kN> constexpr int kPvWidth = kC < (kN > 1 ? 2 : 4) ? kC : (kN > 1 ? 2 : 4);
+#endif
 template <typename T, typename C, int kC, int kN>
 void accumulate_pv(const C* v_cache, const int64_t* table, int64_t head_base, int64_t bs, int64_t first, int64_t n,
                    const float* p, T* out, const float* inv_sum) {
   constexpr int64_t D = kC * 16;
-  Vec16 acc[kN][kC];
-  for (int h = 0; h < kN; ++h)
-    for (int c = 0; c < kC; ++c) acc[h][c] = zero();
-  RowCursor<C, D> v(v_cache, table, head_base, bs, first, first + n);
-  for (int64_t t = 0; t < n; ++t, v.advance()) {
-    v.prefetch_next_block();
-    Vec16 vv[kC];
-    for (int c = 0; c < kC; ++c) vv[c] = load16(v.row + c * 16);
-    for (int h = 0; h < kN; ++h) {
-      const Vec16 w = broadcast(p[h * n + t]);
-      for (int c = 0; c < kC; ++c) acc[h][c] = fmadd(w, vv[c], acc[h][c]);
+  constexpr int kW = kPvWidth<kC, kN>;
+  for (int c0 = 0; c0 < kC; c0 += kW) {
+    Vec16 acc[kN][kW];
+    for (int h = 0; h < kN; ++h)
+      for (int c = 0; c < kW; ++c) acc[h][c] = zero();
+    RowCursor<C, D> v(v_cache, table, head_base, bs, first, first + n);
+    for (int64_t t = 0; t < n; ++t, v.advance()) {
+      if (c0 == 0) v.prefetch_next_block();  // later passes find the rows in cache
+      Vec16 vv[kW];
+      for (int c = 0; c < kW; ++c) vv[c] = load16(v.row + (c0 + c) * 16);
+      for (int h = 0; h < kN; ++h) {
+        const Vec16 w = broadcast(p[h * n + t]);
+        for (int c = 0; c < kW; ++c) acc[h][c] = fmadd(w, vv[c], acc[h][c]);
+      }
     }
+    for (int h = 0; h < kN; ++h)
+      for (int c = 0; c < kW; ++c) store(out + h * D + (c0 + c) * 16, acc[h][c] * broadcast(inv_sum[h]), 16);
   }
-  for (int h = 0; h < kN; ++h)
-    for (int c = 0; c < kC; ++c) store(out + h * D + c * 16, acc[h][c] * broadcast(inv_sum[h]), 16);
 }
 
 // One (row, KV head): scores for the G query heads over the visible keys [first, len), softmax, then P @ V.
