@@ -95,6 +95,16 @@ def test_generate_text_prompts_and_token_prompts_agree(llm):
     by_ids = llm.generate([tok.encode(prompt)], params, use_tqdm=False)[0]
     assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
     assert by_text.outputs[0].text == tok.decode(by_text.outputs[0].token_ids)
+    # vLLM's TextPrompt / TokensPrompt dicts, alone or in a list.
+    by_dicts = llm.generate([{"prompt": prompt}, {"prompt_token_ids": tok.encode(prompt)}], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in by_dicts] == [by_text.outputs[0].token_ids] * 2
+    alone = llm.generate({"prompt": prompt}, params, use_tqdm=False)[0]
+    assert alone.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    for bad in ({"prompt": prompt, "prompt_token_ids": [1]}, {"text": prompt},
+                {"prompt": prompt, "multi_modal_data": {}}):
+        with pytest.raises(ValueError, match="dict prompt"):
+            llm.generate([bad], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_streamed_deltas_add_up_to_the_text(llm):

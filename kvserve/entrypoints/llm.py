@@ -14,8 +14,24 @@ from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer.chat_messages import check_messages
 
-Prompt = str | list[int]
+# Text, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": text}, {"prompt_token_ids": ids}.
+Prompt = str | list[int] | dict[str, Any]
 Messages = list[dict[str, Any]]
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _as_engine_prompt(prompt: Prompt) -> str | list[int]:
+    """What the engine takes: a dict prompt's text or ids; a clear error for a dict of anything else (iterated
+    as a list, its keys had reached the engine as token ids)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    given = [k for k in _PROMPT_KEYS if k in prompt]
+    other = sorted(set(prompt) - set(_PROMPT_KEYS))
+    if len(given) != 1 or other:
+        raise ValueError(f"a dict prompt holds exactly one of 'prompt' (text) or 'prompt_token_ids' (a list of "
+                         f"token ids); got keys {sorted(prompt)}"
+                         + (f" ({', '.join(other)} not supported)" if other else ""))
+    return prompt[given[0]]
 
 
 class LLM:
@@ -47,10 +63,11 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
                  priority: Seq[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in the order given. A prompt is text or a list of token ids."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """One RequestOutput per prompt, in the order given. A prompt is text, a list of token ids, or as in vLLM
+        {"prompt": text} or {"prompt_token_ids": ids}."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
-        prompts = list(prompts)
+        prompts = [_as_engine_prompt(p) for p in prompts]
         return self._run(prompts, sampling_params, priority, use_tqdm)
 
     def chat(self, messages: Messages | Seq[Messages],
@@ -66,7 +83,7 @@ class LLM:
             prompts.append(tok.encode(text, add_special_tokens=False))
         return self._run(prompts, sampling_params, None, use_tqdm)
 
-    def _run(self, prompts: list[Prompt], sampling_params: Any, priority: Seq[int] | None,
+    def _run(self, prompts: list[str | list[int]], sampling_params: Any, priority: Seq[int] | None,
              use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
