@@ -41,7 +41,6 @@ class HeadGraphs:
         self.tokens = torch.zeros(n, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, HeadOutputs] = {}
-        self.blas: dict[int, str] = {}  # the BLAS library each size's graph was captured with
 
     def load(self, feature: torch.Tensor, token_ids: torch.Tensor) -> int | None:
         """The rows into the buffers; the captured size that holds them, None: too many (run eagerly)."""
@@ -63,7 +62,7 @@ class HeadGraphs:
     def capture(self) -> None:
         """Every size, largest first, into one memory pool (as StepGraphs)."""
         assert self.feature.device.type == "cuda"
-        self.graphs, self.outputs, self.blas = capture_all(self.sizes[::-1], self.forward, self.feature.device)
+        self.graphs, self.outputs, _ = capture_all(self.sizes[::-1], self.forward, self.feature.device)
 
     def run(self, feature: torch.Tensor, token_ids: torch.Tensor) -> HeadOutputs | None:
         """The head's step over these rows by replay (views into the graph's outputs: read them before the
