@@ -52,7 +52,7 @@ def scripted(prompt_list, outs, wrong: float) -> ScriptedProposer:
 def reference_and_drafts(path, prompt_list, params, wrong, **kw):
     """Non-speculative decoding's outputs for the prompts (an engine made with kw), and a ScriptedProposer
     drafting them with each draft token wrong with probability `wrong`."""
-    ref = run_waves(make_engine(path, **kw), [[(str(i), p, params) for i, p in enumerate(prompt_list)]], 0)
+    ref = run_waves(make_engine(path, **kw), [[(str(i), p, params) for i, p in enumerate(prompt_list)]])
     outs = [ref[str(i)].outputs[0] for i in range(len(prompt_list))]
     return outs, scripted(prompt_list, outs, wrong)
 
@@ -95,11 +95,12 @@ def num_tokens_now(engine: LLMEngine) -> dict[int, int]:
     return {seq.seq_id: seq.num_tokens for seq in engine.scheduler.running}
 
 
-def check_kv_bookkeeping(engine: LLMEngine, max_drafts: int, tokens_before: dict[int, int] | None = None) -> None:
+def check_kv_bookkeeping(engine: LLMEngine, tokens_before: dict[int, int] | None = None) -> None:
     """After a step: a running sequence that gained tokens has all but its last one computed (rejected
-    drafts rolled back), its blocks cover its computed tokens with at most the drafts' room to spare, the
-    prefix cache holds only blocks of kept tokens, and every block's reference count is the number of
-    sequences holding it. tokens_before: num_tokens_now() before the step."""
+    drafts rolled back), its blocks cover its computed tokens and at most the next one (blocks only rejected
+    drafts had written went back to the pool), the prefix cache holds only blocks of kept tokens, and every
+    block's reference count is the number of sequences holding it. tokens_before: num_tokens_now() before
+    the step."""
     bm, bs = engine.block_manager, engine.block_manager.block_size
     refs: dict[int, int] = {}
     for seq in engine.scheduler.running:
@@ -107,7 +108,7 @@ def check_kv_bookkeeping(engine: LLMEngine, max_drafts: int, tokens_before: dict
         if tokens_before is not None and seq.num_tokens > tokens_before.get(seq.seq_id, seq.num_tokens):
             assert seq.num_computed_tokens == seq.num_tokens - 1, (seq.num_computed_tokens, seq.num_tokens)
         assert len(seq.block_table) * bs >= seq.num_computed_tokens
-        assert len(seq.block_table) <= -(-(seq.num_computed_tokens + 1 + max_drafts) // bs)
+        assert len(seq.block_table) <= -(-(seq.num_computed_tokens + 1) // bs)
         committed = seq.num_committed_blocks
         if bm.enable_prefix_caching:
             assert committed == seq.num_computed_tokens // bs
@@ -121,7 +122,7 @@ def check_kv_bookkeeping(engine: LLMEngine, max_drafts: int, tokens_before: dict
         assert block.ref_count == refs.get(block.block_id, 0)
 
 
-def abort_mid_speculation(engine: LLMEngine, k: int) -> None:
+def abort_mid_speculation(engine: LLMEngine) -> None:
     """Three greedy requests; after a few steps with accepted drafts two are aborted: the bookkeeping holds
     after every step and after the aborts, and once the rest finish no block is left."""
     from engine_helpers import assert_no_leaks, drain
@@ -133,10 +134,10 @@ def abort_mid_speculation(engine: LLMEngine, k: int) -> None:
     for _ in range(6):
         before = num_tokens_now(engine)
         engine.step()
-        check_kv_bookkeeping(engine, k, before)
+        check_kv_bookkeeping(engine, before)
     assert engine.get_stats().spec_num_accepted_tokens > 0
     engine.abort_request(["0", "2"])
-    check_kv_bookkeeping(engine, k)
+    check_kv_bookkeeping(engine)
     drain(engine)
     assert_no_leaks(engine)
 
@@ -176,9 +177,9 @@ def make_engine(path, spec=None, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(path), speculative_config=spec, **kw))
 
 
-def run_waves(engine: LLMEngine, waves, k: int, check: bool = False, after_step=None) -> dict:
+def run_waves(engine: LLMEngine, waves, check: bool = False, after_step=None) -> dict:
     """Each wave's requests are added once the previous wave has finished; returns outputs by id. With
-    check, the KV bookkeeping of k-token drafts is verified after every step; after_step(engine), if given,
+    check, the KV bookkeeping is verified after every step; after_step(engine), if given,
     runs after every step too; no block may leak."""
     from engine_helpers import assert_no_leaks
 
@@ -192,7 +193,7 @@ def run_waves(engine: LLMEngine, waves, k: int, check: bool = False, after_step=
                 if out.finished:
                     done[out.request_id] = out
             if check:
-                check_kv_bookkeeping(engine, k, before)
+                check_kv_bookkeeping(engine, before)
             if after_step is not None:
                 after_step(engine)
     assert_no_leaks(engine)
@@ -202,12 +203,12 @@ def run_waves(engine: LLMEngine, waves, k: int, check: bool = False, after_step=
 PREEMPTING = dict(num_kv_blocks=20, max_num_seqs=8)  # engine arguments: a pool too small for preempting_wave
 
 
-def preempting_wave(path, k: int, **engine_kw) -> tuple[list, dict]:
+def preempting_wave(path, **engine_kw) -> tuple[list, dict]:
     """Four prompts, n = 2, greedy with 2 logprobs: with PREEMPTING, chunked prefills and preemptions. The
     wave, and non-speculative decoding's outputs for it (an engine with engine_kw besides)."""
     params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     wave = [[(f"a{i}", p, params) for i, p in enumerate(prompts(2, [6, 23, 14, 31]))]]
-    return wave, run_waves(make_engine(path, **PREEMPTING, **engine_kw), wave, k)
+    return wave, run_waves(make_engine(path, **PREEMPTING, **engine_kw), wave)
 
 
 def prompts(seed: int, lengths) -> list[list[int]]:

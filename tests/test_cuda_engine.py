@@ -146,7 +146,7 @@ def test_cuda_graphs_captured_with_the_other_blas_library_give_the_eager_steps_t
         if not eager:
             graphs = engine.runner.graphs
             assert len({w for _, w in graphs.graphs}) == 2 and set(graphs.blas.values()) == {libraries[1]}
-        got.append(run_waves(engine, wave, 3, check=True))
+        got.append(run_waves(engine, wave, check=True))
         assert engine.get_stats().spec_num_drafts > 0
     for i in range(len(ps)):
         assert got[0][str(i)].outputs[0].token_ids == got[1][str(i)].outputs[0].token_ids, i
@@ -172,7 +172,7 @@ def test_cuda_verification_graphs_give_the_eager_steps_tokens(tiny_model_dirs) -
             run_graph = engine.runner.graphs.run
             engine.runner.graphs.run = lambda inputs, shape, **kw: shapes.append(
                 (shape, set(inputs.query_lens))) or run_graph(inputs, shape, **kw)
-        got = run_waves(engine, wave, 3, check=True)
+        got = run_waves(engine, wave, check=True)
         stats = engine.get_stats()
         assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
         for i in range(len(ps)):

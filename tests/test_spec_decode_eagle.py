@@ -226,7 +226,7 @@ def test_sampled_drafts_over_the_heads_vocabulary_are_the_full_vocabularys(tiny_
 
 
 def run(engine, waves, check: bool = False) -> dict:
-    return run_waves(engine, waves, K, check)
+    return run_waves(engine, waves, check)
 
 
 def assert_acceptance(engine, expect: str) -> None:
@@ -270,7 +270,7 @@ def check_head_inputs(engine, hf) -> int:
     position that produced its last token. How many were checked."""
     checked = 0
     for seq in engine.scheduler.running:
-        if engine.speculator.draft.can_draft(seq):
+        if engine.speculator.draft.can_draft(seq, 1):
             with torch.no_grad():
                 want = hf(torch.tensor([seq.token_ids[:-1]]), output_hidden_states=True).hidden_states[-1][0, -1]
             torch.testing.assert_close(seq.spec_state.feature, want, atol=1e-4, rtol=1e-4)
@@ -325,7 +325,7 @@ def test_greedy_identical_with_preemption_and_n(kind, kv_cache_dtype, tiny_model
     With a float8 KV cache, only the target's scales are calibrated: the head keeps no K/V (an engine with
     both failed to start, taking the head for a draft model)."""
     path, _ = tiny_model_dirs["llama"]
-    wave, ref = preempting_wave(path, K, kv_cache_dtype=kv_cache_dtype)
+    wave, ref = preempting_wave(path, kv_cache_dtype=kv_cache_dtype)
     engine = make_engine(path, spec(heads[kind]), kv_cache_dtype=kv_cache_dtype, **PREEMPTING)
     assert_same(run(engine, wave, check=True), ref)
     assert engine.get_stats().num_preemptions > 0
@@ -355,11 +355,11 @@ def test_prompt_lookup_in_front_of_the_head(tiny_model_dirs, heads):
     tokens and logprobs are non-speculative decoding's (n = 2, chunked prefills, preemptions), and after a
     step with lookup drafts the head still reads transformers' hidden state of the last token."""
     path, hf = tiny_model_dirs["llama"]
-    wave, ref = preempting_wave(path, K)
+    wave, ref = preempting_wave(path)
     engine = make_engine(path, spec(heads["partial"], prompt_lookup_min=1, prompt_lookup_max=2), **PREEMPTING)
     kinds = count_draft_kinds(engine)
     checks: list[int] = []  # sequences whose head input was checked, per step
-    got = run_waves(engine, wave, K, check=True, after_step=lambda e: checks.append(check_head_inputs(e, hf)))
+    got = run_waves(engine, wave, check=True, after_step=lambda e: checks.append(check_head_inputs(e, hf)))
     assert_same(got, ref)
     checked = sum(checks)
     assert kinds["lookup"]["drafts"] > 10 and kinds["model"]["drafts"] > 10 and checked > 50, (kinds, checked)
@@ -437,7 +437,7 @@ def test_unseeded_sampled_distribution_is_the_targets(kind, tiny_model_dirs, hea
 def test_abort_mid_speculation_frees_everything(tiny_model_dirs, heads):
     path, _ = tiny_model_dirs["llama"]
     engine = make_engine(path, spec(heads["right"]))
-    abort_mid_speculation(engine, K)
+    abort_mid_speculation(engine)
 
 
 def test_a_fusing_heads_features_are_the_targets_layers(tiny_model_dirs):
@@ -492,6 +492,12 @@ def test_bad_heads_are_refused_clearly(tiny_model_dirs, heads, tmp_path):
     save_head(wide, head.cfg, head.state_tensors())
     with pytest.raises(ValueError, match="vocabulary 300"):
         make_engine(path, spec(wide))
+    for n, ids in enumerate(([1, hf.config.vocab_size], [2, 2], [-1, 3])):  # would fail only when drafted
+        damaged = tmp_path / f"damaged{n}.safetensors"
+        head = random_head(hf, [1, 2])
+        save_head(damaged, head.cfg, {**head.state_tensors(), "vocab_ids": torch.tensor(ids)})
+        with pytest.raises(ValueError, match="vocab_ids must be distinct token ids below"):
+            make_engine(path, spec(damaged))
     fused = tmp_path / "fused.safetensors"
     head = random_head(hf, [1, 2])
     head.cfg.fuse_layers = [0]

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 from engine_helpers import assert_no_leaks, drain
@@ -16,7 +17,7 @@ NGRAM = every_step_ngram(K)
 
 
 def run(engine: LLMEngine, waves, check: bool = False) -> dict:
-    return run_waves(engine, waves, K, check)
+    return run_waves(engine, waves, check)
 
 
 def drafting_matches_reference(path, ps, params, wrong: float) -> LLMEngine:
@@ -164,10 +165,10 @@ def test_abort_mid_speculation_frees_everything(tiny_model_dirs):
     for _ in range(6):
         before = num_tokens_now(engine)
         engine.step()
-        check_kv_bookkeeping(engine, K, before)
+        check_kv_bookkeeping(engine, before)
     assert engine.get_stats().spec_num_drafts > 0
     engine.abort_request(["0", "2"])
-    check_kv_bookkeeping(engine, K)
+    check_kv_bookkeeping(engine)
     drain(engine)
     engine.abort_request("1")  # already finished: a no-op
     assert_no_leaks(engine)
@@ -219,3 +220,56 @@ def test_greedy_identical_on_a_sliding_window_model(name, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True, logprobs=2)
     s = drafting_matches_reference(tmp_path, ps, params, 0.3).get_stats()
     assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
+
+
+def test_drafts_take_only_blocks_that_later_decodes_do_not_need():
+    """A pool of 5 blocks of 4 with one free: A (5 of 6 tokens computed) drafts 3 tokens, which would take
+    the free block; B, served after A, needs that block for its next token. A's drafts are cut to the 2 that
+    fit in its own last block, and nobody is preempted."""
+    from kvserve.engine.block_manager import BlockManager
+    from kvserve.engine.scheduler import Scheduler
+    from kvserve.engine.sequence import Sequence, SequenceStatus
+
+    bm = BlockManager(num_blocks=5, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(EngineConfig(block_size=4, max_num_batched_tokens=64), bm)
+    params = SamplingParams(temperature=0, max_tokens=20)
+    a = Sequence(seq_id=0, request_id="a", index=0, token_ids=list(range(6)), num_prompt_tokens=3, params=params,
+                 arrival_time=0)
+    b = Sequence(seq_id=1, request_id="b", index=0, token_ids=list(range(9)), num_prompt_tokens=3, params=params,
+                 arrival_time=1)
+    for seq, computed in ((a, 5), (b, 8)):
+        assert bm.allocate(seq, computed)
+        seq.num_computed_tokens = computed
+        seq.status = SequenceStatus.RUNNING
+        sched.running.append(seq)
+    a.spec_token_ids = [7, 7, 7]
+    assert bm.num_free_blocks == 1
+    out = sched.schedule()
+    assert out.preempted == []
+    assert [(seq.request_id, n) for seq, n in out.scheduled] == [("a", 3), ("b", 1)]
+    assert out.spec_token_ids == {0: [7, 7]}
+    assert len(a.block_table) == 2 and len(b.block_table) == 3
+
+
+def test_rejected_drafts_blocks_go_back_and_cost_no_preemption(tiny_model_dirs):
+    """A tight pool: A's always-wrong drafts cross into a new block while B, served after it, needs the
+    last free one. With speculation the engine preempts no more than without (here: never), returns the
+    blocks only rejected drafts wrote, and gives the same outputs."""
+    path, _ = tiny_model_dirs["llama"]
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ref = run(make_engine(path), [[("a", [10, 11, 12, 13, 14], greedy)]])
+    stop = ref["a"].outputs[0].token_ids[1]  # a ends at its second token
+    wave = [("a", [10, 11, 12, 13, 14], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop])),
+            ("b", list(range(20, 28)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))]
+    tight = dict(max_num_batched_tokens=64, num_kv_blocks=5, max_num_seqs=8, max_model_len=20)
+    got = {}
+    for spec in (None, every_step_ngram(3)):
+        engine = make_engine(path, spec, **tight)
+        if spec:
+            engine.speculator.proposer.propose_with_length = lambda ids, k: ([258] * k, 2)  # never right
+        got[spec is not None] = (run(engine, [wave], check=True), engine.get_stats())
+    (plain, s0), (drafted, s1) = got[False], got[True]
+    assert s1.spec_num_draft_tokens > 0 and s1.spec_num_accepted_tokens == 0
+    assert s0.num_preemptions == 0 and s1.num_preemptions == 0
+    for rid in ("a", "b"):
+        assert drafted[rid].outputs[0].token_ids == plain[rid].outputs[0].token_ids

@@ -119,6 +119,17 @@ class BlockManager:
             seq.block_table.append(block_id)
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the one seq's next token goes in: those only rejected drafts had written
+        (never hashed: only blocks full of kept tokens are). Kept for the next step's drafts, they could force
+        a preemption that the drafts themselves were not allowed to."""
+        keep = -(-(seq.num_computed_tokens + 1) // self.block_size)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.hash is None and block.ref_count == 1, "a trimmed block held kept tokens"
+            block.ref_count = 0
+            self.free_empty.append(block.block_id)
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's references. Its tail blocks go on the free list first, so they are evicted first
         (a prefix is more likely to be shared than the end of one sequence)."""

@@ -333,9 +333,12 @@ class LLMEngine:
             if hidden is not None and not finished:
                 self.speculator.observe(seq, hidden)
             # The K/V written for rejected drafts (and for drafts after a stop) stay in the blocks as
-            # garbage that the tokens computed there later overwrite; only the kept positions count.
+            # garbage that the tokens computed there later overwrite; only the kept positions count, and
+            # blocks that held nothing else go back to the pool.
             seq.num_computed_tokens = start + n - len(drafts) + appended - 1
             self.block_manager.commit_full_blocks(seq)
+            if len(drafts) >= appended and not finished:
+                self.block_manager.trim(seq)
             if finished:
                 self.scheduler.finish(seq)
             touched[req.request_id] = req

@@ -103,27 +103,36 @@ class Scheduler:
         queue = list(self.running)
         # Decodes behind a prefill keep one token each of the budget, so a long prompt never stalls them.
         decodes_left = sum(1 for s in queue if s.num_tokens - s.num_computed_tokens == 1)
+        # Drafts never preempt anyone: their blocks come only from what the sequences still to be served this
+        # step leave free. blocks_left: those sequences' needs without drafts (a prefill's at most the budget).
+        needs = ({s.seq_id: self.block_manager.blocks_needed(s, min(s.num_tokens - s.num_computed_tokens, budget))
+                  for s in queue} if any(s.spec_token_ids for s in queue) else None)
+        blocks_left = sum(needs.values()) if needs else 0
         kept: list[Sequence] = []
         while queue:
             seq = queue.pop(0)
+            if needs:
+                blocks_left -= needs[seq.seq_id]
             remaining = seq.num_tokens - seq.num_computed_tokens
             is_decode = remaining == 1
             if is_decode:
                 decodes_left -= 1
                 # Drafts take only what the decodes still to serve do not need.
                 n = max(min(1, budget), min(1 + len(seq.spec_token_ids), budget - decodes_left))
+                if n > 1:
+                    n = self._rows_with_room(seq, n, blocks_left)
             else:
                 n = min(remaining, max(0, budget - decodes_left))
             if n == 0:
                 kept.append(seq)
                 continue
-            if n > 1 and is_decode and not self.block_manager.allocate(seq, n):
-                n = 1  # drafts never preempt anyone: verify fewer, or none
             while not self.block_manager.allocate(seq, n):
                 if queue:  # preempt the worst sequence not yet served this step
                     victim = queue.pop()
                     if victim.num_tokens - victim.num_computed_tokens == 1:
                         decodes_left -= 1
+                    if needs:
+                        blocks_left -= needs[victim.seq_id]
                     self._preempt(victim, out)
                 else:
                     self._preempt(seq, out)
@@ -136,6 +145,16 @@ class Scheduler:
                 budget -= n
         self.running = kept
         return budget
+
+    def _rows_with_room(self, seq: Sequence, n: int, reserved: int) -> int:
+        """The most of a decode's n rows (its token and n - 1 drafts) whose blocks leave `reserved` free for
+        the sequences still to be served: the drafts are trimmed, never anyone preempted for them."""
+        bm = self.block_manager
+        own = bm.blocks_needed(seq, 1)
+        room = max(0, bm.num_free_blocks - reserved - own)  # blocks the drafts may take
+        while n > 1 and bm.blocks_needed(seq, n) - own > room:
+            n -= 1
+        return n
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         self.waiting.sort(key=self._key)

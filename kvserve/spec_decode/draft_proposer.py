@@ -49,9 +49,14 @@ class DraftProposer:
         self.attn_backend = make_attention_backend(attention_backend, model, kv_spec, num_blocks, device, dtype)
         self.kv_caches = self.attn_backend.allocate_kv_caches()
         self.sampler = Sampler()
+        # A Hugging Face or GGUF draft may have a shorter context than the target's: past it the target
+        # decodes alone.
+        self.max_positions = model.config.max_position_embeddings
 
-    def can_draft(self, seq: Sequence) -> bool:
-        return True  # the draft catches up on whatever it has not seen
+    def can_draft(self, seq: Sequence, num: int) -> bool:
+        """Whether num drafts fit the draft's context. It catches up on whatever it has not seen, then
+        runs its own tokens but the last, so its positions reach seq.num_tokens + num - 2."""
+        return seq.num_tokens + num - 1 <= self.max_positions
 
     @torch.inference_mode()
     def fill(self, sched: SchedulerOutput, to_draft: dict[int, int]) -> None:

@@ -34,7 +34,8 @@ class EagleProposer:
         state = spec_state(seq)
         state.feature, state.feature_num_tokens = hidden, seq.num_tokens
 
-    def can_draft(self, seq: Sequence) -> bool:
+    def can_draft(self, seq: Sequence, num: int) -> bool:
+        """Whether the head has the target's state for seq's last token (it has no context limit of its own)."""
         state = seq.spec_state
         return state is not None and state.feature is not None and state.feature_num_tokens == seq.num_tokens
 

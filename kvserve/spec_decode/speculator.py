@@ -109,7 +109,7 @@ class Speculator:
             if draft:
                 spec_state(seq).draft_class = match_length
                 return draft
-        if model and self.draft.can_draft(seq):
+        if model and self.draft.can_draft(seq, max_new):
             # The scheduler sizes the row; fill_drafts() runs the draft model.
             spec_state(seq).draft_class = MODEL_CLASS
             return [PLACEHOLDER] * max_new
