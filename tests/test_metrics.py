@@ -126,6 +126,10 @@ def test_speculative_decoding_counters_with_vllm_names():
     assert not any("spec_decode" in k for k in samples(m))  # absent while the engine does not speculate
     m.on_step(StepResult([], [], EngineStats(), 0, 0.0, False))
     assert not any("spec_decode" in k for k in samples(m))
+    m.expect_speculation(4)  # the server knows from the engine's config: the counters show from the start
+    s = samples(m)
+    assert s["kvserve:spec_decode_num_drafts_total"] == 0 and s["kvserve:spec_decode_num_accepted_tokens_total"] == 0
+    assert [s[f"kvserve:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}"] for i in range(4)] == [0] * 4
     first = EngineStats(spec_decode_enabled=True, spec_num_drafts=2, spec_num_draft_tokens=7,
                         spec_num_accepted_tokens=4, spec_accepted_per_pos=[2, 1, 1, 0])
     m.on_step(StepResult([], [], first, 0, 0.01, True))

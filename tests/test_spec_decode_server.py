@@ -36,6 +36,12 @@ def test_server_speculates_and_exports_counters(server, llm):
     from kvserve import SamplingParams
     expected = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
     with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        # Before any request the counters are there, at 0, one per draft position too (as vLLM's).
+        values = metrics(http)
+        assert [values[f"kvserve:spec_decode_{name}_total"] for name in
+                ("num_drafts", "num_draft_tokens", "num_accepted_tokens")] == [0, 0, 0]
+        assert [values[f"kvserve:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}"]
+                for i in range(3)] == [0, 0, 0]
         r = http.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": PROMPT,
                                                "max_tokens": 24, "temperature": 0})
         assert r.status_code == 200, r.text
@@ -75,7 +81,7 @@ def test_streams_with_drafts_stop_where_decoding_does_and_a_disconnect_frees_the
               SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=2, max_tokens=24))]
     with httpx.Client(base_url=server.base_url, timeout=120) as http:
         for extra, params in cases:
-            drafts_before = metrics(http).get("kvserve:spec_decode_num_drafts_total", 0.0)  # absent before any draft
+            drafts_before = metrics(http)["kvserve:spec_decode_num_drafts_total"]
             want = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs
             texts, reasons = stream_texts(http, {**body, **extra})
             assert texts == [o.text for o in want]

@@ -138,14 +138,21 @@ class ServerMetrics:
             if now > before:
                 counter.inc(now - before)
         if s.spec_decode_enabled:
-            if self._spec is None:
-                self._spec = _SpecDecodeCounters(self.families.spec_decode(), self.model_name, self.replica)
+            self.expect_speculation(0)
             self._spec.update(s, prev)
         if result.stepped:
             self.iteration_tokens.observe(s.last_step_num_tokens)
         self._last_stats = s
         for out in result.outputs:
             self._on_output(out)
+
+    def expect_speculation(self, num_speculative_tokens: int) -> None:
+        """The engine speculates: its counters exist from now on, at 0 (with one per draft position) until
+        the first draft, as vLLM's do, so that a dashboard or alert finds them before any traffic."""
+        if self._spec is None:
+            self._spec = _SpecDecodeCounters(self.families.spec_decode(), self.model_name, self.replica)
+        for pos in range(num_speculative_tokens):
+            self._spec.per_pos.labels(*self._spec.engine, str(pos))
 
     def _on_output(self, out: RequestDelta) -> None:
         # Token counters count what the engine delivered, output by output, so they equal the sum of the

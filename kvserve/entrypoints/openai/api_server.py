@@ -181,6 +181,8 @@ def build_app(args: ServerArgs, state: ServerState | None = None, auto_router: A
         await registry.start()
         tasks = [asyncio.create_task(history.run())]
         for model, i, engine, metrics in engines:
+            if engine.config.speculative_config is not None:
+                metrics.expect_speculation(engine.config.speculative_config.num_speculative_tokens)
             engine.step_listeners.append(metrics.on_step)
             engine.end_listeners.append(metrics.on_request_end)
             engine.restart_listeners.append(metrics.on_engine_restart)
