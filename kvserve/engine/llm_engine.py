@@ -337,7 +337,7 @@ class LLMEngine:
             # blocks that held nothing else go back to the pool.
             seq.num_computed_tokens = start + n - len(drafts) + appended - 1
             self.block_manager.commit_full_blocks(seq)
-            if len(drafts) >= appended and not finished:
+            if drafts and not finished:
                 self.block_manager.trim(seq)
             if finished:
                 self.scheduler.finish(seq)

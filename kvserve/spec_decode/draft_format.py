@@ -83,4 +83,11 @@ def read_with_config(path: str | Path, key: str, cls: type, what: str) -> tuple[
         # if it were rewritten in place (a retrained head copied over the one an engine runs). A few MB.
         tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
         training = json.loads(meta.get("training", "{}"))
+    ids = tensors.get("vocab_ids")
+    # The tokens the LM head predicts must be distinct ids of the target's vocabulary: an id past it would
+    # fail only when drafted, inside an engine step, taking every request in the step down.
+    if ids is not None and (ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0
+                            or int(ids.max()) >= cfg.vocab_size or ids.unique().numel() != ids.numel()):
+        raise ValueError(f"{path} is a damaged kvserve {what}: its vocab_ids must be distinct token ids below "
+                         f"{cfg.vocab_size}")
     return cfg, tensors, training

@@ -99,21 +99,10 @@ def target_embedding(target: LoadedModel, what: str, path: str | Path, made_for:
     return embed
 
 
-def check_vocab_ids(what: str, path: str | Path, vocab_ids: torch.Tensor, vocab_size: int) -> None:
-    """The tokens a draft file's LM head predicts must be distinct ids of the target's vocabulary: an id past
-    it would fail only when drafted, inside a step, taking every request in the step down."""
-    ids = vocab_ids.to(torch.int64)
-    if (ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size
-            or ids.unique().numel() != ids.numel()):
-        raise ValueError(f"speculative_config: {what} {str(path)!r} is damaged: its vocab_ids must be distinct "
-                         f"token ids below {vocab_size}")
-
-
 def build_draft_lm(path: str | Path, target: LoadedModel, dtype: torch.dtype, device: torch.device,
                    quantization: str = "none") -> DraftLM:
     fcfg, tensors, _ = read_draft(path)
     embed = target_embedding(target, "draft", path, fcfg.target, fcfg.hidden_size, fcfg.vocab_size)
-    check_vocab_ids("draft", path, tensors["vocab_ids"], fcfg.vocab_size)
     cfg = draft_model_config(target.config, fcfg)
     quant = QuantConfig(quantization, 32, dtype, device)
     with torch.device(device):

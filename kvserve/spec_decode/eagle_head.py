@@ -40,7 +40,7 @@ from kvserve.models.llama import MLP
 from kvserve.models.loader import LoadedModel
 from kvserve.models.native_stack import tiled_weight
 from kvserve.sampling.sampler import argmax
-from kvserve.spec_decode.draft_model import check_vocab_ids, target_embedding
+from kvserve.spec_decode.draft_model import target_embedding
 from kvserve.spec_decode.draft_format import has_metadata, read_with_config, save_with_config
 from kvserve.spec_decode.draft_reference import ReferenceTensors, rope, rms_norm
 from kvserve.spec_decode.eagle_graphs import HeadGraphs
@@ -335,7 +335,6 @@ def load_eagle_head(path: str | Path | None, target: LoadedModel, dtype: torch.d
                          "needs a KV cache of its own that the engine does not keep yet (such heads are a training "
                          "experiment of benchmarks/train_eagle.py --attention)")
     embed = target_embedding(target, "eagle head", p, hcfg.target, hcfg.hidden_size, hcfg.vocab_size)
-    check_vocab_ids("eagle head", p, tensors["vocab_ids"], hcfg.vocab_size)
     cfg = dataclasses.replace(target.config, intermediate_size=hcfg.intermediate_size)
     quant = QuantConfig(quantization, 32, dtype, device)
     with torch.device(device):
