@@ -32,7 +32,8 @@ finishes, until --num-requests (at least `concurrency`) are done; --rounds times
 and the table gives medians over the rounds. At one stream the turns are by request (--take-turns): each
 request runs on every engine before the next, so the compared times are seconds apart, not a run apart. TPOT
 per request is (last token time - first token time) / (output tokens - 1); the table gives the median.
-"same" says whether every greedy output equals that of `none` (it must; a "no" is a bug). "steps" and
+"same" says whether every output equals that of `none`, greedy or (with --temperature) sampled with one seed
+for every request (it must; a "no" is a bug). "steps" and
 "rejected rows" (draft tokens the target computed and rejected) say how much forward work a run did beside
 `none`'s, and "outside the model" the run's time per step outside the target's forward passes and logits
 (scheduling, drafting, verification, sampling, Python): a method with `none`'s steps, no rejected rows and
@@ -303,8 +304,8 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
         for c, by_m in by_c.items():
             for method, r in by_m.items():
                 same = "yes" if r["same"] else "no"
-                if args.temperature > 0 and method != "none":
-                    same = "(sampled)"
+                if args.temperature > 0:
+                    same += " (seeded)"  # every request has the same seed: speculation must not change a token
                 rate = "" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%"
                 length = "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
                 pos = " / ".join(f"{100 * a:.0f}%" for a in r["acceptance_per_position"])
