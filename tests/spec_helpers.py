@@ -63,12 +63,12 @@ def count_draft_kinds(engine: LLMEngine) -> dict[str, dict[str, int]]:
     kinds = {kind: {"drafts": 0, "tokens": 0, "accepted": 0} for kind in ("lookup", "model")}
     record = engine.speculator.record
 
-    def counted(seq, num_drafted, num_accepted):
-        c = kinds["model" if seq.spec_state.draft_class == MODEL_CLASS else "lookup"]
+    def counted(seq, num_drafted, num_accepted, *tree):
+        c = kinds["model" if seq.spec_state.draft_class <= MODEL_CLASS else "lookup"]
         c["drafts"] += 1
         c["tokens"] += num_drafted
         c["accepted"] += num_accepted
-        record(seq, num_drafted, num_accepted)
+        record(seq, num_drafted, num_accepted, *tree)
     engine.speculator.record = counted
     return kinds
 

@@ -131,3 +131,69 @@ def test_cache_kv_writes_each_head_of_each_token_at_its_slot(isa, dtypes) -> Non
     assert torch.equal(v_cache.view(torch.uint8), want_v.view(torch.uint8))
     with pytest.raises(RuntimeError, match="out of range"):
         ops.cache_kv_(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 3, NB * bs]))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.bfloat16, torch.float8_e4m3fn)],
+                         ids=["f32", "bf16", "bf16_fp8cache"])
+def test_tree_rows_read_their_last_key_where_it_is_stored(isa, dtype, cache_dtype) -> None:
+    """Tree drafts: alternatives to a first draft token sit at its position and are stored past it (row_last).
+    Each row sees the keys below its position and its own key, wherever that is stored; and it computes bit for
+    bit what the same row computes once that key has been moved into place (what the engine does when it
+    keeps one), the same keys read in the same order."""
+    ops = native_ops(isa)
+    g = torch.Generator().manual_seed(11)
+    Hkv, H, D, bs, NB = 3, 9, 64, 4, 12
+    tables = [[7, 2, 9, 4, 11]]  # one sequence of up to 20 tokens, blocks scattered
+    k_cache = torch.randn(Hkv, NB, bs, D, generator=g).to(cache_dtype or dtype)
+    v_cache = torch.randn(Hkv, NB, bs, D, generator=g).to(cache_dtype or dtype)
+    # The last real token at index 9, drafts at 10 (the chain's first) and alternatives at 11, 12, 13, all at
+    # position 10; a window of 0 and one that cuts into the context.
+    row_len = torch.tensor([10, 11, 11, 11, 11])
+    row_last = torch.tensor([9, 10, 11, 12, 13])
+    q = torch.randn(5, H, D, generator=g).to(dtype)
+    tokens, seqs = torch.arange(5), torch.zeros(5, dtype=torch.long)
+    block_tables = torch.tensor(tables)
+    for window in (0, 6):
+        out = torch.empty_like(q)
+        ops.paged_attention_(q, out, k_cache, v_cache, tokens, seqs, row_len, block_tables, 0.125, window,
+                             1.0, 1.0, row_last)
+        for r in range(5):
+            n, last = int(row_len[r]), int(row_last[r])
+            first = max(0, n - window) if window else 0
+            slots = [tables[0][t // bs] * bs + t % bs for t in list(range(first, n - 1)) + [last]]
+            k = k_cache.double().view(Hkv, -1, D)[:, slots]
+            v = v_cache.double().view(Hkv, -1, D)[:, slots]
+            p = torch.softmax(q[r].double().view(Hkv, 3, D) @ k.transpose(1, 2) * 0.125, dim=-1)
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(out[r].double(), (p @ v).reshape(H, D), atol=tol, rtol=tol)
+        # The last alternative (row 4, stored at 13) moved to index 10, then read in place: the same bits.
+        moved_k, moved_v = k_cache.clone(), v_cache.clone()
+        slot = [tables[0][i // bs] * bs + i % bs for i in (13, 10)]
+        ops.copy_slots_([moved_k], [moved_v], slot[:1], slot[1:])
+        in_place = torch.empty_like(q)
+        ops.paged_attention_(q, in_place, moved_k, moved_v, tokens, seqs, row_len, block_tables, 0.125, window)
+        assert torch.equal(in_place[4], out[4])
+    with pytest.raises(RuntimeError, match="stores its last key"):
+        ops.paged_attention_(q, out, k_cache, v_cache, tokens, seqs, row_len, block_tables, 0.125, 0, 1.0, 1.0,
+                             torch.tensor([9, 10, 9, 12, 13]))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn],
+                         ids=["f32", "bf16", "fp8"])
+def test_copy_slots_moves_every_layers_k_and_v(isa, cache_dtype) -> None:
+    ops = native_ops(isa)
+    g = torch.Generator().manual_seed(5)
+    Hkv, NB, bs, D, layers = 2, 6, 4, 32, 3
+    caches = [torch.randn(Hkv, NB, bs, D, generator=g).to(cache_dtype) for _ in range(2 * layers)]
+    before = [c.clone() for c in caches]
+    src, dst = [13, 22], [9, 3]
+    ops.copy_slots_(caches[:layers], caches[layers:], src, dst)
+    for c, b in zip(caches, before):
+        want = b.view(Hkv, -1, D).clone()
+        want[:, dst] = b.view(Hkv, -1, D)[:, src]
+        assert torch.equal(c.view(torch.uint8), want.view(Hkv, NB, bs, D).view(torch.uint8))
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.copy_slots_(caches[:layers], caches[layers:], [NB * bs], [0])

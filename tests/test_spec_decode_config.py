@@ -57,6 +57,17 @@ def test_model_methods_look_up_only_where_bounds_are_given(method):
     ({"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 1.5}, "min_acceptance_rate"),
     ({"method": "ngram", "num_speculative_tokens": 2, "adaptive_draft_length": "yes"}, "adaptive_draft_length"),
     ({"method": "ngram", "num_speculative_tokens": 2, "num_lookahead": 1}, "unknown field(s) ['num_lookahead']"),
+    ({"method": "eagle", "num_speculative_tokens": 2, "speculative_token_tree": "[(0,), (1,), (2,)]"},
+     "has 3 nodes; num_speculative_tokens must equal that"),
+    ({"method": "eagle", "num_speculative_tokens": 3, "speculative_token_tree": "[(0,), (0, 1), (1,)]"},
+     "is not of the supported shape"),
+    ({"method": "eagle", "num_speculative_tokens": 2, "speculative_token_tree": "[(0,), (2,)]"},
+     "is not of the supported shape"),
+    ({"method": "eagle", "num_speculative_tokens": 1, "speculative_token_tree": "[(1,)]"}, "is not of the supported"),
+    ({"method": "eagle", "num_speculative_tokens": 2, "speculative_token_tree": "[(0,), (0,)]"}, "is not of the"),
+    ({"method": "eagle", "num_speculative_tokens": 1, "speculative_token_tree": "(0,)"}, "tuples of indices"),
+    ({"method": "eagle", "num_speculative_tokens": 1, "speculative_token_tree": [[0]]}, "tuples of indices"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "speculative_token_tree": "[(0,), (1,)]"}, "need method 'eagle'"),
     ("{not json", "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
 ])
@@ -65,6 +76,23 @@ def test_invalid_configs_are_refused_with_the_field_named(value, message):
         EngineConfig(speculative_config=value)
     assert message in str(e.value)
     assert "speculative_config" in str(e.value)
+
+
+def test_token_trees_in_vllms_notation():
+    """vLLM's speculative_token_tree, node paths with num_speculative_tokens nodes: a chain of top choices and
+    alternatives to the first token, in any order; a plain chain is the tree it would be without one."""
+    tree = SpeculativeConfig.parse({"method": "eagle", "num_speculative_tokens": 4,
+                                    "speculative_token_tree": "[(1,), (0,), (2,), (0, 0)]"})
+    assert (tree.draft_depth, tree.num_alternatives) == (2, 2)
+    chain = SpeculativeConfig.parse({"method": "eagle", "num_speculative_tokens": 3,
+                                     "speculative_token_tree": "[(0,), (0, 0), (0, 0, 0)]"})
+    assert (chain.draft_depth, chain.num_alternatives) == (3, 0)
+    # A chain tree may go with any method; without a tree, the chain is num_speculative_tokens long.
+    ngram = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2,
+                                     "speculative_token_tree": "[(0,), (0, 0)]"})
+    assert (ngram.draft_depth, ngram.num_alternatives) == (2, 0)
+    assert (SpeculativeConfig(method="eagle", num_speculative_tokens=3).draft_depth,
+            SpeculativeConfig(method="eagle", num_speculative_tokens=3).num_alternatives) == (3, 0)
 
 
 def test_serve_flag_parses_and_validates(capsys):

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.draft_length import MAX_AGE, PROBE_EVERY, PROBE_RUN, DraftLength, StepTimes
+from kvserve.spec_decode.draft_length import MAX_AGE, PROBE_EVERY, PROBE_RUN, TREE_CLASS, DraftLength, StepTimes
 from engine_helpers import assert_no_leaks, drain
 from spec_helpers import ScriptedProposer, make_engine
 
@@ -129,6 +129,36 @@ def test_only_the_models_drafts_pay_its_drafting_time():
     p = policy({1: 1.0, 2: 1.0, 5: 1.0}, q, draft_seconds=0.6)
     p.continue_rate[2] = list(p.continue_rate[0])
     assert p.choose(2, [(2, 1.0, 0), (2, 1.0, 2)]) == [0, 2]
+
+
+def test_a_trees_alternatives_are_rows_kept_only_where_they_pay():
+    """A tree draft's alternatives to its first token each cost a row and bring their own gain (the rate at
+    which the target's token is that alternative). First token 0.4, alternatives 0.15 and 0.05: at 0.2 of a
+    step a row only the first token pays (1.4 / 1.2 against 1.55 / 1.4), at 0.05 one alternative too
+    (1.55 / 1.1 against 1.4 / 1.05 and 1.6 / 1.15), at 0.01 both (1.6 / 1.03)."""
+    for row, want in ((0.2, ([1], [0])), (0.05, ([1], [1])), (0.01, ([1], [2]))):
+        p = policy({n: 1.0 + row * (n - 1) for n in (1, 2, 3, 4)}, [0.4])
+        p.num_alternatives = 2
+        p.continue_rate[TREE_CLASS] = [0.4]
+        p.alternative_rate = [0.15, 0.05]
+        assert p.choose_with_alternatives(1, [(1, 1.0, TREE_CLASS)]) == want, row
+        # A chain draft of the same acceptance has no alternatives to add.
+        assert p.choose_with_alternatives(1, [(1, 1.0, 0)]) == ([1], [0])
+
+
+def test_alternatives_are_tried_before_they_are_observed_and_then_kept_at_their_rate():
+    p = DraftLength(1, num_alternatives=2)
+    p.continue_rate[TREE_CLASS] = [0.4]
+    # Unobserved: at the first token's rate, so that they get tried; never above it.
+    assert p.alternative_gains() == [0.4, 0.4]
+    p.alternative_rate = [0.9, None]
+    assert p.alternative_gains() == [0.4, 0.4]
+    p = DraftLength(1, num_alternatives=2)
+    for step in range(400):  # the chain's first token right 40% of the time, alternative 1 15%, 2 never
+        kept = 1 if step % 20 < 3 else 0
+        p.record(1, 1 if step % 5 < 2 and not kept else 0, TREE_CLASS, 2, kept)
+    gains = p.alternative_gains()
+    assert gains[0] == pytest.approx(0.15, abs=0.05) and gains[1] < 0.02, gains
 
 
 def test_every_probe_th_decision_starts_a_run_of_one_position_more():

@@ -5,7 +5,10 @@ prompts, 40 tokens of them ("right": every greedy draft right, so any stale inpu
 as a rejection) or 10 ("partial"), and one that can only propose a banned token ("wrong"). The outputs must be those of
 non-speculative decoding: greedy token for token with logprobs, seeded sampling token for token, unseeded
 sampling in distribution; with chunked prefill, preemptions, prefix-cache hits, n > 1 and aborts. The
-head's input is checked against transformers' own hidden states after every step."""
+head's input is checked against transformers' own hidden states after every step. Token trees (alternatives
+to the first draft token, each in a row of its own) too: the same outputs, by the kernel and by the torch path.
+"""
+import ast
 import dataclasses
 
 import pytest
@@ -24,6 +27,7 @@ from kvserve.spec_decode.draft_reference import DraftReference
 from kvserve.spec_decode.eagle_head import (EagleHead, EagleHeadConfig, EagleHeadReference, load_eagle_head,
                                             read_head, save_head)
 from kvserve.spec_decode.eagle_proposer import EagleProposer
+from kvserve.worker import model_runner
 from engine_helpers import assert_no_leaks
 from spec_helpers import (PREEMPTING, abort_mid_speculation, count_draft_kinds, make_draft_file, make_engine,
                           preempting_wave, prompts, run_waves)
@@ -589,3 +593,157 @@ def test_soft_labels_are_the_targets_distribution(tiny_model_dirs):
         assert loss(other, 1.0, 1e4) == pytest.approx(loss(argmax, 0.0), rel=1e-5)
         assert loss(other, 0.0) != pytest.approx(loss(argmax, 0.0), rel=1e-3)
         assert loss(other, 0.5, 1e4) == pytest.approx((loss(other, 0.0) + loss(argmax, 0.0)) / 2, rel=1e-5)
+
+
+TREE = "[(0,), (1,), (2,)]"
+CHAIN_AND_ALTERNATIVES = "[(0,), (0, 0), (1,), (2,)]"
+
+
+def tree_spec(head, tree: str = TREE, **kw) -> dict:
+    return spec(head, num_speculative_tokens=len(ast.literal_eval(tree)), speculative_token_tree=tree, **kw)
+
+
+def count_alternatives(monkeypatch) -> dict[str, int]:
+    """Counts, as the runner verifies: rows of drafts with alternatives, and those that kept one."""
+    counts = {"trees": 0, "kept": 0}
+    inner = model_runner.kept_rows
+
+    def counted(sampled, drafts, num_alternatives=0):
+        rows = inner(sampled, drafts, num_alternatives)
+        if num_alternatives:
+            counts["trees"] += 1
+            counts["kept"] += rows[-1] != len(rows) - 1
+        return rows
+    monkeypatch.setattr(model_runner, "kept_rows", counted)
+    return counts
+
+
+def second_choice_first(engine, monkeypatch) -> None:
+    """Make the head draft its second choice for a tree's first token and offer its first as an alternative:
+    with the head that drafts every continuation right, alternatives are then what gets kept."""
+    head = engine.speculator.draft.model
+    inner = head.head_logits_step  # the tree's first level; the chain after it is greedy_step's
+
+    def swapped(feature, tokens):
+        feature, logits = inner(feature, tokens)
+        rows = torch.arange(logits.shape[0])
+        top = logits.topk(2, dim=-1).indices
+        logits = logits.clone()
+        logits[rows, top[:, 0]], logits[rows, top[:, 1]] = logits[rows, top[:, 1]], logits[rows, top[:, 0]].clone()
+        return feature, logits
+    monkeypatch.setattr(head, "head_logits_step", swapped)
+
+
+@pytest.mark.parametrize("kind, tree, kv_cache_dtype, kernels", [
+    ("swapped", TREE, "auto", True), ("swapped", CHAIN_AND_ALTERNATIVES, "auto", True),
+    ("swapped", TREE, "fp8_e4m3", True), ("swapped", TREE, "auto", False), ("partial", TREE, "auto", True),
+    ("wrong", TREE, "auto", True)],
+    ids=["tree", "chain_and_alternatives", "tree_fp8", "tree_torch_path", "tree_partial_head", "tree_wrong_head"])
+def test_tree_drafts_greedy_identical_with_preemption_and_n(kind, tree, kv_cache_dtype, kernels, tiny_model_dirs,
+                                                            heads, monkeypatch):
+    """Alternatives to the first draft token, each at its position and stored past the chain: chunked prefills,
+    n = 2, preemptions, the non-speculative tokens and logprobs, on the native kernel and on the torch path
+    (masks); kept alternatives have their K/V moved to their position, which every later token reads
+    ("swapped": the right head with its first two choices swapped, so alternatives are kept most of the time).
+    The head that knows one token has no alternatives to offer (its vocabulary is one token): it drafts a chain."""
+    path, _ = tiny_model_dirs["llama"]
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    wave, ref = preempting_wave(path, kv_cache_dtype=kv_cache_dtype)
+    counts = count_alternatives(monkeypatch)
+    engine = make_engine(path, tree_spec(heads["right" if kind == "swapped" else kind], tree),
+                         kv_cache_dtype=kv_cache_dtype, **PREEMPTING)
+    if kind == "swapped":
+        second_choice_first(engine, monkeypatch)
+    assert_same(run(engine, wave, check=True), ref)
+    assert engine.get_stats().num_preemptions > 0
+    if kind == "wrong":
+        assert counts["trees"] == 0
+        assert_acceptance(engine, "none")
+    elif kind == "swapped":  # with a float8 cache the target strays further from what the head learnt
+        assert counts["kept"] > counts["trees"] / (10 if kv_cache_dtype == "fp8_e4m3" else 2), counts
+    else:
+        assert counts["trees"] > 0
+
+
+def test_tree_drafts_identical_with_prefix_hits(tiny_model_dirs, heads, monkeypatch):
+    """Blocks holding kept alternatives (their K/V moved) are committed to the prefix cache and read by a second
+    wave: the non-speculative output."""
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(3, [6, 23, 14, 31])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    ref_engine = make_engine(path)
+    ref1 = run(ref_engine, [[(f"a{i}", p, params) for i, p in enumerate(ps)]])
+    second = [p + ref1[f"a{i}"].outputs[0].token_ids[:18] + [7, 8] for i, p in enumerate(ps)]
+    waves = [[(f"a{i}", p, params) for i, p in enumerate(ps)], [(f"b{i}", p, params) for i, p in enumerate(second)]]
+    ref2 = run(ref_engine, waves[1:])
+    counts = count_alternatives(monkeypatch)
+    engine = make_engine(path, tree_spec(heads["right"]))
+    second_choice_first(engine, monkeypatch)
+    got = run(engine, waves, check=True)
+    assert_same(got, {**ref1, **ref2})
+    assert all(got[f"b{i}"].num_cached_tokens > len(p) for i, p in enumerate(ps))
+    assert counts["kept"] > 0, counts
+
+
+def test_tree_drafts_leave_sampled_requests_a_chain(tiny_model_dirs, heads, monkeypatch):
+    """A sampled request's draft is drawn with the target's noise, one token a position: it gets no alternatives,
+    and seeded, it emits what non-speculative decoding does, greedy requests beside it taking trees."""
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(4, [5, 13, 21, 8])
+    sampled = SamplingParams(n=2, temperature=0.9, top_k=20, max_tokens=24, seed=11, logprobs=1, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    wave = [[(str(i), p, sampled) for i, p in enumerate(ps)] + [(f"g{i}", p, greedy) for i, p in enumerate(ps)]]
+    ref = run(make_engine(path), wave)
+    counts = count_alternatives(monkeypatch)
+    alternatives_of: dict[str, int] = {}  # request id -> alternatives it was given
+    engine = make_engine(path, tree_spec(heads["right"]))
+    second_choice_first(engine, monkeypatch)
+    execute = engine.runner.execute
+
+    def watched(sched):
+        for seq, _ in sched.scheduled:
+            rid = seq.request_id
+            alternatives_of[rid] = alternatives_of.get(rid, 0) + sched.spec_alternatives.get(seq.seq_id, 0)
+        return execute(sched)
+    engine.runner.execute = watched
+    got = run(engine, wave, check=True)
+    check_seeded(got, ref, engine, len(ps))
+    assert_same(got, {k: v for k, v in ref.items() if k.startswith("g")})
+    assert all(alternatives_of[str(i)] == 0 for i in range(len(ps)))
+    assert all(alternatives_of[f"g{i}"] > 0 for i in range(len(ps))) and counts["kept"] > 0, counts
+
+
+def test_tree_drafts_count_every_token_and_keep_requests_drafting(tiny_model_dirs, heads, monkeypatch):
+    """The counters count every draft token verified (alternatives too), as vLLM's; a kept alternative counts as
+    the first position accepted, and as an accepted draft for the request's own acceptance: with its first
+    token always wrong and an alternative nearly always kept, no request is paused (min_acceptance_rate over
+    the last 4 drafts; counted against the chain alone, each would pause after its fourth draft)."""
+    path, _ = tiny_model_dirs["llama"]
+    counts = count_alternatives(monkeypatch)
+    engine = make_engine(path, tree_spec(heads["right"], min_acceptance_rate=0.5, acceptance_window=4))
+    second_choice_first(engine, monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    run(engine, [[(str(i), p, params) for i, p in enumerate(prompts(3, [6, 23, 14, 31]))]])
+    s = engine.get_stats()
+    assert s.spec_num_draft_tokens == 3 * s.spec_num_drafts  # one chain token and two alternatives each
+    assert len(s.spec_accepted_per_pos) == 1 and s.spec_accepted_per_pos[0] == s.spec_num_accepted_tokens
+    assert s.spec_num_accepted_tokens >= counts["kept"] > 0.9 * s.spec_num_drafts, (s, counts)
+    # Two tokens a step from the first decode on: 11 drafts a request, none skipped by a pause.
+    assert s.spec_num_drafts >= 4 * 11, s
+
+
+def test_tree_drafts_need_a_backend_that_takes_them(tiny_model_dirs, heads):
+    """The Triton backend (run here in its interpreter) has no tree rows: the engine refuses to start, saying so."""
+    path, _ = tiny_model_dirs["llama"]
+    with pytest.raises(ValueError, match="speculative_token_tree.*attention backend"):
+        make_engine(path, tree_spec(heads["partial"]), attention_backend="triton")
+
+
+def test_abort_mid_tree_speculation_frees_everything(tiny_model_dirs, heads, monkeypatch):
+    path, _ = tiny_model_dirs["llama"]
+    counts = count_alternatives(monkeypatch)
+    engine = make_engine(path, tree_spec(heads["right"]))
+    second_choice_first(engine, monkeypatch)
+    abort_mid_speculation(engine)
+    assert counts["kept"] > 0

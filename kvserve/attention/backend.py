@@ -12,6 +12,12 @@ of context in total, cached plus new, and its new tokens sit at positions seq_le
 seq_lens[i] - 1. block_tables[i, j] is the block holding its tokens [j * block_size, (j + 1) * block_size);
 unused entries are 0. A token's flat slot is block_id * block_size + offset; slot -1 means "write nothing"
 (padding rows of a captured CUDA graph).
+
+Tree drafts (speculative decoding with alternatives to the first draft token, kvserve/spec_decode) break
+"a token sits at its index": the alternatives all sit at the first draft's position, each stored at an
+index past the others. A batch with such rows carries `positions`: a token at index i with position p
+sees the keys at indices [0, p) and its own at i (p == i for every other token: plain causal attention).
+Only backends with supports_tree_drafts take such batches.
 """
 from __future__ import annotations
 
@@ -43,16 +49,20 @@ class StepBatch:
     query_start_loc_list: list[int]   # host copies: backends plan on them without syncing
     seq_lens_list: list[int]
     block_size: int
+    # [T] host list: each token's position, where a tree draft's makes one differ from its index; else None
+    positions_list: list[int] | None = None
 
     @classmethod
     def from_host(cls, block_tables: list[list[int]], slot_mapping: list[int], query_start_loc: list[int],
-                  seq_lens: list[int], block_size: int, device: torch.device) -> StepBatch:
-        """The step's tensors on `device` from host lists; block tables zero-padded to the longest."""
+                  seq_lens: list[int], block_size: int, device: torch.device,
+                  positions: list[int] | None = None) -> StepBatch:
+        """The step's tensors on `device` from host lists; block tables zero-padded to the longest.
+        positions: only where tree drafts put some token elsewhere than its index."""
         width = max(map(len, block_tables))
         padded = [table + [0] * (width - len(table)) if len(table) < width else table for table in block_tables]
         i64 = lambda x: to_device(x, device, torch.int64)  # noqa: E731
         return cls(i64(slot_mapping), i64(query_start_loc), i64(seq_lens), i64(padded), query_start_loc,
-                   seq_lens, block_size)
+                   seq_lens, block_size, positions)
 
     @property
     def num_seqs(self) -> int:
@@ -84,6 +94,7 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Built once per model and KV pool, for the attention layers it will serve."""
     name: str
+    supports_tree_drafts = False  # takes StepBatch.positions_list and copy_slots (tree drafts)
 
     def __init__(self, layers: list[PagedAttention], kv_spec: KVCacheSpec, num_blocks: int,
                  device: torch.device, dtype: torch.dtype) -> None:
@@ -112,6 +123,11 @@ class AttentionBackend(ABC):
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Write k, v ([T, Hkv, D]) at the batch's slots, then attend q ([T, H, D], any token stride)
         over each sequence's cached context: [T, H * D] in q's dtype."""
+
+    def copy_slots(self, kv_caches: list[KVCache], src: list[int], dst: list[int]) -> None:
+        """Every layer's K/V at slots src to slots dst (an accepted tree draft's alternative, stored past its
+        siblings, moves to its position)."""
+        raise NotImplementedError(f"the {self.name} attention backend takes no tree drafts")
 
     def kernel_only_plan(self, meta: AttentionMetadata) -> AttentionPlan | None:
         """The step's native-kernel plan when a native decoder stack (kvserve/models/native_stack.py) may

@@ -44,6 +44,7 @@ class TorchMetadata(AttentionMetadata):
 
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
+    supports_tree_drafts = True
 
     def __init__(self, *args, native_kernels: bool = True, **kwargs) -> None:
         """native_kernels=False: the torch path only (the reference the kernels are tested against)."""
@@ -69,6 +70,17 @@ class TorchPagedBackend(AttentionBackend):
         assert isinstance(meta, TorchMetadata)
         plan = meta.plans[self._plan_keys[0]]
         return plan if plan.kernel_rows is not None and not plan.decode and not plan.prefills else None
+
+    def copy_slots(self, kv_caches: list[KVCache], src: list[int], dst: list[int]) -> None:
+        if self.device.type == "cpu" and cpu_kernels.available() and hasattr(cpu_kernels.ops(), "copy_slots_"):
+            cpu_kernels.ops().copy_slots_([k for k, _ in kv_caches], [v for _, v in kv_caches], src, dst)
+            return
+        Hkv, D = self.kv_spec.num_kv_heads, self.kv_spec.head_dim
+        src_t = torch.tensor(src, device=self.device)
+        dst_t = torch.tensor(dst, device=self.device)
+        for cache in (c for pair in kv_caches for c in pair):
+            rows = _bytes(cache).view(Hkv, -1, D)
+            rows[:, dst_t] = rows[:, src_t]
 
     def _plan_key(self, layer: PagedAttention) -> PlanKey:
         return layer.sliding_window, self._kernel[layer.layer_idx]
@@ -100,7 +112,7 @@ class TorchPagedBackend(AttentionBackend):
             rows = plan.kernel_rows
             cpu_kernels.ops().paged_attention_(q, out, k_cache, v_cache, rows.token, rows.seq, rows.len,
                                                meta.batch.block_tables, layer.scale, layer.sliding_window or 0,
-                                               k_scale, v_scale)
+                                               k_scale, v_scale, rows.last)
         k_blocks, v_blocks = k_cache.view(Hkv * num_blocks, block_size, D), v_cache.view(Hkv * num_blocks, block_size, D)
         for group in plan.decode:
             _decode(layer, q, out, k_blocks, v_blocks, group)

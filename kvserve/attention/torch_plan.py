@@ -56,6 +56,7 @@ class KernelRows:
     token: torch.Tensor               # [R]: row in the flat batch
     seq: torch.Tensor                 # [R]: row of block_tables
     len: torch.Tensor                 # [R]
+    last: torch.Tensor | None = None  # [R]: where key len - 1 is stored, for tree drafts (None: in place)
 
 
 @dataclass
@@ -129,15 +130,20 @@ def build_plan(batch: StepBatch, num_kv_heads: int, num_blocks: int, window: int
         gather_idx = cache_rows(batch.block_tables[i : i + 1, :nb])
         prefix = seq_len - q_len
         windowed = window is not None and seq_len > window
+        tree = batch.positions_list is not None and batch.positions_list[starts[i]:starts[i + 1]] != list(
+            range(prefix, seq_len))
         mask = None
-        if prefix > 0 or windowed:
+        if prefix > 0 or windowed or tree:
             # Query j sits at position prefix + j and sees keys 0 .. prefix + j (is_causal would align
             # the diagonal to the top-left, ignoring the cached prefix).
-            q_pos = torch.arange(prefix, seq_len, device=dev)[:, None]
+            q_idx = torch.arange(prefix, seq_len, device=dev)[:, None]
             key_pos = torch.arange(seq_len, device=dev)[None, :]
-            mask = key_pos <= q_pos
+            mask = key_pos <= q_idx
+            if tree:  # keys below its position and its own (backend.py)
+                q_pos = torch.tensor(batch.positions_list[starts[i]:starts[i + 1]], device=dev)[:, None]
+                mask = (key_pos < q_pos) | (key_pos == q_idx)
             if windowed:
-                mask &= key_pos > q_pos - window
+                mask &= key_pos > (q_pos if tree else q_idx) - window
         prefills.append(PrefillPlan(i, gather_idx, mask))
     return AttentionPlan(write_idx, kernel_rows, decode, prefills)
 
@@ -157,6 +163,10 @@ def _kernel_rows(batch: StepBatch, excluded: list[int]) -> KernelRows | None:
         token, seq = token[kept], seq[kept]
         if len(token) == 0:
             return None
-    # The token at flat row t of sequence i sits at position seq_len_i - (end_i - t) and sees one more key.
+    # The token at flat row t of sequence i sits at index seq_len_i - (end_i - t) and sees one more key.
     row_len = batch.seq_lens[seq] - (batch.query_start_loc[1:][seq] - token) + 1
-    return KernelRows(token, seq, row_len)
+    if batch.positions_list is None:
+        return KernelRows(token, seq, row_len)
+    # Tree drafts: a token sees the keys below its position and its own, stored at its index.
+    positions = torch.tensor(batch.positions_list, dtype=torch.int64, device=dev)[token]
+    return KernelRows(token, seq, positions + 1, row_len - 1)

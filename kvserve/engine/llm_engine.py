@@ -40,6 +40,7 @@ from kvserve.spec_decode.eagle_head import load_eagle_head
 from kvserve.spec_decode.eagle_proposer import EagleProposer
 from kvserve.spec_decode.ngram import whitespace_classes
 from kvserve.spec_decode.speculator import Speculator
+from kvserve.spec_decode.verify import kept_alternative
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
 from kvserve.utils.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from kvserve.worker.memory_profile import profile_kv_budget, worst_case_batch
@@ -96,6 +97,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(loaded.model, kv_spec, num_blocks, self.device, self.eos_token_ids, self.dtype,
                                   config.attention_backend)
+        if spec is not None and spec.num_alternatives and not self.runner.attn_backend.supports_tree_drafts:
+            raise ValueError(f"speculative_config: speculative_token_tree with alternatives needs an attention "
+                             f"backend that takes tree rows (the CPU's 'torch'); this engine runs "
+                             f"{self.runner.attn_backend.name!r}. Use a chain (no speculative_token_tree)")
         draft = (DraftProposer(draft_model, draft_kv_spec, num_blocks, self.device, self.eos_token_ids, self.dtype,
                                config.attention_backend) if draft_model is not None else None)
         if spec is not None and spec.method == "eagle":
@@ -316,7 +321,9 @@ class LLMEngine:
             tokens, logprobs = sampled
             drafts = sched.spec_token_ids.get(seq.seq_id, ())
             if drafts:
-                self.speculator.record(seq, len(drafts), len(tokens) - 1)
+                alternatives = sched.spec_alternatives.get(seq.seq_id, 0)
+                self.speculator.record(seq, len(drafts) - alternatives, len(tokens) - 1, alternatives,
+                                       kept_alternative(tokens, drafts, alternatives))
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
                 self._num_prompt_tokens += len(req.prompt_token_ids)

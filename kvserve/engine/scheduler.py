@@ -33,6 +33,9 @@ class SchedulerOutput:
     # drafts: its last token followed by spec_token_ids[seq_id] (n = 1 + len(drafts)).
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)   # seq_id -> drafts to verify
+    # seq_id -> how many of its drafts (the last ones) are alternatives to its first draft token, each at
+    # that token's position (tree drafts: kvserve/spec_decode/verify.py); absent: a plain chain
+    spec_alternatives: dict[int, int] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
 
@@ -74,7 +77,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq)
-        seq.spec_token_ids = []
+        seq.spec_token_ids, seq.spec_alternatives = [], 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -142,6 +145,10 @@ class Scheduler:
                 out.scheduled.append((seq, n))
                 if is_decode and n > 1:
                     out.spec_token_ids[seq.seq_id] = seq.spec_token_ids[:n - 1]
+                    # A budget that cuts the drafts cuts the alternatives (last) first.
+                    alternatives = seq.spec_alternatives - (len(seq.spec_token_ids) - (n - 1))
+                    if alternatives > 0:
+                        out.spec_alternatives[seq.seq_id] = alternatives
                 budget -= n
         self.running = kept
         return budget

@@ -58,6 +58,7 @@ class Sequence:
     # Speculative decoding: tokens proposed for the next step (not part of token_ids until accepted), and
     # this sequence's recent acceptance.
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_alternatives: int = 0  # the last this many of spec_token_ids: alternatives to its first (a tree draft)
     spec_state: SpecState | None = None
 
     @property

@@ -80,5 +80,5 @@ class NativeDecoderStack:
         v_scales = [a.v_scale if fp8 else 1.0 for a in self.attn_layers]
         self.op(x, residual, positions, self.weights, [c[0] for c in kv_caches], [c[1] for c in kv_caches],
                 self.rotary.cos_sin, batch.slot_mapping, rows.token, rows.seq, rows.len, batch.block_tables,
-                self.num_heads, self.eps, self.scale, self.windows, k_scales, v_scales)
+                self.num_heads, self.eps, self.scale, self.windows, k_scales, v_scales, rows.last)
         return x, residual

@@ -7,11 +7,14 @@
     {"method": "eagle", "num_speculative_tokens": 1}                   # the head shipped for the default model
     {"method": "eagle", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
                                        # prompt lookup where the text repeats itself, the head elsewhere
+    {"method": "eagle", "num_speculative_tokens": 3, "speculative_token_tree": "[(0,), (1,), (2,)]"}
+                                       # the head's three likeliest first tokens, verified side by side
 
 given as `LLM(..., speculative_config={...})` or `kvserve serve --speculative-config '{...}'`.
 """
 from __future__ import annotations
 
+import ast
 import json
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -71,6 +74,15 @@ class SpeculativeConfig:
     # Per step: carry only as many of the num_speculative_tokens draft tokens as this engine's measured step
     # times and acceptance say pay (kvserve/spec_decode/draft_length.py); false drafts all of them.
     adaptive_draft_length: bool = True
+    # vLLM's token tree, a list of node paths ("[(0,), (0, 0), (1,), (2,)]": the head's top token, its own top
+    # token after it, and its second and third choices for the first). Here of one shape: a chain (0,),
+    # (0, 0), ... of the head's top choices plus alternatives (1,), (2,), ... to the first token alone, the
+    # shape that pays on a CPU (benchmarks/README.md). One node per draft token, so num_speculative_tokens ==
+    # len(tree), as in vLLM. Method "eagle" only, greedy requests only (sampled ones draft the chain), and an
+    # attention backend that takes tree rows (the CPU's). None: a chain of num_speculative_tokens.
+    speculative_token_tree: str | None = None
+    draft_depth: int = field(default=0, init=False)       # the chain's tokens
+    num_alternatives: int = field(default=0, init=False)  # alternatives to its first token
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -117,6 +129,35 @@ class SpeculativeConfig:
             raise bad("acceptance_window", f"must be an integer >= 1, got {self.acceptance_window!r}")
         if not isinstance(self.adaptive_draft_length, bool):
             raise bad("adaptive_draft_length", f"must be true or false, got {self.adaptive_draft_length!r}")
+        self.draft_depth, self.num_alternatives = k, 0
+        if self.speculative_token_tree is not None:
+            self.draft_depth, self.num_alternatives = self._parse_tree(bad)
+
+    def _parse_tree(self, bad) -> tuple[int, int]:
+        """(chain depth, alternatives) of speculative_token_tree, or a ValueError saying what is supported."""
+        text = self.speculative_token_tree
+        shape = ("a chain of top choices (0,), (0, 0), ... and alternatives (1,), (2,), ... to the first token, "
+                 "e.g. \"[(0,), (1,), (2,)]\"")
+        try:
+            nodes = ast.literal_eval(text) if isinstance(text, str) else None
+        except (ValueError, SyntaxError):
+            nodes = None
+        if (not isinstance(nodes, (list, tuple)) or not nodes
+                or not all(isinstance(n, tuple) and n and all(_is_int(i) and i >= 0 for i in n) for n in nodes)):
+            raise bad("speculative_token_tree", f"must be a string listing node paths as tuples of indices, "
+                                                f"e.g. \"[(0,), (1,), (2,)]\", got {text!r}")
+        if len(nodes) != self.num_speculative_tokens:
+            raise bad("speculative_token_tree", f"has {len(nodes)} nodes; num_speculative_tokens must equal that "
+                                                f"(one draft token a node), got {self.num_speculative_tokens}")
+        depth = sum(1 for n in nodes if all(i == 0 for i in n))
+        alternatives = len(nodes) - depth
+        expected = {(0,) * d for d in range(1, depth + 1)} | {(i,) for i in range(1, alternatives + 1)}
+        if depth == 0 or set(nodes) != expected or len(set(nodes)) != len(nodes):
+            raise bad("speculative_token_tree", f"{text!r} is not of the supported shape: {shape}")
+        if alternatives and self.method != "eagle":
+            raise bad("speculative_token_tree", f"alternatives to the first token need method 'eagle' (the "
+                                                f"head's next choices), got method {self.method!r}")
+        return depth, alternatives
 
     @property
     def uses_lookup(self) -> bool:

@@ -43,6 +43,13 @@ rate), and a step size not seen for MAX_AGE steps is forgotten, so a length that
 estimated afresh and tried again. A probe is a run, not one step, so that it times the length as it runs,
 not only the step that switches to it (StepTimes). Where the best keeps none of a model's tokens, a probe
 adds the model's first one.
+
+A token tree's alternatives to a draft's first token (TREE_CLASS drafts) are rows like any other: each
+has its own gain, the rate at which the target's token is that alternative (the head's second choice
+0.11 of the time, its third 0.06, on the benchmark's chat), ranked beside the draft tokens, at most the
+first token's (whose row they need). So a step keeps as many alternatives as pay where rows are cheap,
+and none where they are not: on the 2-core Zen 5 an extra row cost 4% of a decode step in some runs and
+10% in others (benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -52,6 +59,7 @@ from collections.abc import Callable
 _TIME_WEIGHT = 0.2        # moving-average weight of a new step time
 _POSITION_WEIGHT = 1 / 32  # ... of one draft's outcome at a position
 MODEL_CLASS = 0           # the class of a draft model's (or eagle head's) drafts; prompt lookup's are n >= 1
+TREE_CLASS = -1           # an eagle head's drafts that may bring alternatives to their first token (a token tree)
 PROBE_EVERY = 16
 PROBE_RUN = 3              # decisions a probe lasts: its first step follows another size, the others time it as it runs
 PROBE_MIN_RATE = 0.5       # below this share of the best rate, a length is probed every MAX_AGE decisions
@@ -140,10 +148,14 @@ class StepTimes:
 class DraftLength:
     """The draft tokens a step carries (see the module's docstring)."""
 
-    def __init__(self, max_length: int, step_tokens: StepTokens | None = None) -> None:
+    def __init__(self, max_length: int, step_tokens: StepTokens | None = None, num_alternatives: int = 0) -> None:
+        """num_alternatives: the rows a TREE_CLASS draft adds with its first token (alternatives to it)."""
         self.times = StepTimes()
         self.step_tokens = step_tokens
         self.max_length = max_length
+        self.num_alternatives = num_alternatives
+        # [j]: P(the target's token is a TREE_CLASS draft's alternative j + 1), None before it is observed.
+        self.alternative_rate: list[float | None] = [None] * num_alternatives
         # Per draft class, P(draft token i accepted | the tokens before it were), None before it is observed.
         self.continue_rate: dict[int, list[float | None]] = {}
         self.acceptance = 1.0         # accepted / drafted, a moving average over all sequences
@@ -160,13 +172,33 @@ class DraftLength:
             out.append(p)
         return out
 
-    def record(self, num_drafted: int, num_accepted: int, draft_class: int = 0) -> None:
+    def alternative_gains(self) -> list[float]:
+        """[j]: the expected tokens alternative j + 1 of a TREE_CLASS draft adds, at most its first token's;
+        one not yet observed at the rate of the one before it (the first: the first token's, so they get tried)."""
+        first = self.acceptance_by_position(TREE_CLASS)[0]
+        out, last = [], first
+        for rate in self.alternative_rate:
+            last = last if rate is None else rate
+            out.append(min(last, first))
+        return out
+
+    def record(self, num_drafted: int, num_accepted: int, draft_class: int = 0, num_alternatives: int = 0,
+               kept_alternative: int = 0) -> None:
+        """A verified draft: num_accepted of its num_drafted chain tokens, and which of its num_alternatives
+        alternatives was kept (1-based; 0: none, and then num_accepted counts the chain alone)."""
+        for j in range(num_alternatives):
+            old = self.alternative_rate[j]
+            if old is None:
+                old = self.alternative_gains()[j]
+            self.alternative_rate[j] = old + _POSITION_WEIGHT * ((1.0 if kept_alternative == j + 1 else 0.0) - old)
         rates = self.continue_rate.setdefault(draft_class, [None] * self.max_length)
         # Token i's outcome given all before it were accepted is seen for i up to the first rejection.
         for i in range(min(num_drafted, num_accepted + 1)):
             old = rates[i] if rates[i] is not None else (rates[i - 1] if i else 1.0)
             rates[i] = old + _POSITION_WEIGHT * ((1.0 if i < num_accepted else 0.0) - old)
-        self.acceptance += _POSITION_WEIGHT * (num_accepted / num_drafted - self.acceptance)
+        # As a request's own acceptance counts it (speculator.py): a kept alternative as its first token.
+        accepted = 1 if kept_alternative else num_accepted
+        self.acceptance += _POSITION_WEIGHT * (accepted / num_drafted - self.acceptance)
 
     def observe_drafting(self, seconds: float, depth: int) -> None:
         per_position = seconds / depth
@@ -180,28 +212,37 @@ class DraftLength:
         """num_tokens: the step's tokens without drafts; drafts: per sequence that may draft, (draft tokens
         it has, its acceptance relative to the average, its draft's class); num_seqs: the step's sequences
         (for step_tokens). How many of its draft tokens each sequence keeps (0: none)."""
-        keep = [0] * len(drafts)
+        return self.choose_with_alternatives(num_tokens, drafts, num_seqs)[0]
+
+    def choose_with_alternatives(self, num_tokens: int, drafts: list[tuple[int, float, int]],
+                                 num_seqs: int | None = None) -> tuple[list[int], list[int]]:
+        """choose(), and how many alternatives each TREE_CLASS draft brings (0 for the others)."""
+        keep, alternatives = [0] * len(drafts), [0] * len(drafts)
         if not self.times.measured(self._run_tokens(num_seqs, num_tokens, 0)):
             # Measure the step without drafts first: every rate is relative to it. (A step with a prefill
             # chunk, whose size seldom repeats, so goes without drafts.)
-            return keep
+            return keep, alternatives
         # Every draft token of every sequence, the likeliest to be accepted first. A token is accepted only
         # with all before it, so its gain never rises along its draft and each sequence's tokens come in
-        # order: the first T of the list are the best T rows a step can add.
-        ranked: list[tuple[float, int, int]] = []
+        # order: the first T of the list are the best T rows a step can add. A tree draft's alternatives
+        # (last field j >= 1) rank beside them, after its first token (their gain is at most its).
+        ranked: list[tuple[float, int, int, int]] = []
+        tree_gains = self.alternative_gains() if self.num_alternatives else []
         for r, (avail, scale, draft_class) in enumerate(drafts):
             q = self.acceptance_by_position(draft_class)
             for i in range(avail):
-                ranked.append((-min(1.0, q[i] * scale), i, r))
+                ranked.append((-min(1.0, q[i] * scale), i, r, 0))
+            if draft_class == TREE_CLASS and avail:
+                ranked.extend((-min(1.0, g * scale), 0, r, j) for j, g in enumerate(tree_gains, 1))
         ranked.sort()
         # The model drafts every sequence it drafts for to the deepest of their kept tokens, and that time is
         # the same whatever else the step carries; so each cap on the model's depth is tried (a lookup
         # draft beside a model too slow to pay still goes), and the best rate over all caps wins.
-        model_depths = [avail for avail, _, draft_class in drafts if draft_class == MODEL_CLASS]
+        model_depths = [avail for avail, _, draft_class in drafts if draft_class <= MODEL_CLASS]
         caps = range(max(model_depths) + 1) if model_depths and self.draft_seconds > 0 else [None]
         options = []  # per cap: (the tokens it allows, the rate of keeping the first T of them for each T)
         for cap in caps:
-            subset = ranked if cap is None else [x for x in ranked if drafts[x[2]][2] != MODEL_CLASS or x[1] < cap]
+            subset = ranked if cap is None else [x for x in ranked if drafts[x[2]][2] > MODEL_CLASS or x[1] < cap]
             options.append((subset, self._rates(num_seqs, num_tokens, subset, drafts)))
         chosen = max(range(len(options)), key=lambda c: (max(options[c][1]), -c))
         kept, rates = options[chosen]
@@ -212,23 +253,26 @@ class DraftLength:
         n = self.best_or_probe(rates, following[1] if following else None)
         if n >= len(rates):
             kept = following[0]
-        for _, _, r in kept[:n]:
-            keep[r] += 1
-        return keep
+        for _, _, r, j in kept[:n]:
+            if j:
+                alternatives[r] += 1
+            else:
+                keep[r] += 1
+        return keep, alternatives
 
     def _run_tokens(self, num_seqs: int | None, num_tokens: int, num_drafts: int) -> int:
         if self.step_tokens is None or num_seqs is None:
             return num_tokens + num_drafts
         return self.step_tokens(num_seqs, num_tokens, num_drafts)
 
-    def _rates(self, num_seqs: int | None, num_tokens: int, ranked: list[tuple[float, int, int]],
+    def _rates(self, num_seqs: int | None, num_tokens: int, ranked: list[tuple[float, int, int, int]],
                drafts: list[tuple[int, float, int]]) -> list[float]:
         """[T]: the expected tokens per second of the step that keeps the first T of ranked."""
         rates = [num_tokens / self.times.estimate(self._run_tokens(num_seqs, num_tokens, 0))]
         tokens, depth = float(num_tokens), 0
-        for added, (neg_gain, i, r) in enumerate(ranked, 1):
+        for added, (neg_gain, i, r, _) in enumerate(ranked, 1):
             tokens -= neg_gain
-            if drafts[r][2] == MODEL_CLASS:
+            if drafts[r][2] <= MODEL_CLASS:
                 depth = max(depth, i + 1)
             run = self._run_tokens(num_seqs, num_tokens, added)
             rates.append(tokens / (self.times.estimate(run) + depth * self.draft_seconds))

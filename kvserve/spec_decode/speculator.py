@@ -10,6 +10,10 @@ instead, and only the others wait for the model. Drafting pays only while the st
 is memory-bound and the drafts are good: each step carries only as many draft tokens as this engine's
 measured step times say pay (draft_length.py), none above `disable_by_batch_size` sequences, and none
 for a request while its acceptance stays low.
+
+With a token tree of alternatives (SpeculativeConfig.speculative_token_tree), a greedy request's model
+draft also carries the head's next choices for its first token, after the chain (TREE_CLASS drafts: the
+draft-length rule counts those rows in their first position's cost and keeps their acceptance apart).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import torch
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.spec_decode.config import SpeculativeConfig
-from kvserve.spec_decode.draft_length import MODEL_CLASS, DraftLength, StepTokens
+from kvserve.spec_decode.draft_length import MODEL_CLASS, TREE_CLASS, DraftLength, StepTokens
 from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.eagle_proposer import EagleProposer
 from kvserve.spec_decode.ngram import NgramProposer
@@ -47,7 +51,8 @@ class Speculator:
                  draft: DraftProposer | EagleProposer | None = None, token_classes: np.ndarray | None = None,
                  step_tokens: StepTokens | None = None) -> None:
         """token_classes: for method "ngram", what each token id is matched as (ngram.whitespace_classes);
-        step_tokens: the tokens a step will run, what its time is keyed by (ModelRunner.step_tokens)."""
+        step_tokens: the tokens a step will run, what its time is keyed by (ModelRunner.step_tokens).
+        A tree's alternatives need an attention backend that takes them (the engine checks)."""
         self.config = config
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -55,9 +60,12 @@ class Speculator:
         self.draft = draft
         self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, token_classes)
                          if config.uses_lookup else None)
-        self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
-        self.length = (DraftLength(config.num_speculative_tokens, step_tokens) if config.adaptive_draft_length
-                       else None)
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.draft_depth)
+        # A head whose vocabulary has fewer tokens than a tree's first level offers what it has.
+        self.num_alternatives = (min(config.num_alternatives, draft.num_choices - 1)
+                                 if isinstance(draft, EagleProposer) else 0)
+        self.length = (DraftLength(config.draft_depth, step_tokens, self.num_alternatives)
+                       if config.adaptive_draft_length else None)
         self._step = 0
 
     def propose(self, running: list[Sequence]) -> None:
@@ -71,13 +79,24 @@ class Speculator:
         model = self.draft is not None and allowed(cfg.disable_by_batch_size)
         for seq in running:
             seq.spec_token_ids = self._propose_one(seq, lookup, model) if lookup or model else []
+            seq.spec_alternatives = 0
         if self.length is not None and (lookup or model):
-            self._cut_to_paying_length(running)
+            alternatives = self._cut_to_paying_length(running)
+        else:
+            alternatives = {seq.seq_id: self.num_alternatives for seq in running}
+        if model and self.num_alternatives:
+            for seq in running:
+                if seq.spec_token_ids and seq.spec_state.draft_class == TREE_CLASS:
+                    # Alternatives are stored past the chain: inside max_model_len too.
+                    room = self.max_model_len - seq.num_tokens - 1 - len(seq.spec_token_ids)
+                    seq.spec_alternatives = max(0, min(alternatives.get(seq.seq_id, 0), room))
+                    seq.spec_token_ids += [PLACEHOLDER] * seq.spec_alternatives
 
-    def _cut_to_paying_length(self, running: list[Sequence]) -> None:
+    def _cut_to_paying_length(self, running: list[Sequence]) -> dict[int, int]:
+        """Cut each sequence's drafts to what pays; returns the alternatives each tree draft should bring."""
         drafting = [seq for seq in running if seq.spec_token_ids]
         if not drafting:
-            return
+            return {}
         window = self.config.acceptance_window
         average = max(self.length.acceptance, 1e-3)
         # A sequence's acceptance against the average, once it has a record (a copy drafts better than chat).
@@ -88,8 +107,10 @@ class Speculator:
                   for seq in drafting]
         # Without drafts each sequence brings what it has left to compute (1 when it decodes), up to the budget.
         num_tokens = min(self.max_num_batched_tokens, sum(seq.num_tokens - seq.num_computed_tokens for seq in running))
-        for seq, keep in zip(drafting, self.length.choose(num_tokens, drafts, len(running))):
-            del seq.spec_token_ids[keep:]
+        keep, alternatives = self.length.choose_with_alternatives(num_tokens, drafts, len(running))
+        for seq, n in zip(drafting, keep):
+            del seq.spec_token_ids[n:]
+        return {seq.seq_id: n for seq, n in zip(drafting, alternatives)}
 
     def _propose_one(self, seq: Sequence, lookup: bool, model: bool) -> list[int]:
         if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.prefill_done:
@@ -99,7 +120,7 @@ class Speculator:
             return []
         # Never draft past what the request may still emit: the step emits up to len(drafts) + 1 tokens,
         # and positions must stay inside max_model_len.
-        max_new = min(self.config.num_speculative_tokens,
+        max_new = min(self.config.draft_depth,
                       seq.params.max_tokens - seq.num_output_tokens - 1,
                       self.max_model_len - seq.num_tokens - 1)
         if max_new <= 0:
@@ -110,8 +131,10 @@ class Speculator:
                 spec_state(seq).draft_class = match_length
                 return draft
         if model and self.draft.can_draft(seq, max_new):
-            # The scheduler sizes the row; fill_drafts() runs the draft model.
-            spec_state(seq).draft_class = MODEL_CLASS
+            # The scheduler sizes the row; fill_drafts() runs the draft model. Alternatives for greedy requests
+            # (a sampled draft must draw its token with the target's noise: one per position).
+            tree = self.num_alternatives > 0 and seq.params.greedy
+            spec_state(seq).draft_class = TREE_CLASS if tree else MODEL_CLASS
             return [PLACEHOLDER] * max_new
         return []
 
@@ -135,7 +158,9 @@ class Speculator:
         """After the schedule: the draft model's tokens for the placeholder rows the scheduler kept."""
         if self.draft is None:
             return
-        jobs = {seq_id: len(d) for seq_id, d in sched.spec_token_ids.items() if d and d[0] == PLACEHOLDER}
+        alternatives = sched.spec_alternatives
+        jobs = {seq_id: len(d) - alternatives.get(seq_id, 0) for seq_id, d in sched.spec_token_ids.items()
+                if d and d[0] == PLACEHOLDER}
         if jobs:
             start = time.perf_counter()
             self.draft.fill(sched, jobs)
@@ -148,17 +173,22 @@ class Speculator:
         if self.length is not None:
             self.length.times.observe(num_tokens, seconds)
 
-    def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
-        """The runner verified num_drafted drafts of seq and accepted the first num_accepted."""
+    def record(self, seq: Sequence, num_drafted: int, num_accepted: int, num_alternatives: int = 0,
+               kept_alternative: int = 0) -> None:
+        """The runner verified a chain of num_drafted drafts of seq (and num_alternatives alternatives to its
+        first) and accepted num_accepted: the chain's first ones, or alternative kept_alternative (1-based) in
+        place of its first. The counters count every draft token verified; the acceptance that pauses a
+        request counts against the chain (a kept alternative as its first token)."""
         s = self.stats
         s.num_drafts += 1
-        s.num_draft_tokens += num_drafted
+        s.num_draft_tokens += num_drafted + num_alternatives
         s.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             s.accepted_per_pos[i] += 1
         state = spec_state(seq)
         if self.length is not None:
-            self.length.record(num_drafted, num_accepted, state.draft_class)
+            self.length.record(num_drafted, 0 if kept_alternative else num_accepted, state.draft_class,
+                               num_alternatives, kept_alternative)
 
         cfg = self.config
         # Each verified draft token moves the average by 1/window of the way to this draft's rate.

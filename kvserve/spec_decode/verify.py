@@ -24,6 +24,12 @@ drew its positions' noise from a clone of the generator (draft_proposer.py), the
 those rows as they are and the generator is set to the clone's state after the kept rows; otherwise the
 generator replays that many draws from its state before the step. A vocabulary's uniforms cost ~0.2-0.4 ms
 to draw on a CPU, so drawing once matters.
+
+Tree drafts (greedy requests, method "eagle" with speculative_token_tree): after the chain come
+alternatives to its first token, each in a row of its own at that token's position that sees the context but
+not its siblings (kvserve/attention/backend.py). Where the chain's first token is rejected and the target's
+choice there is an alternative, that alternative is kept, and its row's choice follows it: still exactly the
+tokens non-speculative decoding emits, the sampler having treated each row as that position in that context.
 """
 from __future__ import annotations
 
@@ -43,6 +49,27 @@ def num_accepted(sampled: list[int], drafts: list[int]) -> int:
     while n < len(drafts) and sampled[n] == drafts[n]:
         n += 1
     return n
+
+
+def kept_rows(sampled: list[int], drafts: list[int], num_alternatives: int = 0) -> list[int]:
+    """The rows whose samples are emitted, in order, for a row of drafts whose last num_alternatives are
+    alternatives to its first (sampled: one entry per row, the last token's then each draft's): the chain's
+    accepted run plus one, or the first row and the matching alternative's."""
+    depth = len(drafts) - num_alternatives
+    accepted = num_accepted(sampled[:depth + 1], drafts[:depth])
+    if accepted == 0 and num_alternatives:
+        alternatives = drafts[depth:]
+        if sampled[0] in alternatives:
+            return [0, depth + 1 + alternatives.index(sampled[0])]
+    return list(range(accepted + 1))
+
+
+def kept_alternative(emitted: list[int], drafts: list[int], num_alternatives: int) -> int:
+    """Which alternative (1-based) a verification kept, from the tokens it emitted; 0: none."""
+    depth = len(drafts) - num_alternatives
+    if num_alternatives and emitted[0] != drafts[0] and emitted[0] in drafts[depth:]:
+        return drafts[depth:].index(emitted[0]) + 1
+    return 0
 
 
 def rewind_generator(generator: torch.Generator, state_before: torch.Tensor, num_rows: int, vocab: int,

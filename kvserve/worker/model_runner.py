@@ -2,7 +2,8 @@
 
 A sequence with draft tokens (speculative decoding) is one row of 1 + k query tokens, its last token then
 its drafts, like a chunk of prefill; every one of those positions is sampled, and the drafts are accepted
-while they equal the samples (kvserve/spec_decode/verify.py)."""
+while they equal the samples (kvserve/spec_decode/verify.py). Alternatives to the first draft token (tree
+drafts) follow the chain, each at the first draft's position; one that is kept has its K/V moved there."""
 from __future__ import annotations
 
 import logging
@@ -23,7 +24,7 @@ from kvserve.models.kv_cache import KVCacheSpec
 from kvserve.sampling.logprobs import compute_prompt_logprobs
 from kvserve.sampling.sampler import Sampler, SamplingInputs
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.verify import num_accepted, verification_noise
+from kvserve.spec_decode.verify import kept_rows, verification_noise
 from kvserve.worker.cuda_graphs import StepInputs, samples_every_token
 from kvserve.worker.memory_profile import worst_case_batch
 
@@ -110,14 +111,22 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []     # per sampled row (a sequence with k drafts has k + 1 rows)
         sample_outputs: list[list[int]] = []  # per sampled row: the output tokens before that position
         prompt_lp: list[tuple[Sequence, int, int, int]] = []  # (seq, first row, first position, count)
+        first_rows: dict[int, int] = {}      # seq_id -> its first row in the flat batch
+        tree = False                         # any alternatives: some positions differ from their indices
 
         for seq, n in sched.scheduled:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             drafts = sched.spec_token_ids.get(seq.seq_id, ())
-            row0 = len(input_ids)
+            alternatives = sched.spec_alternatives.get(seq.seq_id, 0)
+            row0 = first_rows[seq.seq_id] = len(input_ids)
             input_ids.extend(seq.token_ids[start:end - len(drafts)])
             input_ids.extend(drafts)
-            positions.extend(range(start, end))
+            if alternatives:  # each at the first draft's position, stored past the chain and each other
+                tree = True
+                positions.extend(range(start, end - alternatives))
+                positions.extend([end - len(drafts)] * alternatives)
+            else:
+                positions.extend(range(start, end))
             table = seq.block_table
             if n == 1:
                 slot_mapping.append(table[start // bs] * bs + start % bs)
@@ -127,10 +136,12 @@ class ModelRunner:
             seq_lens.append(end)
             if end - len(drafts) == seq.num_tokens:
                 outputs = seq.output_token_ids
-                for j in range(len(drafts) + 1):  # row j predicts the token after drafts[:j]
+                depth = len(drafts) - alternatives
+                for j in range(len(drafts) + 1):  # row j predicts the token after drafts[:j] (an alternative: after it)
                     sample_rows.append(len(input_ids) - 1 - len(drafts) + j)
                     sample_seqs.append(seq)
-                    sample_outputs.append(outputs + list(drafts[:j]) if j else outputs)
+                    sample_outputs.append(outputs + list(drafts[:j]) if 0 < j <= depth
+                                          else outputs + [drafts[j - 1]] if j else outputs)
             if seq.needs_prompt_logprobs and start < seq.num_prompt_tokens - 1:
                 # Row p predicts token p + 1; only positions whose next token is in the prompt.
                 count = min(end, seq.num_prompt_tokens - 1) - start
@@ -140,8 +151,8 @@ class ModelRunner:
         graphs = self.graphs
         query_lens = [n for _, n in sched.scheduled]
         shape = (graphs.shape_for(query_lens, seq_lens)
-                 if graphs is not None and samples_every_token(query_lens, len(sample_rows), bool(prompt_lp))
-                 else None)
+                 if graphs is not None and not tree
+                 and samples_every_token(query_lens, len(sample_rows), bool(prompt_lp)) else None)
         self.last_step_tokens = len(input_ids) if shape is None else shape[0] * shape[1]
         if shape is not None:  # every token is sampled, so the sampled rows are all rows, in order
             sampled_hidden, logits = graphs.run(StepInputs(input_ids, positions, slot_mapping, query_lens, seq_lens,
@@ -149,7 +160,8 @@ class ModelRunner:
                                                 shape, want_hidden=self.keep_hidden)
         else:
             logits, sampled_hidden = self._forward_eager(sched, input_ids, positions, slot_mapping,
-                                                         query_start_loc, seq_lens, sample_rows, prompt_lp, result)
+                                                         query_start_loc, seq_lens, sample_rows, prompt_lp, result,
+                                                         tree)
 
         if sample_seqs:
             # Per sampled row, the uniforms a draft drew for it; per sequence (its first row, its drafts), how
@@ -174,27 +186,36 @@ class ModelRunner:
                 noise=noise,
             )
             sampled = self.sampler(logits, inputs)
+            moved_from: list[int] = []  # K/V of kept alternatives, to their position
+            moved_to: list[int] = []
             for row, seq, drafts, rewind in groups:
                 tokens = sampled.token_ids[row:row + len(drafts) + 1]
-                keep = num_accepted(tokens, drafts) + 1 if drafts else 1
-                result.sampled[seq.seq_id] = (tokens[:keep], sampled.logprobs[row:row + keep])
+                kept = kept_rows(tokens, drafts, sched.spec_alternatives.get(seq.seq_id, 0)) if drafts else [0]
+                result.sampled[seq.seq_id] = ([tokens[r] for r in kept], [sampled.logprobs[row + r] for r in kept])
                 if self.keep_hidden:
-                    result.hidden[seq.seq_id] = sampled_hidden[row + keep - 1]
-                if rewind is not None and keep < len(tokens):
-                    rewind(keep)
+                    result.hidden[seq.seq_id] = sampled_hidden[row + kept[-1]]
+                if kept[-1] != len(kept) - 1:  # an alternative, stored past the chain
+                    first = first_rows[seq.seq_id]
+                    moved_from.append(slot_mapping[first + kept[-1]])
+                    moved_to.append(slot_mapping[first + 1])
+                if rewind is not None and len(kept) < len(tokens):
+                    rewind(len(kept))
+            if moved_from:
+                self.attn_backend.copy_slots(self.kv_caches, moved_from, moved_to)
         return result
 
     def _forward_eager(self, sched: SchedulerOutput, input_ids: list[int], positions: list[int],
                        slot_mapping: list[int], query_start_loc: list[int], seq_lens: list[int],
                        sample_rows: list[int], prompt_lp: list[tuple[Sequence, int, int, int]],
-                       result: ModelRunnerOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                       result: ModelRunnerOutput, tree: bool = False
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The model's forward for any step; prompt logprobs into result; the sampled rows' logits and
-        hidden states."""
+        hidden states. tree: some positions differ from their tokens' indices (alternatives)."""
         dev = self.device
         # The backend's per-step work (index tensors, plans) happens here, once, not in the first layer.
         meta = self.attn_backend.build_metadata(StepBatch.from_host(
             [seq.block_table for seq, _ in sched.scheduled], slot_mapping, query_start_loc, seq_lens,
-            self.block_size, dev))
+            self.block_size, dev, positions if tree else None))
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),

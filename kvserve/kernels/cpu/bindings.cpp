@@ -15,7 +15,7 @@ TORCH_LIBRARY(KVSERVE_NS, m) {
   m.def("decoder_stack_(Tensor(a!) x, Tensor(b!) residual, Tensor positions, Tensor?[] weights, "
         "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor cos_sin, Tensor slots, Tensor row_token, "
         "Tensor row_seq, Tensor row_len, Tensor block_tables, int num_heads, float eps, float scale, "
-        "int[] windows, float[] k_scales, float[] v_scales) -> ()");
+        "int[] windows, float[] k_scales, float[] v_scales, Tensor? row_last=None) -> ()");
   // eagle_head.cpp
   m.def("eagle_step(Tensor feature, Tensor embedding, Tensor?[] weights, float eps) -> (Tensor, Tensor)");
   m.def("eagle_greedy_step(Tensor feature, Tensor embedding, Tensor?[] weights, Tensor vocab_ids, float eps) "
@@ -28,9 +28,10 @@ TORCH_LIBRARY(KVSERVE_NS, m) {
   // paged_attention.cpp
   m.def("paged_attention_(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, Tensor row_token, "
         "Tensor row_seq, Tensor row_len, Tensor block_tables, float scale, int window, float k_scale=1.0, "
-        "float v_scale=1.0) -> ()");
+        "float v_scale=1.0, Tensor? row_last=None) -> ()");
   m.def("cache_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, float k_scale=1.0, "
         "float v_scale=1.0) -> ()");
+  m.def("copy_slots_(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] src, int[] dst) -> ()");
   // quant_linear.cpp, quant_linear_x8.cpp, quant_linear_x16.cpp
   m.def("quant_linear(Tensor x, Tensor wq, Tensor scales, Tensor? mins, int group) -> Tensor");
   m.def("quant_linear_x8(Tensor x, Tensor wq, Tensor scales, Tensor? mins) -> Tensor");
@@ -53,6 +54,7 @@ TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("paged_attention_", &paged_attention_);
   m.impl("cache_kv_", &cache_kv_);
+  m.impl("copy_slots_", &copy_slots_);
   m.impl("quant_linear", &quant_linear);
   m.impl("quant_linear_x8", &quant_linear_x8);
   m.impl("quant_embedding_x8", &quant_embedding_x8);

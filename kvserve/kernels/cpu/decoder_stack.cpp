@@ -40,7 +40,8 @@ void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::T
                     at::TensorList v_caches, const at::Tensor& cos_sin, const at::Tensor& slots,
                     const at::Tensor& row_token, const at::Tensor& row_seq, const at::Tensor& row_len,
                     const at::Tensor& block_tables, int64_t num_heads, double eps, double scale,
-                    at::IntArrayRef windows, at::ArrayRef<double> k_scales, at::ArrayRef<double> v_scales) {
+                    at::IntArrayRef windows, at::ArrayRef<double> k_scales, at::ArrayRef<double> v_scales,
+                    const std::optional<at::Tensor>& row_last) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == L * kWeightsPerLayer &&
               static_cast<int64_t>(v_caches.size()) == L && static_cast<int64_t>(windows.size()) == L &&
@@ -72,7 +73,7 @@ void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::T
     cache_kv_(k, v, k_caches[l], v_caches[l], slots, k_scales[l], v_scales[l]);
     const at::Tensor attn = at::empty({T, num_heads, D}, h.options());
     paged_attention_(q, attn, k_caches[l], v_caches[l], row_token, row_seq, row_len, block_tables, scale,
-                     windows[l], k_scales[l], v_scales[l]);
+                     windows[l], k_scales[l], v_scales[l], row_last);
     h = quant_linear_tiled(attn.view({T, q_size}), w(l, kOQs), w(l, kOScales), mins(l, kOMins));
     fused_add_rms_norm_(h, residual, w(l, kPostNorm), eps);
     const at::Tensor gate_up = quant_linear_tiled(h, w(l, kGateUpQs), w(l, kGateUpScales), mins(l, kGateUpMins));

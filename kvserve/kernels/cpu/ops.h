@@ -27,7 +27,8 @@ void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::T
                     at::TensorList v_caches, const at::Tensor& cos_sin, const at::Tensor& slots,
                     const at::Tensor& row_token, const at::Tensor& row_seq, const at::Tensor& row_len,
                     const at::Tensor& block_tables, int64_t num_heads, double eps, double scale,
-                    at::IntArrayRef windows, at::ArrayRef<double> k_scales, at::ArrayRef<double> v_scales);
+                    at::IntArrayRef windows, at::ArrayRef<double> k_scales, at::ArrayRef<double> v_scales,
+                    const std::optional<at::Tensor>& row_last);
 
 // eagle_head.cpp
 std::tuple<at::Tensor, at::Tensor> eagle_step(const at::Tensor& feature, const at::Tensor& embedding,
@@ -47,9 +48,10 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 void paged_attention_(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& row_token, const at::Tensor& row_seq,
                       const at::Tensor& row_len, const at::Tensor& block_tables, double scale, int64_t window,
-                      double k_scale, double v_scale);
+                      double k_scale, double v_scale, const std::optional<at::Tensor>& row_last);
 void cache_kv_(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
                const at::Tensor& slots, double k_scale, double v_scale);
+void copy_slots_(at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef src, at::IntArrayRef dst);
 
 // quant_linear.cpp
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,

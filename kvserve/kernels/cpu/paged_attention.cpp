@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -41,17 +42,23 @@ inline void prefetch_row(const T* row) {
     _mm_prefetch(reinterpret_cast<const char*>(row) + off, _MM_HINT_T0);
 }
 
-// Walks a sequence's tokens [first, len) through its block table, one cache row at a time.
+// Walks a sequence's tokens [first, len) through its block table, one cache row at a time. The last one,
+// len - 1, is read from index last_at: a tree draft's alternative sits at its position but is stored past
+// its siblings (last_at == len - 1 everywhere else). Read in the same order as a plain row, so a row whose
+// key is stored elsewhere computes bit for bit what it would with the key in place.
 template <typename T, int64_t D>
 struct RowCursor {
   const T* cache;
   const int64_t* table;
-  int64_t head_base, bs, last_blk, blk, off;
+  int64_t head_base, bs, last_blk, blk, off, pos, end;
+  const T* last;
   const T* row;
 
-  RowCursor(const T* cache_, const int64_t* table_, int64_t head_base_, int64_t bs_, int64_t first, int64_t len)
+  RowCursor(const T* cache_, const int64_t* table_, int64_t head_base_, int64_t bs_, int64_t first, int64_t len,
+            int64_t last_at)
       : cache(cache_), table(table_), head_base(head_base_), bs(bs_), last_blk((len - 1) / bs_), blk(first / bs_),
-        off(first % bs_), row(at(blk, off)) {}
+        off(first % bs_), pos(first), end(len), last(at(last_at / bs_, last_at % bs_)),
+        row(first == len - 1 ? last : at(blk, off)) {}
   const T* at(int64_t b, int64_t o) const { return cache + ((head_base + table[b]) * bs + o) * D; }
   // Blocks sit anywhere in the pool, so the hardware prefetcher stops at each block's end: prefetch the
   // same row of the next block (from DRAM the kernel ran ~2.5x slower without this).
@@ -59,6 +66,7 @@ struct RowCursor {
   void advance() {
     if (++off == bs) { off = 0; ++blk; row = blk <= last_blk ? at(blk, 0) : row; }
     else row += D;
+    if (++pos == end - 1) row = last;
   }
 };
 
@@ -66,12 +74,12 @@ struct RowCursor {
 // [first, first + n), sixteen keys at a time; s holds their kN rows of n scores.
 template <typename C, int kC, int kN>
 void score_keys(const Vec16 (*q)[kC], const C* k_cache, const int64_t* table, int64_t head_base, int64_t bs,
-                int64_t first, int64_t n, float* s) {
+                int64_t first, int64_t n, int64_t last_at, float* s) {
   constexpr int64_t D = kC * 16;
   Vec16 qr[kN][kC];  // copied in so that they live in registers
   for (int h = 0; h < kN; ++h)
     for (int c = 0; c < kC; ++c) qr[h][c] = q[h][c];
-  RowCursor<C, D> k(k_cache, table, head_base, bs, first, first + n);
+  RowCursor<C, D> k(k_cache, table, head_base, bs, first, first + n, last_at);
   Vec16 part[kN][kChunk];
   for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
     const int64_t m = std::min(kChunk, n - t0);
@@ -105,14 +113,14 @@ template <int kC> constexpr int kPvWidth = kC < 4 ? kC : 4;
 #endif
 template <typename T, typename C, int kC, int kN>
 void accumulate_pv(const C* v_cache, const int64_t* table, int64_t head_base, int64_t bs, int64_t first, int64_t n,
-                   const float* p, T* out, const float* inv_sum) {
+                   int64_t last_at, const float* p, T* out, const float* inv_sum) {
   constexpr int64_t D = kC * 16;
   constexpr int kW = kPvWidth<kC>;
   for (int c0 = 0; c0 < kC; c0 += kW) {
     Vec16 acc[kN][kW];
     for (int h = 0; h < kN; ++h)
       for (int c = 0; c < kW; ++c) acc[h][c] = zero();
-    RowCursor<C, D> v(v_cache, table, head_base, bs, first, first + n);
+    RowCursor<C, D> v(v_cache, table, head_base, bs, first, first + n, last_at);
     for (int64_t t = 0; t < n; ++t, v.advance()) {
       if (c0 == 0) v.prefetch_next_block();  // later passes find the rows in cache
       Vec16 vv[kW];
@@ -134,7 +142,7 @@ void accumulate_pv(const C* v_cache, const int64_t* table, int64_t head_base, in
 // The cache (C) holds q's dtype, or float8 e4m3 holding K / k_scale and V / v_scale.
 template <typename T, typename C, int kC>
 void attend_row(const T* q, T* out, const C* k_cache, const C* v_cache, const int64_t* table, int64_t first,
-                int64_t len, int64_t head_base, int64_t bs, int64_t G, float scale, float v_scale,
+                int64_t len, int64_t last_at, int64_t head_base, int64_t bs, int64_t G, float scale, float v_scale,
                 std::vector<float>& scores) {
   constexpr int64_t D = kC * 16;
   constexpr int64_t kBlock = kC <= 4 ? 12 / kC : 1;
@@ -147,9 +155,9 @@ void attend_row(const T* q, T* out, const C* k_cache, const C* v_cache, const in
   // Pass 1: scores[g][t - first] = q_g . k_t.
   int64_t g0 = 0;
   for (; g0 + kBlock <= G; g0 += kBlock)
-    score_keys<C, kC, kBlock>(qv + g0, k_cache, table, head_base, bs, first, n, scores.data() + g0 * n);
+    score_keys<C, kC, kBlock>(qv + g0, k_cache, table, head_base, bs, first, n, last_at, scores.data() + g0 * n);
   for (; g0 < G; ++g0)
-    score_keys<C, kC, 1>(qv + g0, k_cache, table, head_base, bs, first, n, scores.data() + g0 * n);
+    score_keys<C, kC, 1>(qv + g0, k_cache, table, head_base, bs, first, n, last_at, scores.data() + g0 * n);
 
   // Softmax over each head's scores, in place; inv_sum[g] is applied to the output at the end.
   float inv_sum[kMaxGroup];
@@ -169,10 +177,10 @@ void attend_row(const T* q, T* out, const C* k_cache, const C* v_cache, const in
 
   // Pass 2: out_g = inv_sum[g] * sum_t p[g][t] v_t.
   for (g0 = 0; g0 + kBlock <= G; g0 += kBlock)
-    accumulate_pv<T, C, kC, kBlock>(v_cache, table, head_base, bs, first, n, scores.data() + g0 * n,
+    accumulate_pv<T, C, kC, kBlock>(v_cache, table, head_base, bs, first, n, last_at, scores.data() + g0 * n,
                                     out + g0 * D, inv_sum + g0);
   for (; g0 < G; ++g0)
-    accumulate_pv<T, C, kC, 1>(v_cache, table, head_base, bs, first, n, scores.data() + g0 * n, out + g0 * D,
+    accumulate_pv<T, C, kC, 1>(v_cache, table, head_base, bs, first, n, last_at, scores.data() + g0 * n, out + g0 * D,
                                inv_sum + g0);
 }
 
@@ -180,6 +188,7 @@ struct Rows {
   const int64_t* token;  // row of q / out
   const int64_t* seq;    // row of block_tables
   const int64_t* len;    // keys [len - window, len) are visible
+  const int64_t* last;   // where key len - 1 is stored (null: at len - 1)
   int64_t count;
 };
 
@@ -209,8 +218,9 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
     for (int64_t i = 0; i < items; ++i) {
       const int64_t r = i / Hkv, h = i % Hkv, len = rows.len[r];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t last_at = rows.last != nullptr ? rows.last[r] : len - 1;
       const int64_t q_base = rows.token[r] * q_stride + h * G * D, out_base = (rows.token[r] * H + h * G) * D;
-      attend_row<T, C, kC>(qp + q_base, op + out_base, kp, vp, tables + rows.seq[r] * W, first, len, h * NB, bs,
+      attend_row<T, C, kC>(qp + q_base, op + out_base, kp, vp, tables + rows.seq[r] * W, first, len, last_at, h * NB, bs,
                            G, static_cast<float>(scale * k_scale), static_cast<float>(v_scale), scores);
     }
   }
@@ -225,11 +235,12 @@ inline namespace KVSERVE_NS {
 // projection); k_cache, v_cache: [Hkv, NB, bs, D] of q's dtype, or float8_e4m3fn holding K / k_scale and
 // V / v_scale; row_token, row_seq, row_len: [R]
 // int64 (q/out row, block_tables row and visible length of each row); block_tables: [S, W] int64.
-// window <= 0: no sliding window. Rows of out not named in row_token are left alone.
+// window <= 0: no sliding window. Rows of out not named in row_token are left alone. row_last: [R] int64,
+// where each row's last visible key (len - 1) is stored, at or after len - 1 (tree drafts); none: in place.
 void paged_attention_(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& row_token, const at::Tensor& row_seq,
                       const at::Tensor& row_len, const at::Tensor& block_tables, double scale, int64_t window,
-                      double k_scale, double v_scale) {
+                      double k_scale, double v_scale, const std::optional<at::Tensor>& row_last) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
   for (const at::Tensor* t : {&out, &k_cache, &v_cache, &row_token, &row_seq, &row_len, &block_tables})
     TORCH_CHECK(t->is_contiguous(), "paged_attention_: inputs must be contiguous");
@@ -248,8 +259,11 @@ void paged_attention_(const at::Tensor& q, const at::Tensor& out, const at::Tens
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(0);
   TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0 && H / Hkv <= kMaxGroup, "unsupported head layout");
   TORCH_CHECK(row_seq.size(0) == row_token.size(0) && row_len.size(0) == row_token.size(0));
+  if (row_last.has_value())
+    TORCH_CHECK(row_last->is_contiguous() && row_last->scalar_type() == at::kLong &&
+                row_last->dim() == 1 && row_last->size(0) == row_token.size(0), "paged_attention_: row_last [R] int64");
   const Rows rows{row_token.data_ptr<int64_t>(), row_seq.data_ptr<int64_t>(), row_len.data_ptr<int64_t>(),
-                  row_token.size(0)};
+                  row_last.has_value() ? row_last->data_ptr<int64_t>() : nullptr, row_token.size(0)};
   // Indices are checked up front (O(rows + table entries)): a bad one would otherwise read out of bounds
   // inside the parallel region, where an exception cannot be raised.
   const int64_t T = q.size(0), S = block_tables.size(0), W = block_tables.size(1), NB = k_cache.size(1);
@@ -259,6 +273,8 @@ void paged_attention_(const at::Tensor& q, const at::Tensor& out, const at::Tens
                 "paged_attention_: row ", r, " names a token or sequence out of range");
     TORCH_CHECK(rows.len[r] >= 1 && rows.len[r] <= W * bs, "paged_attention_: row ", r, " has length ",
                 rows.len[r], " outside [1, ", W * bs, "]");
+    TORCH_CHECK(rows.last == nullptr || (rows.last[r] >= rows.len[r] - 1 && rows.last[r] < W * bs),
+                "paged_attention_: row ", r, " stores its last key outside [len - 1, ", W * bs, ")");
   }
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   for (int64_t i = 0; i < S * W; ++i)
@@ -337,6 +353,25 @@ void cache_kv_(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cac
   else if (in == at::kBFloat16 && cache == at::kBFloat16) copy(c10::BFloat16{}, c10::BFloat16{});
   else if (in == at::kBFloat16 && cache == at::kFloat) copy(c10::BFloat16{}, float{});
   else TORCH_CHECK(false, "cache_kv_: unsupported dtypes ", in, " -> ", cache);
+}
+
+// Copies every layer's K and V at slots src[i] to slots dst[i] (caches [Hkv, NB, bs, D], any dtype): an
+// accepted tree-draft alternative, stored past its siblings, moves to its position. One call for what took
+// two indexing ops per layer and cache from Python (~0.4 ms a step for 30 layers).
+void copy_slots_(at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef src, at::IntArrayRef dst) {
+  TORCH_CHECK(src.size() == dst.size() && k_caches.size() == v_caches.size(), "copy_slots_: src, dst pairs");
+  for (at::TensorList caches : {k_caches, v_caches})
+    for (const at::Tensor& cache : caches) {
+      TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), "copy_slots_: caches [Hkv, NB, bs, D], contiguous");
+      const int64_t Hkv = cache.size(0), slots = cache.size(1) * cache.size(2);
+      const int64_t row = cache.size(3) * static_cast<int64_t>(cache.element_size());
+      char* base = static_cast<char*>(cache.data_ptr());
+      for (size_t i = 0; i < src.size(); ++i) {
+        TORCH_CHECK(src[i] >= 0 && src[i] < slots && dst[i] >= 0 && dst[i] < slots, "copy_slots_: slot out of range");
+        for (int64_t h = 0; h < Hkv; ++h)
+          std::memcpy(base + (h * slots + dst[i]) * row, base + (h * slots + src[i]) * row, static_cast<size_t>(row));
+      }
+    }
 }
 
 }  // namespace KVSERVE_NS
