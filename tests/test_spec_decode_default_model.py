@@ -113,3 +113,31 @@ def test_shipped_eagle_head_greedy_identical_with_preemption():
     drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
     # 0.52 here (AVX2); drafts sampled with noise other than the target's accepted 0.30.
     assert accepted > 0.4 * drafted > 0, (accepted, drafted)
+
+
+def test_shipped_eagle_head_with_a_token_tree_greedy_identical_with_preemption(monkeypatch):
+    """The shipped head with alternatives to its first draft token (speculative_token_tree), as a user gets it:
+    the output of the same engine without speculation, greedy with preemptions, and on the real model the
+    target's token is an alternative in some of the drafts whose first token it rejects."""
+    from kvserve.worker import model_runner
+
+    kept = {"trees": 0, "alternatives": 0}
+    inner = model_runner.kept_rows
+
+    def counted(sampled, drafts, num_alternatives=0):
+        rows = inner(sampled, drafts, num_alternatives)
+        kept["trees"] += num_alternatives > 0
+        kept["alternatives"] += rows[-1] != len(rows) - 1
+        return rows
+    monkeypatch.setattr(model_runner, "kept_rows", counted)
+    llm = LLM(dtype="float32", block_size=16, max_num_batched_tokens=64, num_kv_blocks=12,
+              speculative_config={"method": "eagle", "num_speculative_tokens": 3, "disable_by_batch_size": None,
+                                  "speculative_token_tree": "[(0,), (1,), (2,)]", "adaptive_draft_length": False})
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    ref, _, _ = generate_with(llm, False, PROMPTS, params)
+    outs, before, after = generate_with(llm, True, PROMPTS, params)
+    for r, o in zip(ref, outs):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        assert [list(lp) for lp in o.outputs[0].logprobs] == [list(lp) for lp in r.outputs[0].logprobs]
+    assert after.num_preemptions > before.num_preemptions
+    assert kept["trees"] > 20 and kept["alternatives"] > 0, kept

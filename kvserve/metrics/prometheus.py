@@ -146,12 +146,12 @@ class ServerMetrics:
         for out in result.outputs:
             self._on_output(out)
 
-    def expect_speculation(self, num_speculative_tokens: int) -> None:
+    def expect_speculation(self, num_positions: int) -> None:
         """The engine speculates: its counters exist from now on, at 0 (with one per draft position) until
         the first draft, as vLLM's do, so that a dashboard or alert finds them before any traffic."""
         if self._spec is None:
             self._spec = _SpecDecodeCounters(self.families.spec_decode(), self.model_name, self.replica)
-        for pos in range(num_speculative_tokens):
+        for pos in range(num_positions):
             self._spec.per_pos.labels(*self._spec.engine, str(pos))
 
     def _on_output(self, out: RequestDelta) -> None:

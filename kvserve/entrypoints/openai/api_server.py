@@ -182,7 +182,8 @@ def build_app(args: ServerArgs, state: ServerState | None = None, auto_router: A
         tasks = [asyncio.create_task(history.run())]
         for model, i, engine, metrics in engines:
             if engine.config.speculative_config is not None:
-                metrics.expect_speculation(engine.config.speculative_config.num_speculative_tokens)
+                # One per chain position (a token tree's alternatives count as its first).
+                metrics.expect_speculation(engine.config.speculative_config.draft_depth)
             engine.step_listeners.append(metrics.on_step)
             engine.end_listeners.append(metrics.on_request_end)
             engine.restart_listeners.append(metrics.on_engine_restart)
