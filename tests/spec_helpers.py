@@ -211,6 +211,21 @@ def preempting_wave(path, **engine_kw) -> tuple[list, dict]:
     return wave, run_waves(make_engine(path, **PREEMPTING, **engine_kw), wave)
 
 
+def prefix_hit_waves(path) -> tuple[list, dict]:
+    """Two waves, greedy with a logprob: four prompts, then prompts that extend the first wave's outputs (so
+    the second hits the prefix cache on blocks the first filled, drafts included). The waves, and
+    non-speculative decoding's outputs for both."""
+    from kvserve.sampling_params import SamplingParams
+
+    ps = prompts(3, [6, 23, 14, 31])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    ref_engine = make_engine(path)
+    ref1 = run_waves(ref_engine, [[(f"a{i}", p, params) for i, p in enumerate(ps)]])
+    second = [p + ref1[f"a{i}"].outputs[0].token_ids[:18] + [7, 8] for i, p in enumerate(ps)]
+    waves = [[(f"a{i}", p, params) for i, p in enumerate(ps)], [(f"b{i}", p, params) for i, p in enumerate(second)]]
+    return waves, {**ref1, **run_waves(ref_engine, waves[1:])}
+
+
 def prompts(seed: int, lengths) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(n)] for n in lengths]

@@ -24,7 +24,7 @@ from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.draft_reference import DraftReference
 from engine_helpers import assert_no_leaks, drain
 from spec_helpers import (PREEMPTING, abort_mid_speculation, count_draft_kinds, make_draft_file, make_engine,
-                          preempting_wave, prompts, run_waves)
+                          preempting_wave, prefix_hit_waves, prompts, run_waves)
 from test_spec_decode_distribution import BANNED, NUM_TOKENS, PRESENCE, TEMPERATURE, TOP_K, target
 
 K = 3
@@ -135,17 +135,11 @@ def test_greedy_identical_with_prefix_hits_on_drafted_blocks(kind, tiny_model_di
     """A second wave whose prompts extend the first wave's outputs: prefix-cache hits on blocks that drafts
     filled (the draft recomputes its own K/V for them), the non-speculative output."""
     path, _ = tiny_model_dirs["llama"]
-    ps = prompts(3, [6, 23, 14, 31])
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
-    ref_engine = make_engine(path)
-    ref1 = run(ref_engine, [[(f"a{i}", p, params) for i, p in enumerate(ps)]])
-    second = [p + ref1[f"a{i}"].outputs[0].token_ids[:18] + [7, 8] for i, p in enumerate(ps)]
-    waves = [[(f"a{i}", p, params) for i, p in enumerate(ps)], [(f"b{i}", p, params) for i, p in enumerate(second)]]
-    ref2 = run(ref_engine, waves[1:])
+    waves, ref = prefix_hit_waves(path)
     engine = make_engine(path, spec(drafts[kind]))
     got = run(engine, waves, check=True)
-    assert_same(got, {**ref1, **ref2})
-    assert all(got[f"b{i}"].num_cached_tokens > len(p) for i, p in enumerate(ps))
+    assert_same(got, ref)
+    assert all(got[f"b{i}"].num_cached_tokens > len(prompt) for i, (_, prompt, _) in enumerate(waves[0]))
     assert_acceptance(engine, kind)
 
 

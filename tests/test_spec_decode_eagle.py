@@ -30,7 +30,7 @@ from kvserve.spec_decode.eagle_proposer import EagleProposer
 from kvserve.worker import model_runner
 from engine_helpers import assert_no_leaks
 from spec_helpers import (PREEMPTING, abort_mid_speculation, count_draft_kinds, make_draft_file, make_engine,
-                          preempting_wave, prompts, run_waves)
+                          preempting_wave, prefix_hit_waves, prompts, run_waves)
 from test_spec_decode_distribution import BANNED
 from test_spec_decode_draft import assert_same, sampled_acceptance_and_chisquare
 
@@ -340,17 +340,11 @@ def test_greedy_identical_with_prefix_hits(tiny_model_dirs, heads):
     """A second wave whose prompts extend the first wave's outputs (prefix-cache hits on drafted blocks):
     the non-speculative output."""
     path, _ = tiny_model_dirs["llama"]
-    ps = prompts(3, [6, 23, 14, 31])
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
-    ref_engine = make_engine(path)
-    ref1 = run(ref_engine, [[(f"a{i}", p, params) for i, p in enumerate(ps)]])
-    second = [p + ref1[f"a{i}"].outputs[0].token_ids[:18] + [7, 8] for i, p in enumerate(ps)]
-    waves = [[(f"a{i}", p, params) for i, p in enumerate(ps)], [(f"b{i}", p, params) for i, p in enumerate(second)]]
-    ref2 = run(ref_engine, waves[1:])
+    waves, ref = prefix_hit_waves(path)
     engine = make_engine(path, spec(heads["right"]))
     got = run(engine, waves, check=True)
-    assert_same(got, {**ref1, **ref2})
-    assert all(got[f"b{i}"].num_cached_tokens > len(p) for i, p in enumerate(ps))
+    assert_same(got, ref)
+    assert all(got[f"b{i}"].num_cached_tokens > len(prompt) for i, (_, prompt, _) in enumerate(waves[0]))
     assert_acceptance(engine, "some")  # the second wave's continuations after [7, 8] are new to the head
 
 
@@ -670,19 +664,13 @@ def test_tree_drafts_identical_with_prefix_hits(tiny_model_dirs, heads, monkeypa
     """Blocks holding kept alternatives (their K/V moved) are committed to the prefix cache and read by a second
     wave: the non-speculative output."""
     path, _ = tiny_model_dirs["llama"]
-    ps = prompts(3, [6, 23, 14, 31])
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
-    ref_engine = make_engine(path)
-    ref1 = run(ref_engine, [[(f"a{i}", p, params) for i, p in enumerate(ps)]])
-    second = [p + ref1[f"a{i}"].outputs[0].token_ids[:18] + [7, 8] for i, p in enumerate(ps)]
-    waves = [[(f"a{i}", p, params) for i, p in enumerate(ps)], [(f"b{i}", p, params) for i, p in enumerate(second)]]
-    ref2 = run(ref_engine, waves[1:])
+    waves, ref = prefix_hit_waves(path)
     counts = count_alternatives(monkeypatch)
     engine = make_engine(path, tree_spec(heads["right"]))
     second_choice_first(engine, monkeypatch)
     got = run(engine, waves, check=True)
-    assert_same(got, {**ref1, **ref2})
-    assert all(got[f"b{i}"].num_cached_tokens > len(p) for i, p in enumerate(ps))
+    assert_same(got, ref)
+    assert all(got[f"b{i}"].num_cached_tokens > len(prompt) for i, (_, prompt, _) in enumerate(waves[0]))
     assert counts["kept"] > 0, counts
 
 
