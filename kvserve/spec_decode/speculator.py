@@ -13,7 +13,7 @@ for a request while its acceptance stays low.
 
 With a token tree of alternatives (SpeculativeConfig.speculative_token_tree), a greedy request's model
 draft also carries the head's next choices for its first token, after the chain (TREE_CLASS drafts: the
-draft-length rule counts those rows in their first position's cost and keeps their acceptance apart).
+draft-length rule ranks each alternative as a row of its own, with its own measured gain).
 """
 from __future__ import annotations
 
