@@ -78,8 +78,8 @@ class SpeculativeConfig:
     # token after it, and its second and third choices for the first). Here of one shape: a chain (0,),
     # (0, 0), ... of the head's top choices plus alternatives (1,), (2,), ... to the first token alone, the
     # shape that pays on a CPU (benchmarks/README.md). One node per draft token, so num_speculative_tokens ==
-    # len(tree), as in vLLM. Method "eagle" only, and an attention backend that takes tree rows (the CPU's).
-    # None: a chain of num_speculative_tokens.
+    # len(tree), as in vLLM. Method "eagle" only, greedy requests only (sampled ones draft the chain), and an
+    # attention backend that takes tree rows (the CPU's). None: a chain of num_speculative_tokens.
     speculative_token_tree: str | None = None
     draft_depth: int = field(default=0, init=False)       # the chain's tokens
     num_alternatives: int = field(default=0, init=False)  # alternatives to its first token

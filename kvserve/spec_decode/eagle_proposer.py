@@ -9,7 +9,7 @@ stale state (after a preemption the recomputed prompt's last row gives a fresh o
 Sampling is draft_proposer.py's: draft j is sampled from the head's logits under the request's parameters
 with the very noise the target will use at that position, so greedy and seeded requests reproduce and the
 target's verification (verify.py) keeps every output exactly what non-speculative decoding gives.
-Alternatives to a draft's first token (a token tree) are the head's likeliest other tokens there.
+Alternatives to a greedy request's first draft token (a token tree) are the head's next choices there.
 """
 from __future__ import annotations
 
@@ -67,16 +67,15 @@ class EagleProposer:
             if len(keep) < len(rows):
                 feature, tokens, rows = feature[keep], tokens[keep], [rows[i] for i in keep]
             if j == 0 and widest:
-                # The chain's first token as below, and the head's likeliest others as its alternatives.
+                # The head's likeliest tokens: the first is the chain's (greedy requests only have trees).
                 feature, logits = self.model.head_logits_step(feature, tokens)
                 top = self.model.vocab_ids[logits.topk(1 + widest, dim=-1).indices]
                 tokens = (top[:, 0] if all(greedy[r] for r in rows)
                           else self._draft_tokens(logits, [jobs[r][0] for r in rows], [greedy[r] for r in rows],
                                                   drafts, generators))
-                for r, choices, first in zip(rows, top.tolist(), tokens.tolist()):
+                for r, choices in zip(rows, top.tolist()):
                     seq = jobs[r][0]
-                    others = [c for c in choices if c != first]
-                    alternatives[seq.seq_id] = others[:sched.spec_alternatives.get(seq.seq_id, 0)]
+                    alternatives[seq.seq_id] = choices[1:1 + sched.spec_alternatives.get(seq.seq_id, 0)]
             elif all(greedy[r] for r in rows):
                 # Greedy requests take the head's argmax (no sampler: a third of a drafting step's time, and
                 # a draft needs none of its guarantees, since verification keeps the output exact).

@@ -11,8 +11,8 @@ is memory-bound and the drafts are good: each step carries only as many draft to
 measured step times say pay (draft_length.py), none above `disable_by_batch_size` sequences, and none
 for a request while its acceptance stays low.
 
-With a token tree of alternatives (SpeculativeConfig.speculative_token_tree), the eagle head's draft also
-carries its likeliest other tokens for the first position, after the chain (TREE_CLASS drafts: the
+With a token tree of alternatives (SpeculativeConfig.speculative_token_tree), a greedy request's model
+draft also carries the head's next choices for its first token, after the chain (TREE_CLASS drafts: the
 draft-length rule ranks each alternative as a row of its own, with its own measured gain).
 """
 from __future__ import annotations
@@ -131,8 +131,10 @@ class Speculator:
                 spec_state(seq).draft_class = match_length
                 return draft
         if model and self.draft.can_draft(seq, max_new):
-            # The scheduler sizes the row; fill_drafts() runs the draft model.
-            spec_state(seq).draft_class = TREE_CLASS if self.num_alternatives else MODEL_CLASS
+            # The scheduler sizes the row; fill_drafts() runs the draft model. Alternatives for greedy requests
+            # (a sampled draft must draw its token with the target's noise: one per position).
+            tree = self.num_alternatives > 0 and seq.params.greedy
+            spec_state(seq).draft_class = TREE_CLASS if tree else MODEL_CLASS
             return [PLACEHOLDER] * max_new
         return []
 

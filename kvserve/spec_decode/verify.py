@@ -25,13 +25,11 @@ those rows as they are and the generator is set to the clone's state after the k
 generator replays that many draws from its state before the step. A vocabulary's uniforms cost ~0.2-0.4 ms
 to draw on a CPU, so drawing once matters.
 
-Tree drafts (method "eagle" with speculative_token_tree): after the chain come alternatives to its first
-token, each in a row of its own at that token's position that sees the context but not its siblings
-(kvserve/attention/backend.py). Where the chain's first token is rejected and the target's sample there is
-an alternative, that alternative is kept, and its row's sample follows it: still exactly the tokens
-non-speculative decoding emits (the alternatives are certain proposals, as n-gram drafts are: sampling x ~ p
-and keeping x wherever a draft equals it is exact), the sampler having treated each row as that position in
-that context, with that position's noise for a seeded request.
+Tree drafts (greedy requests, method "eagle" with speculative_token_tree): after the chain come
+alternatives to its first token, each in a row of its own at that token's position that sees the context but
+not its siblings (kvserve/attention/backend.py). Where the chain's first token is rejected and the target's
+choice there is an alternative, that alternative is kept, and its row's choice follows it: still exactly the
+tokens non-speculative decoding emits, the sampler having treated each row as that position in that context.
 """
 from __future__ import annotations
 
@@ -83,31 +81,21 @@ def rewind_generator(generator: torch.Generator, state_before: torch.Tensor, num
         Sampler.draw_uniform(generator, vocab, device, dtype)
 
 
-def verification_noise(seq: Sequence, num_drafts: int, vocab: int, device: torch.device, num_alternatives: int = 0
+def verification_noise(seq: Sequence, num_drafts: int, vocab: int, device: torch.device
                        ) -> tuple[list[torch.Tensor | None], Callable[[int], None] | None]:
     """Before the target samples seq's 1 + num_drafts rows: per row, the uniforms seq's draft drew there
     (None: the sampler draws), and how to put seq's generator where the first `keep` rows leave it when
-    fewer than the chain's are kept (None: nothing to put back: greedy, unseeded, or no drafts). A draft's
-    noise is handed over once. The last num_alternatives drafts are alternatives to the first: their rows
-    sample the position after it, so they share the noise of the chain's second row (drawn here where the
-    sampler would draw it), and keeping one leaves the generator where keeping that row does."""
-    depth = num_drafts - num_alternatives
-    rows: list[torch.Tensor | None] = [None] * (depth + 1)
+    fewer are kept (None: nothing to put back: greedy, unseeded, or no drafts). A draft's noise is handed
+    over once."""
+    rows: list[torch.Tensor | None] = [None] * (num_drafts + 1)
     g = seq.generator
     if g is None or seq.params.greedy or num_drafts == 0:
-        return rows + [None] * num_alternatives, None
+        return rows, None
     state = seq.spec_state
-    if state is None or state.noise_num_tokens != seq.num_tokens or len(state.draft_noise) != depth:
+    if state is None or state.noise_num_tokens != seq.num_tokens or len(state.draft_noise) != num_drafts:
         before = g.get_state()
-        rewind = lambda keep: rewind_generator(g, before, keep, vocab, device, torch.float32)  # noqa: E731
-        if num_alternatives:  # rows 0 and 1 explicit, in the order the sampler would draw them
-            rows[0] = Sampler.draw_uniform(g, vocab, device, torch.float32)
-            rows[1] = Sampler.draw_uniform(g, vocab, device, torch.float32)
-    else:
-        rows[:depth], states = state.draft_noise, state.draft_noise_states
-        state.draft_noise, state.draft_noise_states, state.noise_num_tokens = [], [], -1
-        g.set_state(states[-1])  # after the drafted rows' draws: the row after them draws next
-        rewind = lambda keep: g.set_state(states[keep - 1])  # noqa: E731
-        if num_alternatives and rows[1] is None:
-            rows[1] = Sampler.draw_uniform(g, vocab, device, torch.float32)
-    return rows + [rows[1]] * num_alternatives, rewind
+        return rows, lambda keep: rewind_generator(g, before, keep, vocab, device, torch.float32)
+    rows[:num_drafts], states = state.draft_noise, state.draft_noise_states
+    state.draft_noise, state.draft_noise_states, state.noise_num_tokens = [], [], -1
+    g.set_state(states[-1])  # after the drafted rows' draws: the row after them draws next
+    return rows, lambda keep: g.set_state(states[keep - 1])

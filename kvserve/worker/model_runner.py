@@ -172,8 +172,7 @@ class ModelRunner:
             while row < len(sample_seqs):
                 seq = sample_seqs[row]
                 drafts = sched.spec_token_ids.get(seq.seq_id, [])
-                rows, rewind = verification_noise(seq, len(drafts), logits.shape[1], logits.device,
-                                                  sched.spec_alternatives.get(seq.seq_id, 0))
+                rows, rewind = verification_noise(seq, len(drafts), logits.shape[1], logits.device)
                 noise += rows
                 groups.append((row, seq, drafts, rewind))
                 row += len(drafts) + 1
@@ -191,8 +190,7 @@ class ModelRunner:
             moved_to: list[int] = []
             for row, seq, drafts, rewind in groups:
                 tokens = sampled.token_ids[row:row + len(drafts) + 1]
-                alternatives = sched.spec_alternatives.get(seq.seq_id, 0)
-                kept = kept_rows(tokens, drafts, alternatives) if drafts else [0]
+                kept = kept_rows(tokens, drafts, sched.spec_alternatives.get(seq.seq_id, 0)) if drafts else [0]
                 result.sampled[seq.seq_id] = ([tokens[r] for r in kept], [sampled.logprobs[row + r] for r in kept])
                 if self.keep_hidden:
                     result.hidden[seq.seq_id] = sampled_hidden[row + kept[-1]]
@@ -200,7 +198,7 @@ class ModelRunner:
                     first = first_rows[seq.seq_id]
                     moved_from.append(slot_mapping[first + kept[-1]])
                     moved_to.append(slot_mapping[first + 1])
-                if rewind is not None and len(kept) < len(tokens) - alternatives:  # fewer than the chain's rows
+                if rewind is not None and len(kept) < len(tokens):
                     rewind(len(kept))
             if moved_from:
                 self.attn_backend.copy_slots(self.kv_caches, moved_from, moved_to)
