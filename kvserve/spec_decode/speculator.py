@@ -131,8 +131,8 @@ class Speculator:
                 spec_state(seq).draft_class = match_length
                 return draft
         if model and self.draft.can_draft(seq, max_new):
-            # The scheduler sizes the row; fill_drafts() runs the draft model. Alternatives for greedy requests
-            # (a sampled draft must draw its token with the target's noise: one per position).
+            # The scheduler sizes the row; fill_drafts() runs the draft model. Alternatives for greedy requests:
+            # for sampled ones, sampling the extra rows cost more than they brought (benchmarks/README.md).
             tree = self.num_alternatives > 0 and seq.params.greedy
             spec_state(seq).draft_class = TREE_CLASS if tree else MODEL_CLASS
             return [PLACEHOLDER] * max_new
