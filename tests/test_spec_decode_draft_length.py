@@ -146,6 +146,17 @@ def test_a_trees_alternatives_are_rows_kept_only_where_they_pay():
         assert p.choose_with_alternatives(1, [(1, 1.0, 0)]) == ([1], [0])
 
 
+def test_alternatives_must_promise_a_margin_over_the_step_without_them():
+    """An alternative worth 2% more than the best step without it (1.55 / 1.14 against 1.4 / 1.05) is inside
+    the error of the step times it is judged by: not kept (ALTERNATIVES_MARGIN, 3%). At 1.12 it is worth 4%."""
+    for t3, want in ((1.14, ([1], [0])), (1.12, ([1], [1]))):
+        p = policy({1: 1.0, 2: 1.05, 3: t3, 4: 1.4}, [0.4])
+        p.num_alternatives = 2
+        p.continue_rate[TREE_CLASS] = [0.4]
+        p.alternative_rate = [0.15, 0.0]
+        assert p.choose_with_alternatives(1, [(1, 1.0, TREE_CLASS)]) == want, t3
+
+
 def test_alternatives_are_tried_before_they_are_observed_and_then_kept_at_their_rate():
     p = DraftLength(1, num_alternatives=2)
     p.continue_rate[TREE_CLASS] = [0.4]

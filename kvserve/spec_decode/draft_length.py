@@ -60,6 +60,9 @@ _TIME_WEIGHT = 0.2        # moving-average weight of a new step time
 _POSITION_WEIGHT = 1 / 32  # ... of one draft's outcome at a position
 MODEL_CLASS = 0           # the class of a draft model's (or eagle head's) drafts; prompt lookup's are n >= 1
 TREE_CLASS = -1           # an eagle head's drafts that may bring alternatives to their first token (a token tree)
+# Alternatives are kept only where they promise this much more than the best step without them: their gain
+# (0.06-0.16 tokens a row) is about the size of the error in the step times they are judged by (~0.15 ms).
+ALTERNATIVES_MARGIN = 0.03
 PROBE_EVERY = 16
 PROBE_RUN = 3              # decisions a probe lasts: its first step follows another size, the others time it as it runs
 PROBE_MIN_RATE = 0.5       # below this share of the best rate, a length is probed every MAX_AGE decisions
@@ -250,6 +253,13 @@ class DraftLength:
         # Without it a model judged not to pay (cap 0) was never tried again: at one stream of chat on two AVX2
         # cores the eagle head stayed off for 200 decisions in a row, until its step time was forgotten.
         following = options[chosen + 1] if chosen + 1 < len(options) else None
+        if tree_gains:
+            best = max(range(len(rates)), key=lambda t: (rates[t], -t))
+            if any(j for _, _, _, j in kept[:best]):
+                plain = [x for x in kept if not x[3]]
+                plain_rates = self._rates(num_seqs, num_tokens, plain, drafts)
+                if max(rates) < (1 + ALTERNATIVES_MARGIN) * max(plain_rates):
+                    kept, rates, following = plain, plain_rates, None
         n = self.best_or_probe(rates, following[1] if following else None)
         if n >= len(rates):
             kept = following[0]
