@@ -211,6 +211,23 @@ def preempting_wave(path, **engine_kw) -> tuple[list, dict]:
     return wave, run_waves(make_engine(path, **PREEMPTING, **engine_kw), wave)
 
 
+def count_alternatives(monkeypatch) -> dict[str, int]:
+    """Counts, as the runner verifies: rows of drafts with alternatives (token trees), and those that kept one."""
+    from kvserve.worker import model_runner
+
+    counts = {"trees": 0, "kept": 0}
+    inner = model_runner.kept_rows
+
+    def counted(sampled, drafts, num_alternatives=0):
+        rows = inner(sampled, drafts, num_alternatives)
+        if num_alternatives:
+            counts["trees"] += 1
+            counts["kept"] += rows[-1] != len(rows) - 1
+        return rows
+    monkeypatch.setattr(model_runner, "kept_rows", counted)
+    return counts
+
+
 def prefix_hit_waves(path) -> tuple[list, dict]:
     """Two waves, greedy with a logprob: four prompts, then prompts that extend the first wave's outputs (so
     the second hits the prefix cache on blocks the first filled, drafts included). The waves, and

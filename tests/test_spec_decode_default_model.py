@@ -6,7 +6,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.spec_decode.speculator import Speculator
-from spec_helpers import generate_with
+from spec_helpers import count_alternatives, generate_with
 
 CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
         "def mul(a, b):\n    return a * b\n\n\n")
@@ -119,17 +119,7 @@ def test_shipped_eagle_head_with_a_token_tree_greedy_identical_with_preemption(m
     """The shipped head with alternatives to its first draft token (speculative_token_tree), as a user gets it:
     the output of the same engine without speculation, greedy with preemptions, and on the real model the
     target's token is an alternative in some of the drafts whose first token it rejects."""
-    from kvserve.worker import model_runner
-
-    kept = {"trees": 0, "alternatives": 0}
-    inner = model_runner.kept_rows
-
-    def counted(sampled, drafts, num_alternatives=0):
-        rows = inner(sampled, drafts, num_alternatives)
-        kept["trees"] += num_alternatives > 0
-        kept["alternatives"] += rows[-1] != len(rows) - 1
-        return rows
-    monkeypatch.setattr(model_runner, "kept_rows", counted)
+    counts = count_alternatives(monkeypatch)
     llm = LLM(dtype="float32", block_size=16, max_num_batched_tokens=64, num_kv_blocks=12,
               speculative_config={"method": "eagle", "num_speculative_tokens": 3, "disable_by_batch_size": None,
                                   "speculative_token_tree": "[(0,), (1,), (2,)]", "adaptive_draft_length": False})
@@ -140,4 +130,4 @@ def test_shipped_eagle_head_with_a_token_tree_greedy_identical_with_preemption(m
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
         assert [list(lp) for lp in o.outputs[0].logprobs] == [list(lp) for lp in r.outputs[0].logprobs]
     assert after.num_preemptions > before.num_preemptions
-    assert kept["trees"] > 20 and kept["alternatives"] > 0, kept
+    assert counts["trees"] > 20 and counts["kept"] > 0, counts

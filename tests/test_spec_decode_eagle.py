@@ -27,10 +27,9 @@ from kvserve.spec_decode.draft_reference import DraftReference
 from kvserve.spec_decode.eagle_head import (EagleHead, EagleHeadConfig, EagleHeadReference, load_eagle_head,
                                             read_head, save_head)
 from kvserve.spec_decode.eagle_proposer import EagleProposer
-from kvserve.worker import model_runner
 from engine_helpers import assert_no_leaks
-from spec_helpers import (PREEMPTING, abort_mid_speculation, count_draft_kinds, make_draft_file, make_engine,
-                          preempting_wave, prefix_hit_waves, prompts, run_waves)
+from spec_helpers import (PREEMPTING, abort_mid_speculation, count_alternatives, count_draft_kinds, make_draft_file,
+                          make_engine, preempting_wave, prefix_hit_waves, prompts, run_waves)
 from test_spec_decode_distribution import BANNED
 from test_spec_decode_draft import assert_same, sampled_acceptance_and_chisquare
 
@@ -595,21 +594,6 @@ CHAIN_AND_ALTERNATIVES = "[(0,), (0, 0), (1,), (2,)]"
 
 def tree_spec(head, tree: str = TREE, **kw) -> dict:
     return spec(head, num_speculative_tokens=len(ast.literal_eval(tree)), speculative_token_tree=tree, **kw)
-
-
-def count_alternatives(monkeypatch) -> dict[str, int]:
-    """Counts, as the runner verifies: rows of drafts with alternatives, and those that kept one."""
-    counts = {"trees": 0, "kept": 0}
-    inner = model_runner.kept_rows
-
-    def counted(sampled, drafts, num_alternatives=0):
-        rows = inner(sampled, drafts, num_alternatives)
-        if num_alternatives:
-            counts["trees"] += 1
-            counts["kept"] += rows[-1] != len(rows) - 1
-        return rows
-    monkeypatch.setattr(model_runner, "kept_rows", counted)
-    return counts
 
 
 def second_choice_first(engine, monkeypatch) -> None:

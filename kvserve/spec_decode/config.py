@@ -152,7 +152,8 @@ class SpeculativeConfig:
         depth = sum(1 for n in nodes if all(i == 0 for i in n))
         alternatives = len(nodes) - depth
         expected = {(0,) * d for d in range(1, depth + 1)} | {(i,) for i in range(1, alternatives + 1)}
-        if depth == 0 or set(nodes) != expected or len(set(nodes)) != len(nodes):
+        # len(nodes) == len(expected), so equal sets also rule out repeated nodes.
+        if depth == 0 or set(nodes) != expected:
             raise bad("speculative_token_tree", f"{text!r} is not of the supported shape: {shape}")
         if alternatives and self.method != "eagle":
             raise bad("speculative_token_tree", f"alternatives to the first token need method 'eagle' (the "

@@ -80,16 +80,16 @@ class Speculator:
         for seq in running:
             seq.spec_token_ids = self._propose_one(seq, lookup, model) if lookup or model else []
             seq.spec_alternatives = 0
+        alternatives = None  # seq_id -> alternatives the rule keeps; None: all (no rule)
         if self.length is not None and (lookup or model):
             alternatives = self._cut_to_paying_length(running)
-        else:
-            alternatives = {seq.seq_id: self.num_alternatives for seq in running}
         if model and self.num_alternatives:
             for seq in running:
                 if seq.spec_token_ids and seq.spec_state.draft_class == TREE_CLASS:
+                    wanted = self.num_alternatives if alternatives is None else alternatives.get(seq.seq_id, 0)
                     # Alternatives are stored past the chain: inside max_model_len too.
                     room = self.max_model_len - seq.num_tokens - 1 - len(seq.spec_token_ids)
-                    seq.spec_alternatives = max(0, min(alternatives.get(seq.seq_id, 0), room))
+                    seq.spec_alternatives = max(0, min(wanted, room))
                     seq.spec_token_ids += [PLACEHOLDER] * seq.spec_alternatives
 
     def _cut_to_paying_length(self, running: list[Sequence]) -> dict[int, int]:

@@ -56,16 +56,15 @@ def kept_rows(sampled: list[int], drafts: list[int], num_alternatives: int = 0) 
     alternatives to its first (sampled: one entry per row, the last token's then each draft's): the chain's
     accepted run plus one, or the first row and the matching alternative's."""
     depth = len(drafts) - num_alternatives
-    accepted = num_accepted(sampled[:depth + 1], drafts[:depth])
-    if accepted == 0 and num_alternatives:
-        alternatives = drafts[depth:]
-        if sampled[0] in alternatives:
-            return [0, depth + 1 + alternatives.index(sampled[0])]
-    return list(range(accepted + 1))
+    alternative = kept_alternative(sampled, drafts, num_alternatives)
+    if alternative:
+        return [0, depth + alternative]
+    return list(range(num_accepted(sampled[:depth + 1], drafts[:depth]) + 1))
 
 
 def kept_alternative(emitted: list[int], drafts: list[int], num_alternatives: int) -> int:
-    """Which alternative (1-based) a verification kept, from the tokens it emitted; 0: none."""
+    """Which alternative (1-based) a verification kept, from its first emitted (or sampled) token: the one
+    that token equals where the chain's first draft does not; 0: none."""
     depth = len(drafts) - num_alternatives
     if num_alternatives and emitted[0] != drafts[0] and emitted[0] in drafts[depth:]:
         return drafts[depth:].index(emitted[0]) + 1
