@@ -26,7 +26,8 @@ for the default model, k = --draft-k); eagle, eagle-fixed, eagle-always, eagle-u
 front of it (lookup --prompt-lookup-min..max drafts where the last tokens occurred before, the head
 elsewhere; k = --eagle-lookup-k for both); eagle-b, eagle with a second head (--eagle-b-model, e.g. an
 earlier one) for two heads side by side in one run, and eagle-b-fixed, eagle-b-always; eagle-tree, the head
-with alternatives to its first draft token (--eagle-tree, vLLM's speculative_token_tree), and its variants.
+with alternatives to its first draft token (--eagle-tree, vLLM's speculative_token_tree), and its variants;
+eagle-tree2, a second tree beside it (--eagle-tree2).
 
 Each (workload, concurrency) runs a closed loop: `concurrency` requests in flight, a new one added when one
 finishes, until --num-requests (at least `concurrency`) are done; --rounds times, the methods taking turns,
@@ -110,8 +111,9 @@ def method_config(method: str, args) -> dict | None:
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_lookup_k, "model": args.eagle_model,
                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
     elif method.startswith("eagle-tree"):
-        cfg = {"method": "eagle", "num_speculative_tokens": len(ast.literal_eval(args.eagle_tree)),
-               "speculative_token_tree": args.eagle_tree, "model": args.eagle_model}
+        tree = args.eagle_tree2 if method.startswith("eagle-tree2") else args.eagle_tree
+        cfg = {"method": "eagle", "num_speculative_tokens": len(ast.literal_eval(tree)),
+               "speculative_token_tree": tree, "model": args.eagle_model}
     elif method.startswith("eagle-b"):
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_k, "model": args.eagle_b_model}
     elif method.startswith("eagle"):
@@ -364,7 +366,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-fixed", "eagle", "eagle-fixed"],
                     choices=["none", "none-control", "ngram-plain", "ngram-one-class", "ngram-one-length",
                              "ngram-long", "eagle-lookup",
-                             *(m + v for m in ("ngram", "draft", "eagle", "eagle-b", "eagle-tree")
+                             *(m + v for m in ("ngram", "draft", "eagle", "eagle-b", "eagle-tree", "eagle-tree2")
                                for v in ("", "-fixed", "-always", "-unlimited"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
     ap.add_argument("--max-tokens", type=int, default=128, help="per request of summarise and chat")
@@ -380,8 +382,10 @@ def main() -> None:
     ap.add_argument("--draft-model", default=None, help="the draft methods' model (default: the shipped draft)")
     ap.add_argument("--eagle-k", type=int, default=1, help="num_speculative_tokens of the eagle methods")
     ap.add_argument("--eagle-lookup-k", type=int, default=4, help="num_speculative_tokens of eagle-lookup")
-    ap.add_argument("--eagle-tree", default="[(0,), (1,), (2,)]",
+    ap.add_argument("--eagle-tree", default="[(0,), (0, 0), (1,), (2,)]",
                     help="speculative_token_tree of the eagle-tree methods (num_speculative_tokens: its nodes)")
+    ap.add_argument("--eagle-tree2", default="[(0,), (1,), (2,)]",
+                    help="speculative_token_tree of the eagle-tree2 methods: a second tree beside --eagle-tree")
     ap.add_argument("--eagle-model", default=None, help="the eagle methods' head (default: the shipped head)")
     ap.add_argument("--eagle-b-model", default=None, help="method eagle-b's head (required with eagle-b*)")
     ap.add_argument("--dtype", default="auto")

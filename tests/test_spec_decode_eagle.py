@@ -719,3 +719,83 @@ def test_abort_mid_tree_speculation_frees_everything(tiny_model_dirs, heads, mon
     second_choice_first(engine, monkeypatch)
     abort_mid_speculation(engine)
     assert counts["kept"] > 0
+
+
+def modelled_step_times(engine, row_ms: float) -> None:
+    """The step times the draft-length rule reads, of a modelled machine without real time's noise: 1 ms a
+    step and row_ms for each token beyond the first."""
+    observe = engine.speculator.observe_step
+    engine.speculator.observe_step = lambda n, _seconds: observe(n, 1e-3 + row_ms * 1e-3 * (n - 1))
+
+
+def head_unsure(engine, monkeypatch, how: str) -> None:
+    """"split": the head torn between its two first choices (equal logits, the wrong one first after an odd
+    token, so the target's token is often its alternative); "blind": no idea at all (every logit 0)."""
+    head = engine.speculator.draft.model
+    inner = head.head_logits_step
+
+    def unsure(feature, tokens):
+        feature, logits = inner(feature, tokens)
+        if how == "blind":
+            return feature, torch.zeros_like(logits)
+        rows = torch.arange(logits.shape[0])
+        top = logits.topk(2, dim=-1).indices
+        odd = tokens % 2 == 1
+        first, second = torch.where(odd, top[:, 1], top[:, 0]), torch.where(odd, top[:, 0], top[:, 1])
+        logits = logits.clone()
+        high = logits[rows, top[:, 0]]
+        logits[rows, first], logits[rows, second] = high + 1e-3, high
+        return feature, logits
+    monkeypatch.setattr(head, "head_logits_step", unsure)
+
+
+@pytest.mark.parametrize("kind, tree, kernels", [
+    ("right", CHAIN_AND_ALTERNATIVES, True), ("right", None, True), ("split", CHAIN_AND_ALTERNATIVES, True),
+    ("split", CHAIN_AND_ALTERNATIVES, False), ("blind", CHAIN_AND_ALTERNATIVES, True)],
+    ids=["sure", "sure_chain", "unsure", "unsure_torch_path", "blind"])
+def test_trees_sized_by_confidence_greedy_identical_with_preemption_and_n(kind, tree, kernels, tiny_model_dirs,
+                                                                          heads, monkeypatch):
+    """With the draft-length rule (as a user gets a tree, or a chain of k > 1), the head drafts a greedy
+    request's tree before the schedule and the step keeps the rows its confidence says pay: the
+    non-speculative output, with chunked prefills, n = 2 and preemptions, whatever the head's confidence. A
+    sure head drafts chains of two or more; one torn between two tokens gets both as rows, and its alternative
+    is kept (its K/V moved); one with no idea drafts next to nothing."""
+    path, _ = tiny_model_dirs["llama"]
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    wave, ref = preempting_wave(path)
+    counts = count_alternatives(monkeypatch)
+    config = (tree_spec(heads["right"], tree, adaptive_draft_length=True) if tree
+              else spec(heads["right"], adaptive_draft_length=True))  # a chain of K
+    engine = make_engine(path, config, **PREEMPTING)
+    modelled_step_times(engine, 0.02)
+    if kind != "right":
+        head_unsure(engine, monkeypatch, kind)
+    assert_same(run(engine, wave, check=True), ref)
+    s = engine.get_stats()
+    assert s.num_preemptions > 0
+    if kind == "right":
+        assert s.spec_accepted_per_pos[1] > 0.5 * s.spec_num_drafts > 0, s
+    elif kind == "split":
+        assert counts["kept"] > 0.2 * counts["trees"] > 0, counts
+    else:  # only while a step size with drafts has no time of its own yet (estimated cheap, so tried)
+        assert s.spec_num_drafts < 0.1 * s.num_steps, s
+
+
+def test_a_sure_heads_trees_carry_no_alternatives_where_rows_cost(tiny_model_dirs, heads):
+    """Rows a fifth of a step: the head sure of its tokens (and right) drafts its chain, and its next choices, at
+    a probability near 0, are not worth a row."""
+    path, _ = tiny_model_dirs["llama"]
+    engine = make_engine(path, tree_spec(heads["right"], CHAIN_AND_ALTERNATIVES, adaptive_draft_length=True))
+    modelled_step_times(engine, 0.2)
+    rows = []
+    execute = engine.runner.execute
+
+    def watched(sched):
+        rows.extend((len(d), sched.spec_alternatives.get(i, 0)) for i, d in sched.spec_token_ids.items())
+        return execute(sched)
+    engine.runner.execute = watched
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    run(engine, [[(str(i), p, params) for i, p in enumerate(prompts(2, [6, 23]))]], check=True)
+    assert len(rows) > 20 and all(alternatives == 0 for _, alternatives in rows), rows
+    assert sum(n == 2 for n, _ in rows) > 0.8 * len(rows), rows

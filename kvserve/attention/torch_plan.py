@@ -26,6 +26,9 @@ _GROUP_STRIDE = 4  # candidate group boundaries every this many rows, which keep
 # AVX-512 1.34x SDPA's speed at 4k tokens of context, 0.86x at 8k; AVX2 1.13x at 1k, 0.93x at 2k.
 _KERNEL_MAX_PREFILL_CONTEXT = {"avx512": 4096, "avx2": 1024}
 _KERNEL_ALWAYS_MAX_QUERY = 16       # rows this short (decodes, speculative verification) stay on the kernel
+# Steps of at most this many tokens (speculative verification at a few streams) get their kernel rows from the
+# host lists: the dozen small tensor ops of the general path took ~40 us of a ~3 ms step at one stream.
+_HOST_ROWS_MAX_TOKENS = 64
 
 
 def split_by_length(num_blocks: list[int]) -> list[int]:
@@ -148,12 +151,38 @@ def build_plan(batch: StepBatch, num_kv_heads: int, num_blocks: int, window: int
     return AttentionPlan(write_idx, kernel_rows, decode, prefills)
 
 
+def _kernel_rows_from_host(batch: StepBatch, excluded: list[int]) -> KernelRows | None:
+    """_kernel_rows for a step of a few tokens, from the host lists."""
+    starts, lens, skip = batch.query_start_loc_list, batch.seq_lens_list, set(excluded)
+    token: list[int] = []
+    seq: list[int] = []
+    row_len: list[int] = []
+    for i in range(batch.num_seqs):
+        if i in skip:
+            continue
+        begin, end = starts[i], starts[i + 1]
+        token.extend(range(begin, end))
+        seq.extend([i] * (end - begin))
+        first = lens[i] - (end - begin) + 1  # the sequence's first new token sees its cached context and itself
+        row_len.extend(range(first, first + end - begin))
+    if not token:
+        return None
+    dev = batch.slot_mapping.device
+    i64 = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+    if batch.positions_list is None:
+        return KernelRows(i64(token), i64(seq), i64(row_len))
+    positions = batch.positions_list  # tree drafts, as below
+    return KernelRows(i64(token), i64(seq), i64([positions[t] + 1 for t in token]), i64([n - 1 for n in row_len]))
+
+
 def _kernel_rows(batch: StepBatch, excluded: list[int]) -> KernelRows | None:
     """Every query token of the batch except those of the excluded sequences, as kernel rows."""
     dev, T = batch.slot_mapping.device, batch.query_start_loc_list[-1]
     token = torch.arange(T, device=dev)
     if T == batch.num_seqs and not excluded:  # a decode-only step: row i is sequence i's one token
         return KernelRows(token, token, batch.seq_lens)
+    if T <= _HOST_ROWS_MAX_TOKENS:
+        return _kernel_rows_from_host(batch, excluded)
     seq = torch.repeat_interleave(torch.arange(batch.num_seqs, device=dev), batch.query_start_loc.diff(),
                                   output_size=T)
     if excluded:

@@ -44,12 +44,9 @@ estimated afresh and tried again. A probe is a run, not one step, so that it tim
 not only the step that switches to it (StepTimes). Where the best keeps none of a model's tokens, a probe
 adds the model's first one.
 
-A token tree's alternatives to a draft's first token (TREE_CLASS drafts) are rows like any other: each
-has its own gain, the rate at which the target's token is that alternative (the head's second choice
-0.11 of the time, its third 0.06, on the benchmark's chat), ranked beside the draft tokens, at most the
-first token's (whose row they need). So a step keeps as many alternatives as pay where rows are cheap,
-and none where they are not: on the 2-core Zen 5 an extra row cost 4% of a decode step in some runs and
-10% in others (benchmarks/README.md).
+A greedy request's token tree (TREE_CLASS: the eagle head's chain with alternatives to its first token) is
+judged here like a chain, which says whether the head should draft at all; which of its rows a step keeps is
+decided once they are drafted, by the head's confidence in each (`best_row_count`, confidence.py).
 """
 from __future__ import annotations
 
@@ -60,9 +57,6 @@ _TIME_WEIGHT = 0.2        # moving-average weight of a new step time
 _POSITION_WEIGHT = 1 / 32  # ... of one draft's outcome at a position
 MODEL_CLASS = 0           # the class of a draft model's (or eagle head's) drafts; prompt lookup's are n >= 1
 TREE_CLASS = -1           # an eagle head's drafts that may bring alternatives to their first token (a token tree)
-# Alternatives are kept only where they promise this much more than the best step without them: their gain
-# (0.06-0.16 tokens a row) is about the size of the error in the step times they are judged by (~0.15 ms).
-ALTERNATIVES_MARGIN = 0.03
 PROBE_EVERY = 16
 PROBE_RUN = 3              # decisions a probe lasts: its first step follows another size, the others time it as it runs
 PROBE_MIN_RATE = 0.5       # below this share of the best rate, a length is probed every MAX_AGE decisions
@@ -151,14 +145,10 @@ class StepTimes:
 class DraftLength:
     """The draft tokens a step carries (see the module's docstring)."""
 
-    def __init__(self, max_length: int, step_tokens: StepTokens | None = None, num_alternatives: int = 0) -> None:
-        """num_alternatives: the rows a TREE_CLASS draft adds with its first token (alternatives to it)."""
+    def __init__(self, max_length: int, step_tokens: StepTokens | None = None) -> None:
         self.times = StepTimes()
         self.step_tokens = step_tokens
         self.max_length = max_length
-        self.num_alternatives = num_alternatives
-        # [j]: P(the target's token is a TREE_CLASS draft's alternative j + 1), None before it is observed.
-        self.alternative_rate: list[float | None] = [None] * num_alternatives
         # Per draft class, P(draft token i accepted | the tokens before it were), None before it is observed.
         self.continue_rate: dict[int, list[float | None]] = {}
         self.acceptance = 1.0         # accepted / drafted, a moving average over all sequences
@@ -175,25 +165,10 @@ class DraftLength:
             out.append(p)
         return out
 
-    def alternative_gains(self) -> list[float]:
-        """[j]: the expected tokens alternative j + 1 of a TREE_CLASS draft adds, at most its first token's;
-        one not yet observed at the rate of the one before it (the first: the first token's, so they get tried)."""
-        first = self.acceptance_by_position(TREE_CLASS)[0]
-        out, last = [], first
-        for rate in self.alternative_rate:
-            last = last if rate is None else rate
-            out.append(min(last, first))
-        return out
-
-    def record(self, num_drafted: int, num_accepted: int, draft_class: int = 0, num_alternatives: int = 0,
-               kept_alternative: int = 0) -> None:
-        """A verified draft: num_accepted of its num_drafted chain tokens, and which of its num_alternatives
-        alternatives was kept (1-based; 0: none, and then num_accepted counts the chain alone)."""
-        for j in range(num_alternatives):
-            old = self.alternative_rate[j]
-            if old is None:
-                old = self.alternative_gains()[j]
-            self.alternative_rate[j] = old + _POSITION_WEIGHT * ((1.0 if kept_alternative == j + 1 else 0.0) - old)
+    def record(self, num_drafted: int, num_accepted: int, draft_class: int = 0, kept_alternative: bool = False
+               ) -> None:
+        """A verified draft: num_accepted of its num_drafted chain tokens, or an alternative to its first token
+        kept (a token tree's; then num_accepted is 0: the chain's first token was rejected)."""
         rates = self.continue_rate.setdefault(draft_class, [None] * self.max_length)
         # Token i's outcome given all before it were accepted is seen for i up to the first rejection.
         for i in range(min(num_drafted, num_accepted + 1)):
@@ -215,28 +190,18 @@ class DraftLength:
         """num_tokens: the step's tokens without drafts; drafts: per sequence that may draft, (draft tokens
         it has, its acceptance relative to the average, its draft's class); num_seqs: the step's sequences
         (for step_tokens). How many of its draft tokens each sequence keeps (0: none)."""
-        return self.choose_with_alternatives(num_tokens, drafts, num_seqs)[0]
-
-    def choose_with_alternatives(self, num_tokens: int, drafts: list[tuple[int, float, int]],
-                                 num_seqs: int | None = None) -> tuple[list[int], list[int]]:
-        """choose(), and how many alternatives each TREE_CLASS draft brings (0 for the others)."""
-        keep, alternatives = [0] * len(drafts), [0] * len(drafts)
+        keep = [0] * len(drafts)
         if not self.times.measured(self._run_tokens(num_seqs, num_tokens, 0)):
             # Measure the step without drafts first: every rate is relative to it. (A step with a prefill
             # chunk, whose size seldom repeats, so goes without drafts.)
-            return keep, alternatives
+            return keep
         # Every draft token of every sequence, the likeliest to be accepted first. A token is accepted only
         # with all before it, so its gain never rises along its draft and each sequence's tokens come in
-        # order: the first T of the list are the best T rows a step can add. A tree draft's alternatives
-        # (last field j >= 1) rank beside them, after its first token (their gain is at most its).
-        ranked: list[tuple[float, int, int, int]] = []
-        tree_gains = self.alternative_gains() if self.num_alternatives else []
+        # order: the first T of the list are the best T rows a step can add.
+        ranked: list[tuple[float, int, int]] = []
         for r, (avail, scale, draft_class) in enumerate(drafts):
             q = self.acceptance_by_position(draft_class)
-            for i in range(avail):
-                ranked.append((-min(1.0, q[i] * scale), i, r, 0))
-            if draft_class == TREE_CLASS and avail:
-                ranked.extend((-min(1.0, g * scale), 0, r, j) for j, g in enumerate(tree_gains, 1))
+            ranked.extend((-min(1.0, q[i] * scale), i, r) for i in range(avail))
         ranked.sort()
         # The model drafts every sequence it drafts for to the deepest of their kept tokens, and that time is
         # the same whatever else the step carries; so each cap on the model's depth is tried (a lookup
@@ -253,34 +218,45 @@ class DraftLength:
         # Without it a model judged not to pay (cap 0) was never tried again: at one stream of chat on two AVX2
         # cores the eagle head stayed off for 200 decisions in a row, until its step time was forgotten.
         following = options[chosen + 1] if chosen + 1 < len(options) else None
-        if tree_gains:
-            best = max(range(len(rates)), key=lambda t: (rates[t], -t))
-            if any(j for _, _, _, j in kept[:best]):
-                plain = [x for x in kept if not x[3]]
-                plain_rates = self._rates(num_seqs, num_tokens, plain, drafts)
-                if max(rates) < (1 + ALTERNATIVES_MARGIN) * max(plain_rates):
-                    kept, rates, following = plain, plain_rates, None
         n = self.best_or_probe(rates, following[1] if following else None)
         if n >= len(rates):
             kept = following[0]
-        for _, _, r, j in kept[:n]:
-            if j:
-                alternatives[r] += 1
-            else:
-                keep[r] += 1
-        return keep, alternatives
+        for _, _, r in kept[:n]:
+            keep[r] += 1
+        return keep
+
+    def best_row_count(self, num_tokens: int, num_seqs: int | None, gains: list[float], fixed_rows: int = 0,
+                       fixed_gain: float = 0.0, fixed_seconds: float = 0.0) -> int:
+        """For rows already drafted (the eagle head's trees, with a gain per row from its confidence), how many
+        of them, best first (gains falling), a step should add to the fixed_rows draft tokens it keeps anyway
+        (expected to bring fixed_gain tokens, drafted in fixed_seconds): the count of the highest expected rate.
+        The rows' drafting is done, so only the step's time is weighed against them."""
+        best, best_rate, tokens = 0, 0.0, num_tokens + fixed_gain
+        for k in range(len(gains) + 1):
+            tokens += gains[k - 1] if k else 0.0
+            seconds = self.times.estimate(self._run_tokens(num_seqs, num_tokens, fixed_rows + k))
+            if seconds is None:
+                return len(gains)
+            rate = tokens / (seconds + fixed_seconds)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def expected_gain(self, draft_class: int, num_drafts: int, scale: float = 1.0) -> float:
+        """The tokens a draft of this class is expected to add with num_drafts tokens kept."""
+        return sum(min(1.0, q * scale) for q in self.acceptance_by_position(draft_class)[:num_drafts])
 
     def _run_tokens(self, num_seqs: int | None, num_tokens: int, num_drafts: int) -> int:
         if self.step_tokens is None or num_seqs is None:
             return num_tokens + num_drafts
         return self.step_tokens(num_seqs, num_tokens, num_drafts)
 
-    def _rates(self, num_seqs: int | None, num_tokens: int, ranked: list[tuple[float, int, int, int]],
+    def _rates(self, num_seqs: int | None, num_tokens: int, ranked: list[tuple[float, int, int]],
                drafts: list[tuple[int, float, int]]) -> list[float]:
         """[T]: the expected tokens per second of the step that keeps the first T of ranked."""
         rates = [num_tokens / self.times.estimate(self._run_tokens(num_seqs, num_tokens, 0))]
         tokens, depth = float(num_tokens), 0
-        for added, (neg_gain, i, r, _) in enumerate(ranked, 1):
+        for added, (neg_gain, i, r) in enumerate(ranked, 1):
             tokens -= neg_gain
             if drafts[r][2] <= MODEL_CLASS:
                 depth = max(depth, i + 1)

@@ -10,14 +10,19 @@ Sampling is draft_proposer.py's: draft j is sampled from the head's logits under
 with the very noise the target will use at that position, so greedy and seeded requests reproduce and the
 target's verification (verify.py) keeps every output exactly what non-speculative decoding gives.
 Alternatives to a greedy request's first draft token (a token tree) are the head's next choices there.
+Where the draft-length rule sizes trees by the head's confidence (speculator.py), a greedy request's tree is
+drafted before the schedule instead (`draft_trees`), with the head's probability for each token.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.sampling.sampler import Sampler, argmax, reads_token_ids
+from kvserve.spec_decode.confidence import TreeDraft
 from kvserve.spec_decode.draft_proposer import clone_generator, draft_sampling_inputs
 from kvserve.spec_decode.eagle_head import EagleHead
 from kvserve.spec_decode.state import spec_state
@@ -88,6 +93,34 @@ class EagleProposer:
                 drafts[jobs[r][0].seq_id].append(token)
         for seq, _ in jobs:
             sched.spec_token_ids[seq.seq_id] = drafts[seq.seq_id] + alternatives.get(seq.seq_id, [])
+
+    @torch.inference_mode()
+    def draft_trees(self, seqs: list[Sequence], depths: list[int], num_alternatives: int,
+                    extend: Callable[[list[float]], bool]) -> list[TreeDraft]:
+        """Greedy requests' trees, before the schedule: per sequence, the head's first choices for up to
+        depths[i] tokens, drawing each next one only while extend(the chain's probabilities so far) says it may
+        pay, and its next num_alternatives choices for the first token."""
+        feature = torch.stack([seq.spec_state.feature for seq in seqs])
+        tokens = torch.tensor([seq.token_ids[-1] for seq in seqs], dtype=torch.int64, device=self.device)
+        vocab_ids = self.model.vocab_ids
+        feature, logits = self.model.head_logits_step(feature, tokens)
+        probs, choices = logits.softmax(dim=-1).topk(1 + num_alternatives, dim=-1)
+        choices = vocab_ids[choices]
+        tokens = choices[:, 0]
+        drafts = [TreeDraft([c[0]], [p[0]], c[1:], p[1:]) for c, p in zip(choices.tolist(), probs.tolist())]
+        rows = list(range(len(seqs)))  # the sequences still drafting, as rows of feature / tokens
+        while True:
+            keep = [i for i, r in enumerate(rows) if len(drafts[r].chain) < depths[r] and extend(drafts[r].chain_probs)]
+            if not keep:
+                return drafts
+            if len(keep) < len(rows):
+                feature, tokens, rows = feature[keep], tokens[keep], [rows[i] for i in keep]
+            feature, logits = self.model.head_logits_step(feature, tokens)
+            probs, choices = logits.softmax(dim=-1).max(dim=-1)
+            tokens = vocab_ids[choices]
+            for r, token, p in zip(rows, tokens.tolist(), probs.tolist()):
+                drafts[r].chain.append(token)
+                drafts[r].chain_probs.append(p)
 
     def _draft_tokens(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool],
                       drafts: dict[int, list[int]], generators: dict[int, torch.Generator]) -> torch.Tensor:

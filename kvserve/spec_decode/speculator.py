@@ -12,8 +12,12 @@ measured step times say pay (draft_length.py), none above `disable_by_batch_size
 for a request while its acceptance stays low.
 
 With a token tree of alternatives (SpeculativeConfig.speculative_token_tree), a greedy request's model
-draft also carries the head's next choices for its first token, after the chain (TREE_CLASS drafts: the
-draft-length rule ranks each alternative as a row of its own, with its own measured gain).
+draft also carries the head's next choices for its first token, after the chain (TREE_CLASS drafts). With the
+draft-length rule, the rule only says whether the head should draft a tree at all (as a chain); the head
+then drafts it before the schedule, and the step keeps the rows its confidence in each says pay
+(`_draft_trees`, confidence.py): a second chain token where it is sure of the first two, alternatives where
+it doubts its first choice, and no rows at all where it has little idea. Without the rule a tree is drafted
+whole, after the schedule.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import torch
 
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
+from kvserve.spec_decode.confidence import Calibration
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.draft_length import MODEL_CLASS, TREE_CLASS, DraftLength, StepTokens
 from kvserve.spec_decode.draft_proposer import DraftProposer
@@ -35,6 +40,7 @@ from kvserve.spec_decode.state import FIRST_PAUSE_STEPS, spec_state
 
 _MAX_PAUSE_STEPS = 256
 PLACEHOLDER = -1  # a draft token the draft model fills in after the schedule
+EXTEND_MIN_GAIN = 0.4  # the head drafts a tree's next chain token only while the chain so far is this likely
 
 
 @dataclass
@@ -64,8 +70,13 @@ class Speculator:
         # A head whose vocabulary has fewer tokens than a tree's first level offers what it has.
         self.num_alternatives = (min(config.num_alternatives, draft.num_choices - 1)
                                  if isinstance(draft, EagleProposer) else 0)
-        self.length = (DraftLength(config.draft_depth, step_tokens, self.num_alternatives)
-                       if config.adaptive_draft_length else None)
+        self.length = DraftLength(config.draft_depth, step_tokens) if config.adaptive_draft_length else None
+        # With the rule, greedy requests' eagle drafts of more than one token (trees; a chain is one without
+        # alternatives) are drafted before the schedule and sized by the head's confidence. A single token gains
+        # nothing from it that pays for its cost (measured: 1.20x against 1.22x at one stream of chat).
+        sized = isinstance(draft, EagleProposer) and (self.num_alternatives > 0 or config.draft_depth > 1)
+        self.calibration = Calibration() if self.length is not None and sized else None
+        self.extend_min_gain = EXTEND_MIN_GAIN
         self._step = 0
 
     def propose(self, running: list[Sequence]) -> None:
@@ -80,23 +91,26 @@ class Speculator:
         for seq in running:
             seq.spec_token_ids = self._propose_one(seq, lookup, model) if lookup or model else []
             seq.spec_alternatives = 0
-        alternatives = None  # seq_id -> alternatives the rule keeps; None: all (no rule)
+        # Trees (greedy requests' eagle drafts): the chain tokens each may draft, before the rule cuts them.
+        trees = {seq.seq_id: len(seq.spec_token_ids) for seq in running
+                 if seq.spec_token_ids and seq.spec_state.draft_class == TREE_CLASS} if model else None
         if self.length is not None and (lookup or model):
-            alternatives = self._cut_to_paying_length(running)
-        if model and self.num_alternatives:
+            self._cut_to_paying_length(running)
+        if trees and self.calibration is not None:
+            self._draft_trees(running, trees)
+        elif trees:  # without the rule, every tree at full size, drafted after the schedule
             for seq in running:
-                if seq.spec_token_ids and seq.spec_state.draft_class == TREE_CLASS:
-                    wanted = self.num_alternatives if alternatives is None else alternatives.get(seq.seq_id, 0)
+                if seq.seq_id in trees:
                     # Alternatives are stored past the chain: inside max_model_len too.
                     room = self.max_model_len - seq.num_tokens - 1 - len(seq.spec_token_ids)
-                    seq.spec_alternatives = max(0, min(wanted, room))
+                    seq.spec_alternatives = max(0, min(self.num_alternatives, room))
                     seq.spec_token_ids += [PLACEHOLDER] * seq.spec_alternatives
 
-    def _cut_to_paying_length(self, running: list[Sequence]) -> dict[int, int]:
-        """Cut each sequence's drafts to what pays; returns the alternatives each tree draft should bring."""
+    def _cut_to_paying_length(self, running: list[Sequence]) -> None:
+        """Cut each sequence's drafts to what pays."""
         drafting = [seq for seq in running if seq.spec_token_ids]
         if not drafting:
-            return {}
+            return
         window = self.config.acceptance_window
         average = max(self.length.acceptance, 1e-3)
         # A sequence's acceptance against the average, once it has a record (a copy drafts better than chat).
@@ -105,12 +119,50 @@ class Speculator:
                    if seq.spec_state is not None and seq.spec_state.num_verified >= window else 1.0,
                    seq.spec_state.draft_class if seq.spec_state is not None else 0)
                   for seq in drafting]
-        # Without drafts each sequence brings what it has left to compute (1 when it decodes), up to the budget.
-        num_tokens = min(self.max_num_batched_tokens, sum(seq.num_tokens - seq.num_computed_tokens for seq in running))
-        keep, alternatives = self.length.choose_with_alternatives(num_tokens, drafts, len(running))
+        keep = self.length.choose(self._tokens_without_drafts(running), drafts, len(running))
         for seq, n in zip(drafting, keep):
             del seq.spec_token_ids[n:]
-        return {seq.seq_id: n for seq, n in zip(drafting, alternatives)}
+
+    def _draft_trees(self, running: list[Sequence], depths: dict[int, int]) -> None:
+        """Greedy requests' trees sized by the head's confidence: the head drafts each tree whose first token the
+        rule kept (at the average acceptance), and the step keeps, over all of them, the rows whose gains
+        (confidence.py) pay at this engine's step times, best first. depths: seq_id -> the chain tokens a
+        sequence may draft."""
+        cal, length = self.calibration, self.length
+        trees = [seq for seq in running if seq.seq_id in depths and seq.spec_token_ids]
+        if not trees:
+            return
+        start = time.perf_counter()
+        made = self.draft.draft_trees(trees, [depths[seq.seq_id] for seq in trees], self.num_alternatives,
+                                      lambda probs: cal.chain_gains(probs)[-1] >= self.extend_min_gain)
+        length.observe_drafting(time.perf_counter() - start, max(len(d.chain) for d in made))
+        ranked: list[tuple[float, int, int, int]] = []  # (-gain, chain position, tree, alternative number)
+        for r, (seq, d) in enumerate(zip(trees, made)):
+            chain = cal.chain_gains(d.chain_probs)
+            ranked += [(-g, i, r, 0) for i, g in enumerate(chain)]
+            room = self.max_model_len - seq.num_tokens - 1 - len(d.chain)  # alternatives are stored past the chain
+            ranked += [(-g, 0, r, j) for j, g in
+                       enumerate(cal.alternative_gains(d.alternative_probs[:max(0, room)], chain[0]), 1)]
+        ranked.sort()
+        others = [seq for seq in running if seq.spec_token_ids and seq.seq_id not in depths]
+        model_depth = max((len(seq.spec_token_ids) for seq in others if seq.spec_state.draft_class <= MODEL_CLASS),
+                          default=0)
+        k = length.best_row_count(
+            self._tokens_without_drafts(running), len(running), [-x[0] for x in ranked],
+            sum(len(seq.spec_token_ids) for seq in others),
+            sum(length.expected_gain(seq.spec_state.draft_class, len(seq.spec_token_ids)) for seq in others),
+            model_depth * length.draft_seconds)
+        kept = [[0, 0] for _ in trees]  # per tree: chain tokens, alternatives
+        for _, _, r, j in ranked[:k]:
+            kept[r][j > 0] += 1
+        for seq, d, (chain, alternatives) in zip(trees, made, kept):
+            seq.spec_token_ids = d.chain[:chain] + d.alternatives[:alternatives]
+            seq.spec_alternatives = alternatives
+            seq.spec_state.tree, seq.spec_state.tree_pos = d, seq.num_tokens
+
+    def _tokens_without_drafts(self, running: list[Sequence]) -> int:
+        """A step's tokens without drafts: each sequence's left to compute (1 when it decodes), up to the budget."""
+        return min(self.max_num_batched_tokens, sum(seq.num_tokens - seq.num_computed_tokens for seq in running))
 
     def _propose_one(self, seq: Sequence, lookup: bool, model: bool) -> list[int]:
         if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.prefill_done:
@@ -131,9 +183,9 @@ class Speculator:
                 spec_state(seq).draft_class = match_length
                 return draft
         if model and self.draft.can_draft(seq, max_new):
-            # The scheduler sizes the row; fill_drafts() runs the draft model. Alternatives for greedy requests:
-            # for sampled ones, sampling the extra rows cost more than they brought (benchmarks/README.md).
-            tree = self.num_alternatives > 0 and seq.params.greedy
+            # The scheduler sizes the row; fill_drafts() runs the draft model. Trees for greedy requests: for
+            # sampled ones, sampling the extra rows cost more than they brought (benchmarks/README.md).
+            tree = seq.params.greedy and (self.num_alternatives > 0 or self.calibration is not None)
             spec_state(seq).draft_class = TREE_CLASS if tree else MODEL_CLASS
             return [PLACEHOLDER] * max_new
         return []
@@ -146,7 +198,12 @@ class Speculator:
         return isinstance(self.draft, EagleProposer) and (limit is None or num_running <= limit)
 
     def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
-        """The target's hidden state that produced seq's last token (method "eagle")."""
+        """The target's hidden state that produced seq's last token (method "eagle"), after a step that emitted
+        tokens for seq: a tree drafted before it is checked against them."""
+        state = seq.spec_state
+        if state is not None and state.tree is not None and seq.num_tokens > state.tree_pos:
+            self.calibration.observe(state.tree, seq.token_ids[state.tree_pos:state.tree_pos + len(state.tree.chain)])
+            state.tree = None
         self.draft.observe(seq, hidden)
 
     @property
@@ -188,7 +245,7 @@ class Speculator:
         state = spec_state(seq)
         if self.length is not None:
             self.length.record(num_drafted, 0 if kept_alternative else num_accepted, state.draft_class,
-                               num_alternatives, kept_alternative)
+                               kept_alternative > 0)
 
         cfg = self.config
         # Each verified draft token moves the average by 1/window of the way to this draft's rate.

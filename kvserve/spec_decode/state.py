@@ -7,6 +7,7 @@ import torch
 
 from kvserve.engine.sequence import Sequence
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.confidence import TreeDraft
 
 FIRST_PAUSE_STEPS = 8
 
@@ -33,6 +34,10 @@ class SpecState:
     draft_noise: list[torch.Tensor] = field(default_factory=list)
     draft_noise_states: list[torch.Tensor] = field(default_factory=list)
     noise_num_tokens: int = -1
+    # A tree the eagle head drafted before the schedule (speculator.py), at position tree_pos: how sure the head
+    # was of each token, checked against the target's tokens once they are known (confidence.py).
+    tree: TreeDraft | None = None
+    tree_pos: int = -1
 
 
 def spec_state(seq: Sequence) -> SpecState:

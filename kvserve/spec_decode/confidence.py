@@ -1,0 +1,75 @@
+"""How far to trust each row of an eagle head's token tree, from the head's own probability for its token.
+
+A step's rows are worth what they are likely to bring, and the head says how sure it is of each token it
+drafts. Teacher-forced on the benchmark's chat questions, its first token was right 5% of the time where it
+gave it under 0.2 and 92% where it gave it over 0.9 (benchmarks/results/eagle_confidence.md). Class averages
+(draft_length.py) price every step's rows alike, so a tree step carried the same alternatives whether the
+head was sure of its first token or not. Here each row's gain is the rate at which the target picked the
+head's token where the head gave it about that probability, kept per kind of row and per tenth of
+probability as a moving average that starts at the probability itself (the head is roughly calibrated), so
+a head that is over- or under-confident on this traffic is corrected by what the target did.
+
+Kinds of rows: the chain's first token (the head's first choice), an alternative to it (its j-th choice,
+j >= 2), and a later chain token given that all before it were accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FIRST, ALTERNATIVE, NEXT = 0, 1, 2
+_BUCKETS = 10
+_WEIGHT = 1 / 32  # moving-average weight of one observed outcome
+
+
+@dataclass
+class TreeDraft:
+    """What the head offered at one position: its chain (its first choice at each step) and its next choices
+    for the chain's first token, with its probability for each token."""
+    chain: list[int]
+    chain_probs: list[float]
+    alternatives: list[int]
+    alternative_probs: list[float]
+
+
+class Calibration:
+    """P(the target's token is the head's) by kind of row and the head's probability for it."""
+
+    def __init__(self) -> None:
+        self.rate = [[(b + 0.5) / _BUCKETS for b in range(_BUCKETS)] for _ in range(3)]
+
+    def _rate(self, kind: int, p: float) -> float:
+        return self.rate[kind][min(int(p * _BUCKETS), _BUCKETS - 1)]
+
+    def chain_gains(self, probs: list[float]) -> list[float]:
+        """[i]: the expected tokens chain token i adds (accepted only with all before it)."""
+        gains, g = [], 1.0
+        for i, p in enumerate(probs):
+            g *= self._rate(NEXT if i else FIRST, p)
+            gains.append(g)
+        return gains
+
+    def alternative_gains(self, probs: list[float], first: float) -> list[float]:
+        """[j]: the expected tokens alternative j + 1 adds; never more than the first token's or the one before
+        it (a step keeps a prefix of them, best first)."""
+        gains, last = [], first
+        for p in probs:
+            last = min(last, self._rate(ALTERNATIVE, p))
+            gains.append(last)
+        return gains
+
+    def observe(self, draft: TreeDraft, target: list[int]) -> None:
+        """The target's tokens from the draft's position on (as many as it has emitted, at least one)."""
+        first = target[0]
+        self._record(FIRST, draft.chain_probs[0], draft.chain[0] == first)
+        for token, p in zip(draft.alternatives, draft.alternative_probs):
+            self._record(ALTERNATIVE, p, token == first)
+        # Chain token i's outcome given all before it were right: known where the target went that far.
+        for i in range(1, min(len(draft.chain), len(target))):
+            if draft.chain[i - 1] != target[i - 1]:
+                break
+            self._record(NEXT, draft.chain_probs[i], draft.chain[i] == target[i])
+
+    def _record(self, kind: int, p: float, right: bool) -> None:
+        rates = self.rate[kind]
+        b = min(int(p * _BUCKETS), _BUCKETS - 1)
+        rates[b] += _WEIGHT * (float(right) - rates[b])
