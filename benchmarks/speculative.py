@@ -261,7 +261,8 @@ class OneLengthDraftLength(DraftLength):
     """The rule before lengths per sequence: one length d for the step, each sequence keeping min(d, its
     drafts), d the rate's best."""
 
-    def choose(self, num_tokens: int, drafts: list[tuple[int, float, int]]) -> list[int]:
+    def choose(self, num_tokens: int, drafts: list[tuple[int, float, int]], num_seqs: int | None = None
+               ) -> list[int]:
         if not self.times.measured(num_tokens):
             return [0] * len(drafts)
         expected = []  # [r][m]: sequence r's expected accepted tokens among its first m drafts

@@ -156,6 +156,32 @@ def test_native_greedy_step_matches_the_layers_bit_for_bit(tiny_model_dirs, tmp_
     assert len(set(tokens.tolist())) > 1
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no native CPU kernels on this machine")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_native_top_step_is_a_softmax_and_top_k_of_the_heads_logits(tiny_model_dirs, tmp_path, quantization):
+    """What a greedy tree is drafted from and sized by, in one native call: the head's k likeliest tokens (as
+    full-vocabulary ids) and their probabilities, those of a softmax and top-k over its logits."""
+    path, hf = tiny_model_dirs["llama"]
+    target_model = load_model(str(path), torch.float32, CPU)
+    ref = random_head(hf, list(range(0, 256, 2)), seed=3, inter=128)  # ids that differ from their rows
+    file = tmp_path / "head.safetensors"
+    save_head(file, ref.cfg, ref.state_tensors())
+    head = load_eagle_head(str(file), target_model, torch.float32, CPU, quantization=quantization)
+    feature = torch.randn(5, ref.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([6, 23, 14, 31, 5])
+    with torch.no_grad():
+        for k in (1, 3):
+            got_feature, got_tokens, got_probs = head.top_step(feature, tokens, k)
+            want_feature, logits = head.head_logits_step(feature, tokens)
+            probs, rows = logits.softmax(dim=-1).topk(k, dim=-1)
+            assert torch.equal(got_feature, want_feature)
+            assert torch.equal(got_tokens, head.vocab_ids[rows])
+            assert torch.allclose(got_probs, probs, rtol=1e-5, atol=1e-7)
+        assert torch.all(got_probs[:, :-1] >= got_probs[:, 1:]) and torch.all(got_probs.sum(-1) <= 1 + 1e-6)
+        with pytest.raises(RuntimeError, match="k must be"):
+            head.top_step(feature, tokens, 0)
+
+
 def test_head_graph_step_over_padded_rows_is_the_heads_step(tiny_model_dirs, tmp_path):
     """What a head graph records (eagle_graphs.HeadGraphs: the buffers' rows padded to a captured size, the
     padding left from an earlier, larger load) gives the real rows the features, logits and greedy tokens

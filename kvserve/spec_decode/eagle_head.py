@@ -286,6 +286,18 @@ class EagleHead(nn.Module):
         return cpu_kernels.ops().eagle_step(*self._native_inputs(feature, token_ids), self.native_weights,
                                             self.norm.eps)
 
+    def top_step(self, feature: torch.Tensor, token_ids: torch.Tensor, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """head_logits_step, then each row's k likeliest tokens (full-vocabulary ids, likeliest first) and their
+        probabilities over the head's vocabulary: (the predicted next features, tokens [N, k], probabilities
+        [N, k]). In one native call where use_native_kernel() set it up."""
+        if self.graphs is None and self._runs_natively(feature):
+            return cpu_kernels.ops().eagle_top_step(*self._native_inputs(feature, token_ids), self.native_weights,
+                                                    self.vocab_ids, k, self.norm.eps)
+        feature, logits = self.head_logits_step(feature, token_ids)
+        probs, top = logits.softmax(dim=-1).topk(k, dim=-1)
+        return feature, self.vocab_ids[top], probs
+
     def _runs_natively(self, feature: torch.Tensor) -> bool:
         return self.native_weights is not None and cpu_kernels.applies(feature)
 

@@ -102,11 +102,8 @@ class EagleProposer:
         pay, and its next num_alternatives choices for the first token."""
         feature = torch.stack([seq.spec_state.feature for seq in seqs])
         tokens = torch.tensor([seq.token_ids[-1] for seq in seqs], dtype=torch.int64, device=self.device)
-        vocab_ids = self.model.vocab_ids
-        feature, logits = self.model.head_logits_step(feature, tokens)
-        probs, choices = logits.softmax(dim=-1).topk(1 + num_alternatives, dim=-1)
-        choices = vocab_ids[choices]
-        tokens = choices[:, 0]
+        feature, choices, probs = self.model.top_step(feature, tokens, 1 + num_alternatives)
+        tokens = choices[:, 0].contiguous()
         drafts = [TreeDraft([c[0]], [p[0]], c[1:], p[1:]) for c, p in zip(choices.tolist(), probs.tolist())]
         rows = list(range(len(seqs)))  # the sequences still drafting, as rows of feature / tokens
         while True:
@@ -115,10 +112,9 @@ class EagleProposer:
                 return drafts
             if len(keep) < len(rows):
                 feature, tokens, rows = feature[keep], tokens[keep], [rows[i] for i in keep]
-            feature, logits = self.model.head_logits_step(feature, tokens)
-            probs, choices = logits.softmax(dim=-1).max(dim=-1)
-            tokens = vocab_ids[choices]
-            for r, token, p in zip(rows, tokens.tolist(), probs.tolist()):
+            feature, choices, probs = self.model.top_step(feature, tokens, 1)
+            tokens = choices[:, 0]
+            for r, token, p in zip(rows, tokens.tolist(), probs[:, 0].tolist()):
                 drafts[r].chain.append(token)
                 drafts[r].chain_probs.append(p)
 

@@ -1,5 +1,5 @@
 // The eagle head's drafting step in one call, on the other kernels of this build: its logits (sampled
-// drafts) or its argmax tokens (greedy drafts).
+// drafts), its argmax tokens (greedy drafts) or its likeliest tokens with their probabilities (greedy trees).
 //
 // Why: at one stream on two AVX2 cores a drafting step took ~0.85 ms in the engine, of which the head's
 // matmuls were ~0.4 ms; the rest was Python and torch dispatch between a dozen small calls (fc, two norms,
@@ -11,12 +11,17 @@
 // (quant_linear_x16.cpp or quant_linear_x8.cpp).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros_like.h>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <optional>
 #include <tuple>
 
 #include "ops.h"
+#include "vec.h"
 
 namespace kvserve_cpu {
 inline namespace KVSERVE_NS {
@@ -61,6 +66,57 @@ std::tuple<at::Tensor, at::Tensor> eagle_greedy_step(const at::Tensor& feature, 
                                                      const at::Tensor& vocab_ids, double eps) {
   auto [x, logits] = eagle_step(feature, embedding, weights, eps);
   return {x, vocab_ids.index_select(0, argmax_rows(logits))};
+}
+
+constexpr int64_t kMaxTop = 16;
+
+// eagle_step, then each row's k likeliest tokens, likeliest first (ties to the lower index, as argmax_rows),
+// with their probabilities under a softmax over the head's vocabulary: what a greedy request's tree is
+// drafted from and sized by (kvserve/spec_decode/confidence.py), in this call rather than three more torch
+// ops from Python. -> (the predicted next features [N, hidden], the tokens [N, k] as ids of the full
+// vocabulary, their probabilities [N, k] float32).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_top_step(const at::Tensor& feature, const at::Tensor& embedding,
+                                                              const c10::List<std::optional<at::Tensor>>& weights,
+                                                              const at::Tensor& vocab_ids, int64_t k, double eps) {
+  auto [x, logits] = eagle_step(feature, embedding, weights, eps);
+  logits = logits.contiguous();
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= V && k <= kMaxTop, "eagle_top_step: k must be in [1, min(", V, ", ", kMaxTop, ")]");
+  TORCH_CHECK(vocab_ids.scalar_type() == at::kLong && vocab_ids.is_contiguous() && vocab_ids.numel() == V,
+              "eagle_top_step: vocab_ids [V'] int64, one per logit");
+  at::Tensor ids = at::empty({N, k}, vocab_ids.options());
+  at::Tensor probs = at::empty({N, k}, logits.options());
+  const float* lp = logits.data_ptr<float>();
+  const int64_t* vp = vocab_ids.data_ptr<int64_t>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* pp = probs.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    const float* l = lp + n * V;
+    float best[kMaxTop];
+    int64_t where[kMaxTop];
+    std::fill(best, best + k, -std::numeric_limits<float>::infinity());
+    std::fill(where, where + k, int64_t{0});
+    for (int64_t v = 0; v < V; ++v) {
+      const float z = l[v];
+      if (!(z > best[k - 1])) continue;
+      int64_t j = k - 1;
+      for (; j > 0 && z > best[j - 1]; --j) {
+        best[j] = best[j - 1];
+        where[j] = where[j - 1];
+      }
+      best[j] = z;
+      where[j] = v;
+    }
+    const Vec16 top = broadcast(best[0]);
+    Vec16 sum = zero();
+    for (int64_t v = 0; v < V; v += 16) sum = sum + keep_first(exp_ps(load(l + v, V - v) - top), V - v);
+    const float total = reduce_add(sum);
+    for (int64_t j = 0; j < k; ++j) {
+      ip[n * k + j] = vp[where[j]];
+      pp[n * k + j] = std::exp(best[j] - best[0]) / total;
+    }
+  }
+  return {x, ids, probs};
 }
 
 }  // namespace KVSERVE_NS

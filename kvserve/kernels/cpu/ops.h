@@ -36,6 +36,9 @@ std::tuple<at::Tensor, at::Tensor> eagle_step(const at::Tensor& feature, const a
 std::tuple<at::Tensor, at::Tensor> eagle_greedy_step(const at::Tensor& feature, const at::Tensor& embedding,
                                                      const c10::List<std::optional<at::Tensor>>& weights,
                                                      const at::Tensor& vocab_ids, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_top_step(const at::Tensor& feature, const at::Tensor& embedding,
+                                                              const c10::List<std::optional<at::Tensor>>& weights,
+                                                              const at::Tensor& vocab_ids, int64_t k, double eps);
 
 // elementwise.cpp
 void fused_add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
