@@ -44,9 +44,10 @@ estimated afresh and tried again. A probe is a run, not one step, so that it tim
 not only the step that switches to it (StepTimes). Where the best keeps none of a model's tokens, a probe
 adds the model's first one.
 
-A greedy request's token tree (TREE_CLASS: the eagle head's chain with alternatives to its first token) is
-judged here like a chain, which says whether the head should draft at all; which of its rows a step keeps is
-decided once they are drafted, by the head's confidence in each (`best_row_count`, confidence.py).
+A greedy request's eagle draft of more than one token (TREE_CLASS: a chain, with alternatives to its first
+token where the config has a token tree) is judged here like a chain, which says whether the head should draft
+at all; which of its rows a step keeps is decided once they are drafted, by the head's confidence in each
+(`best_row_count`, confidence.py).
 """
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ from collections.abc import Callable
 _TIME_WEIGHT = 0.2        # moving-average weight of a new step time
 _POSITION_WEIGHT = 1 / 32  # ... of one draft's outcome at a position
 MODEL_CLASS = 0           # the class of a draft model's (or eagle head's) drafts; prompt lookup's are n >= 1
-TREE_CLASS = -1           # an eagle head's drafts that may bring alternatives to their first token (a token tree)
+# A greedy request's eagle draft as a token tree: with alternatives to its first token where the config has them,
+# or with the rule a chain of k > 1, the rows sized by the head's confidence (speculator.py).
+TREE_CLASS = -1
 PROBE_EVERY = 16
 PROBE_RUN = 3              # decisions a probe lasts: its first step follows another size, the others time it as it runs
 PROBE_MIN_RATE = 0.5       # below this share of the best rate, a length is probed every MAX_AGE decisions
@@ -242,9 +245,9 @@ class DraftLength:
                 best, best_rate = k, rate
         return best
 
-    def expected_gain(self, draft_class: int, num_drafts: int, scale: float = 1.0) -> float:
+    def expected_gain(self, draft_class: int, num_drafts: int) -> float:
         """The tokens a draft of this class is expected to add with num_drafts tokens kept."""
-        return sum(min(1.0, q * scale) for q in self.acceptance_by_position(draft_class)[:num_drafts])
+        return sum(self.acceptance_by_position(draft_class)[:num_drafts])
 
     def _run_tokens(self, num_seqs: int | None, num_tokens: int, num_drafts: int) -> int:
         if self.step_tokens is None or num_seqs is None:

@@ -13,11 +13,11 @@ for a request while its acceptance stays low.
 
 With a token tree of alternatives (SpeculativeConfig.speculative_token_tree), a greedy request's model
 draft also carries the head's next choices for its first token, after the chain (TREE_CLASS drafts). With the
-draft-length rule, the rule only says whether the head should draft a tree at all (as a chain); the head
-then drafts it before the schedule, and the step keeps the rows its confidence in each says pay
-(`_draft_trees`, confidence.py): a second chain token where it is sure of the first two, alternatives where
-it doubts its first choice, and no rows at all where it has little idea. Without the rule a tree is drafted
-whole, after the schedule.
+draft-length rule, such a tree, or a greedy request's eagle chain of k > 1, is drafted by the head before the
+schedule; the rule only says whether the head should draft it at all (as a chain), and the step keeps the rows
+the head's confidence in each says pay (`_draft_trees`, confidence.py): a second chain token where it is sure
+of the first two, alternatives where it doubts its first choice, and no rows at all where it has little idea.
+Without the rule a tree is drafted whole, after the schedule.
 """
 from __future__ import annotations
 
