@@ -17,6 +17,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.sequence import Sequence
 from kvserve.kernels import cpu as cpu_kernels
+from kvserve.layers.quantization.methods import BlockMethod
 from kvserve.models.loader import load_model
 from kvserve.sampling import sampler as sampler_module
 from kvserve.sampling.sampler import Sampler, SamplingInputs, make_generator
@@ -181,6 +182,18 @@ def test_native_top_step_is_a_softmax_and_top_k_of_the_heads_logits(tiny_model_d
         assert torch.all(got_probs[:, :-1] >= got_probs[:, 1:]) and torch.all(got_probs.sum(-1) <= 1 + 1e-6)
         with pytest.raises(RuntimeError, match="k must be"):
             head.top_step(feature, tokens, 0)
+
+
+def test_the_engine_keeps_the_heads_weights_in_4_bits(tiny_model_dirs, heads):
+    """A drafting step reads the head's weights from memory (eagle_head.head_quantization): 4-bit blocks, its
+    LM head's too; floats where the engine runs unquantized."""
+    path, _ = tiny_model_dirs["llama"]
+    head = make_engine(path, spec(heads["right"])).speculator.draft.model
+    formats = [getattr(layer.method, "source", None)
+               for layer in (head.fc, head.mlp.gate_up_proj, head.mlp.down_proj, head.lm_head)]
+    assert formats == ["int4"] * 4
+    head = make_engine(path, spec(heads["right"]), quantization="none").speculator.draft.model
+    assert not any(isinstance(layer.method, BlockMethod) for layer in (head.fc, head.lm_head))
 
 
 def test_head_graph_step_over_padded_rows_is_the_heads_step(tiny_model_dirs, tmp_path):

@@ -34,9 +34,9 @@ from kvserve.models.loader import load_model
 from kvserve.outputs import PositionLogprobs, RequestDelta, RequestMetrics, RequestOutput, RequestOutputAccumulator
 from kvserve.sampling.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.draft_model import draft_quantization, load_draft
+from kvserve.spec_decode.draft_model import load_draft
 from kvserve.spec_decode.draft_proposer import DraftProposer
-from kvserve.spec_decode.eagle_head import load_eagle_head
+from kvserve.spec_decode.eagle_head import head_quantization, load_eagle_head
 from kvserve.spec_decode.eagle_proposer import EagleProposer
 from kvserve.spec_decode.ngram import whitespace_classes
 from kvserve.spec_decode.speculator import Speculator
@@ -105,7 +105,7 @@ class LLMEngine:
                                config.attention_backend) if draft_model is not None else None)
         if spec is not None and spec.method == "eagle":
             head = load_eagle_head(spec.model, loaded, self.dtype, self.device,
-                                   draft_quantization(config.quantization, self.device))
+                                   head_quantization(config.quantization, self.device))
             draft = EagleProposer(head, self.device, self.eos_token_ids)
         if self.kv_cache_dtype == FP8:  # before graph capture: the graphs take the scales as constants
             # An eagle head keeps no K/V (its state is one vector per sequence): a draft model's pool only.
