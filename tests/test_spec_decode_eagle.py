@@ -776,6 +776,7 @@ def head_unsure(engine, monkeypatch, how: str) -> None:
     """"split": the head torn between its two first choices (equal logits, the wrong one first after an odd
     token, so the target's token is often its alternative); "blind": no idea at all (every logit 0)."""
     head = engine.speculator.draft.model
+    head.native_weights = None  # top_step through head_logits_step, the logits this changes (not one native call)
     inner = head.head_logits_step
 
     def unsure(feature, tokens):
