@@ -637,10 +637,12 @@ def tree_spec(head, tree: str = TREE, **kw) -> dict:
 
 
 def second_choice_first(engine, monkeypatch) -> None:
-    """Make the head draft its second choice for a tree's first token and offer its first as an alternative:
-    with the head that drafts every continuation right, alternatives are then what gets kept."""
+    """Make the head draft its second choice (at every step: a chain stops at its first token, then always
+    rejected) and offer its first as an alternative: with the head that drafts every continuation right,
+    alternatives are then what gets kept."""
     head = engine.speculator.draft.model
-    inner = head.head_logits_step  # the tree's first level; the chain after it is greedy_step's
+    head.native_weights = None  # top_step through head_logits_step, the logits this changes (not one native call)
+    inner = head.head_logits_step
 
     def swapped(feature, tokens):
         feature, logits = inner(feature, tokens)

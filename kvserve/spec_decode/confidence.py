@@ -38,7 +38,7 @@ class Calibration:
         self.rate = [[(b + 0.5) / _BUCKETS for b in range(_BUCKETS)] for _ in range(3)]
 
     def _rate(self, kind: int, p: float) -> float:
-        return self.rate[kind][min(int(p * _BUCKETS), _BUCKETS - 1)]
+        return self.rate[kind][_bucket(p)]
 
     def chain_gains(self, probs: list[float]) -> list[float]:
         """[i]: the expected tokens chain token i adds (accepted only with all before it)."""
@@ -70,6 +70,10 @@ class Calibration:
             self._record(NEXT, draft.chain_probs[i], draft.chain[i] == target[i])
 
     def _record(self, kind: int, p: float, right: bool) -> None:
-        rates = self.rate[kind]
-        b = min(int(p * _BUCKETS), _BUCKETS - 1)
+        rates, b = self.rate[kind], _bucket(p)
         rates[b] += _WEIGHT * (float(right) - rates[b])
+
+
+def _bucket(p: float) -> int:
+    """The tenth of probability p falls in (p = 1 in the last)."""
+    return min(int(p * _BUCKETS), _BUCKETS - 1)

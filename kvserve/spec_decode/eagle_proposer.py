@@ -9,9 +9,9 @@ stale state (after a preemption the recomputed prompt's last row gives a fresh o
 Sampling is draft_proposer.py's: draft j is sampled from the head's logits under the request's parameters
 with the very noise the target will use at that position, so greedy and seeded requests reproduce and the
 target's verification (verify.py) keeps every output exactly what non-speculative decoding gives.
-Alternatives to a greedy request's first draft token (a token tree) are the head's next choices there.
-Where the draft-length rule sizes trees by the head's confidence (speculator.py), a greedy request's tree is
-drafted before the schedule instead (`draft_trees`), with the head's probability for each token.
+A greedy request's token tree (a chain with alternatives to its first token, the head's next choices there,
+or with the draft-length rule a chain of k > 1) is drafted before the schedule instead (`draft_trees`), with
+the head's probability for each token, which the rule sizes it by (speculator.py).
 """
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ class EagleProposer:
 
     @torch.inference_mode()
     def fill(self, sched: SchedulerOutput, to_draft: dict[int, int]) -> None:
-        """Draft to_draft[seq_id] tokens for each of those sequences, then the alternatives to the first one
-        that sched.spec_alternatives asks for, into sched.spec_token_ids (replacing their placeholders)."""
+        """Draft to_draft[seq_id] tokens for each of those sequences, into sched.spec_token_ids (replacing
+        their placeholders)."""
         seqs = {seq.seq_id: seq for seq, _ in sched.scheduled}
         jobs = [(seqs[seq_id], num) for seq_id, num in to_draft.items()]
         if not jobs:
@@ -64,24 +64,12 @@ class EagleProposer:
         feature = torch.stack([seq.spec_state.feature for seq, _ in jobs])
         tokens = torch.tensor([seq.token_ids[-1] for seq, _ in jobs], dtype=torch.int64, device=self.device)
         greedy = [seq.params.greedy for seq, _ in jobs]
-        widest = max(sched.spec_alternatives.get(seq.seq_id, 0) for seq, _ in jobs)
-        alternatives: dict[int, list[int]] = {}
         rows = list(range(len(jobs)))  # which jobs are still drafting, as rows of feature/tokens
         for j in range(max(k for _, k in jobs)):
             keep = [i for i, r in enumerate(rows) if jobs[r][1] > j]
             if len(keep) < len(rows):
                 feature, tokens, rows = feature[keep], tokens[keep], [rows[i] for i in keep]
-            if j == 0 and widest:
-                # The head's likeliest tokens: the first is the chain's (greedy requests only have trees).
-                feature, logits = self.model.head_logits_step(feature, tokens)
-                top = self.model.vocab_ids[logits.topk(1 + widest, dim=-1).indices]
-                tokens = (top[:, 0] if all(greedy[r] for r in rows)
-                          else self._draft_tokens(logits, [jobs[r][0] for r in rows], [greedy[r] for r in rows],
-                                                  drafts, generators))
-                for r, choices in zip(rows, top.tolist()):
-                    seq = jobs[r][0]
-                    alternatives[seq.seq_id] = choices[1:1 + sched.spec_alternatives.get(seq.seq_id, 0)]
-            elif all(greedy[r] for r in rows):
+            if all(greedy[r] for r in rows):
                 # Greedy requests take the head's argmax (no sampler: a third of a drafting step's time, and
                 # a draft needs none of its guarantees, since verification keeps the output exact).
                 feature, tokens = self.model.greedy_step(feature, tokens)
@@ -92,7 +80,7 @@ class EagleProposer:
             for r, token in zip(rows, tokens.tolist()):
                 drafts[jobs[r][0].seq_id].append(token)
         for seq, _ in jobs:
-            sched.spec_token_ids[seq.seq_id] = drafts[seq.seq_id] + alternatives.get(seq.seq_id, [])
+            sched.spec_token_ids[seq.seq_id] = drafts[seq.seq_id]
 
     @torch.inference_mode()
     def draft_trees(self, seqs: list[Sequence], depths: list[int], num_alternatives: int,

@@ -17,7 +17,7 @@ draft-length rule, such a tree, or a greedy request's eagle chain of k > 1, is d
 schedule; the rule only says whether the head should draft it at all (as a chain), and the step keeps the rows
 the head's confidence in each says pay (`_draft_trees`, confidence.py): a second chain token where it is sure
 of the first two, alternatives where it doubts its first choice, and no rows at all where it has little idea.
-Without the rule a tree is drafted whole, after the schedule.
+Without the rule a tree is drafted whole, before the schedule too.
 """
 from __future__ import annotations
 
@@ -96,15 +96,8 @@ class Speculator:
                  if seq.spec_token_ids and seq.spec_state.draft_class == TREE_CLASS} if model else None
         if self.length is not None and (lookup or model):
             self._cut_to_paying_length(running)
-        if trees and self.calibration is not None:
+        if trees:
             self._draft_trees(running, trees)
-        elif trees:  # without the rule, every tree at full size, drafted after the schedule
-            for seq in running:
-                if seq.seq_id in trees:
-                    # Alternatives are stored past the chain: inside max_model_len too.
-                    room = self.max_model_len - seq.num_tokens - 1 - len(seq.spec_token_ids)
-                    seq.spec_alternatives = max(0, min(self.num_alternatives, room))
-                    seq.spec_token_ids += [PLACEHOLDER] * seq.spec_alternatives
 
     def _cut_to_paying_length(self, running: list[Sequence]) -> None:
         """Cut each sequence's drafts to what pays."""
@@ -124,25 +117,32 @@ class Speculator:
             del seq.spec_token_ids[n:]
 
     def _draft_trees(self, running: list[Sequence], depths: dict[int, int]) -> None:
-        """Greedy requests' trees sized by the head's confidence: the head drafts each tree whose first token the
-        rule kept (at the average acceptance), and the step keeps, over all of them, the rows whose gains
-        (confidence.py) pay at this engine's step times, best first. depths: seq_id -> the chain tokens a
-        sequence may draft."""
+        """Greedy requests' trees, drafted before the schedule. Without the rule, whole. With it, sized by the
+        head's confidence: the head drafts each tree whose first token the rule kept (at the average
+        acceptance), and the step keeps, over all of them, the rows whose gains (confidence.py) pay at this
+        engine's step times, best first. depths: seq_id -> the chain tokens a sequence may draft."""
         cal, length = self.calibration, self.length
         trees = [seq for seq in running if seq.seq_id in depths and seq.spec_token_ids]
         if not trees:
             return
         start = time.perf_counter()
-        made = self.draft.draft_trees(trees, [depths[seq.seq_id] for seq in trees], self.num_alternatives,
-                                      lambda probs: cal.chain_gains(probs)[-1] >= self.extend_min_gain)
+        extend = ((lambda probs: cal.chain_gains(probs)[-1] >= self.extend_min_gain) if cal is not None
+                  else lambda probs: True)
+        made = self.draft.draft_trees(trees, [depths[seq.seq_id] for seq in trees], self.num_alternatives, extend)
+        # Alternatives are stored past the chain: inside max_model_len too.
+        rooms = [max(0, self.max_model_len - seq.num_tokens - 1 - len(d.chain)) for seq, d in zip(trees, made)]
+        if cal is None:  # without the rule, every tree whole
+            for seq, d, room in zip(trees, made, rooms):
+                alternatives = d.alternatives[:room]
+                seq.spec_token_ids, seq.spec_alternatives = d.chain + alternatives, len(alternatives)
+            return
         length.observe_drafting(time.perf_counter() - start, max(len(d.chain) for d in made))
         ranked: list[tuple[float, int, int, int]] = []  # (-gain, chain position, tree, alternative number)
-        for r, (seq, d) in enumerate(zip(trees, made)):
+        for r, (d, room) in enumerate(zip(made, rooms)):
             chain = cal.chain_gains(d.chain_probs)
             ranked += [(-g, i, r, 0) for i, g in enumerate(chain)]
-            room = self.max_model_len - seq.num_tokens - 1 - len(d.chain)  # alternatives are stored past the chain
-            ranked += [(-g, 0, r, j) for j, g in
-                       enumerate(cal.alternative_gains(d.alternative_probs[:max(0, room)], chain[0]), 1)]
+            alternatives = cal.alternative_gains(d.alternative_probs[:room], chain[0])
+            ranked += [(-g, 0, r, j) for j, g in enumerate(alternatives, 1)]
         ranked.sort()
         others = [seq for seq in running if seq.spec_token_ids and seq.seq_id not in depths]
         model_depth = max((len(seq.spec_token_ids) for seq in others if seq.spec_state.draft_class <= MODEL_CLASS),
@@ -215,9 +215,7 @@ class Speculator:
         """After the schedule: the draft model's tokens for the placeholder rows the scheduler kept."""
         if self.draft is None:
             return
-        alternatives = sched.spec_alternatives
-        jobs = {seq_id: len(d) - alternatives.get(seq_id, 0) for seq_id, d in sched.spec_token_ids.items()
-                if d and d[0] == PLACEHOLDER}
+        jobs = {seq_id: len(d) for seq_id, d in sched.spec_token_ids.items() if d and d[0] == PLACEHOLDER}
         if jobs:
             start = time.perf_counter()
             self.draft.fill(sched, jobs)
