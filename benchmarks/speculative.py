@@ -32,8 +32,12 @@ eagle-tree2, a second tree beside it (--eagle-tree2).
 Each (workload, concurrency) runs a closed loop: `concurrency` requests in flight, a new one added when one
 finishes, until --num-requests (at least `concurrency`) are done; --rounds times, the methods taking turns,
 and the table gives medians over the rounds. At one stream the turns are by request (--take-turns): each
-request runs on every engine before the next, so the compared times are seconds apart, not a run apart. TPOT
-per request is (last token time - first token time) / (output tokens - 1); the table gives the median.
+request runs on every engine before the next, so the compared times are seconds apart, not a run apart. At
+more streams every method's closed loop runs at once, the engines taking turns step by step, each loop's
+clock counting only its own engine's steps (before session 32 they took turns run by run, and a run of 32
+streams moved by up to 15% between identical engines). TPOT per request is (last token time - first token
+time) / (output tokens - 1), a token's time being when the step that made it returned; the table gives the
+median.
 "same" says whether every output equals that of `none`, greedy or (with --temperature) sampled with one seed
 for every request (it must; a "no" is a bug). "steps" and
 "rejected rows" (draft tokens the target computed and rejected) say how much forward work a run did beside
@@ -156,8 +160,12 @@ class TargetTimer:
         return call
 
 
-def run_closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
-                    timer: TargetTimer, fresh_cache: bool = True) -> dict:
+def closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
+                timer: TargetTimer, fresh_cache: bool = True):
+    """A closed loop of the requests, `concurrency` in flight: a generator that yields after every engine step
+    and returns the run's figures. Its clock counts only the time spent inside it, so that several loops can
+    take turns step by step (run_steps_in_turns) and each still times its own engine alone; a token's time is
+    when the step that made it returned (as a client receives it)."""
     engine = llm.engine
     if fresh_cache:
         engine.reset_prefix_cache()
@@ -166,38 +174,79 @@ def run_closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingPar
     pending = list(enumerate(prompts))
     in_flight: set[str] = set()
     outputs = {}
-    t0 = time.perf_counter()
+    clock = 0.0
+    first_token: dict[str, float] = {}
+    last_token: dict[str, float] = {}
     while pending or in_flight:
+        t0 = time.perf_counter()
         while pending and len(in_flight) < concurrency:
             i, p = pending.pop(0)
             engine.add_request(f"r{i}", p, params[i])
             in_flight.add(f"r{i}")
-        for out in engine.step():
+        step_outputs = engine.step()
+        now = clock + time.perf_counter() - t0
+        for out in step_outputs:
+            if any(out.new_token_ids):
+                first_token.setdefault(out.request_id, now)
+                last_token[out.request_id] = now
             if out.finished:
                 in_flight.discard(out.request_id)
                 outputs[int(out.request_id[1:])] = out
-    elapsed = time.perf_counter() - t0
+        clock += time.perf_counter() - t0
+        yield
     in_model = timer.seconds - in_model
     after = engine.get_stats()
     steps = after.num_steps - before.num_steps
     tokens = [len(outputs[i].outputs[0].token_ids) for i in range(len(prompts))]
-    tpots = [(o.metrics.last_token_time - o.metrics.first_token_time) / (n - 1)
-             for o, n in ((outputs[i], tokens[i]) for i in range(len(prompts))) if n > 1]
+    tpots = [(last_token[f"r{i}"] - first_token[f"r{i}"]) / (n - 1) for i, n in enumerate(tokens) if n > 1]
     drafts = after.spec_num_drafts - before.spec_num_drafts
     drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
     accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
     per_pos = [a - (before.spec_accepted_per_pos[j] if j < len(before.spec_accepted_per_pos) else 0)
                for j, a in enumerate(after.spec_accepted_per_pos)]
     return {
-        "seconds": elapsed, "output_tokens": sum(tokens), "num_requests": len(prompts),
+        "seconds": clock, "output_tokens": sum(tokens), "num_requests": len(prompts),
         "steps": steps, "rejected_rows": drafted - accepted,
-        "outside_model_ms_per_step": 1000 * (elapsed - in_model) / max(1, steps) if timer.enabled else None,
-        "output_tok_s": sum(tokens) / elapsed,
+        "outside_model_ms_per_step": 1000 * (clock - in_model) / max(1, steps) if timer.enabled else None,
+        "output_tok_s": sum(tokens) / clock,
         "tpot_median_ms": 1000 * statistics.median(tpots) if tpots else None,
         **acceptance_fields(drafts, drafted, accepted, per_pos),
         "token_ids": [outputs[i].outputs[0].token_ids for i in range(len(prompts))],
         "tpots_ms": [1000 * t for t in tpots],
     }
+
+
+def run_closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
+                    timer: TargetTimer, fresh_cache: bool = True) -> dict:
+    """One closed loop on its own, start to end."""
+    loop = closed_loop(llm, prompts, params, concurrency, timer, fresh_cache)
+    while True:
+        try:
+            next(loop)
+        except StopIteration as done:
+            return done.value
+
+
+def run_steps_in_turns(llms: dict[str, LLM], order: list[str], prompts: list[list[int]],
+                       params: list[SamplingParams], concurrency: int,
+                       timers: dict[str, TargetTimer]) -> dict[str, dict]:
+    """Every method's closed loop at once, the engines taking turns step by step, so that this host's drift,
+    which moves a run's speed by up to 15% from one run to the next at 32 streams, falls on every engine
+    alike; each loop's clock counts only its own steps. The order is shuffled every turn, not rotated: a
+    rotation keeps each engine behind the same neighbour, whose step leaves the caches as it leaves them."""
+    loops = {m: closed_loop(llms[m], prompts, params, concurrency, timers[m]) for m in order}
+    results: dict[str, dict] = {}
+    shuffle = random.Random(len(prompts) * 1000 + concurrency).shuffle
+    while loops:
+        turn = list(loops)
+        shuffle(turn)
+        for m in turn:
+            try:
+                next(loops[m])
+            except StopIteration as done:
+                results[m] = done.value
+                del loops[m]
+    return results
 
 
 def rotated(order: list[str], k: int) -> list[str]:
@@ -343,7 +392,9 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
                 else f"{args.repeat_max_tokens} for repeat")
              + f"), temperature {args.temperature}; closed loop, "
              f"max(concurrency, {args.num_requests}) requests per run, {args.rounds} rounds"
-             + (", at one stream taking turns request by request" if args.take_turns == "request" else "")
+             + {"step": ", at one stream taking turns request by request, at more streams step by step",
+                "request": ", at one stream taking turns request by request, at more run by run",
+                "run": ", taking turns run by run"}[args.take_turns]
              + " (medians; "
              "\"x none\" is the median of the per-round ratios of output tok/s, \"TPOT x none\" of none's median "
              "TPOT to the method's (decode alone, without the first token's wait); acceptance counts every round's "
@@ -400,9 +451,11 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="bytes of KV per engine (all live at once)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="runs of every method at each point, taking turns; the table gives medians")
-    ap.add_argument("--take-turns", choices=["request", "run"], default="request",
-                    help="at one stream, the methods take turns request by request (request) or run by run (run, "
-                         "as at higher concurrency, where a closed loop cannot be cut into requests)")
+    ap.add_argument("--take-turns", choices=["step", "request", "run"], default="step",
+                    help="how the methods take turns within a round: step (at one stream request by request, at "
+                         "more streams step by step, every engine's closed loop running at once); request (at "
+                         "one stream request by request, at more run by run, the default before session 32); "
+                         "run (run by run everywhere)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="speculative", help="results/<name>.json and .md")
     args = ap.parse_args()
@@ -450,8 +503,12 @@ def main() -> None:
             rounds: dict[str, list[dict]] = {m: [] for m in llms}
             for k in range(args.rounds):
                 order = rotated(list(llms), k)
-                in_turns = (run_in_turns(llms, order, prompts, params, timers)
-                            if c == 1 and args.take_turns == "request" else {})
+                if c == 1 and args.take_turns in ("request", "step"):
+                    in_turns = run_in_turns(llms, order, prompts, params, timers)
+                elif c > 1 and args.take_turns == "step":
+                    in_turns = run_steps_in_turns(llms, order, prompts, params, c, timers)
+                else:
+                    in_turns = {}
                 for method in order:
                     r = in_turns.get(method) or run_closed_loop(llms[method], prompts, params, c, timers[method])
                     rounds[method].append(r)
