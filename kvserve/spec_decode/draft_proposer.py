@@ -36,6 +36,7 @@ from kvserve.engine.sequence import Sequence
 from kvserve.models.kv_cache import KVCacheSpec
 from kvserve.sampling.sampler import Sampler, SamplingInputs
 from kvserve.spec_decode.state import SpecState, spec_state
+from kvserve.utils.huge_pages import back_with_huge_pages
 
 
 class DraftProposer:
@@ -48,6 +49,8 @@ class DraftProposer:
         # Its own backend instance: the draft's geometry (layers, heads) is not the target's.
         self.attn_backend = make_attention_backend(attention_backend, model, kv_spec, num_blocks, device, dtype)
         self.kv_caches = self.attn_backend.allocate_kv_caches()
+        if device.type == "cpu":
+            back_with_huge_pages(self.model)
         self.sampler = Sampler()
         # A Hugging Face or GGUF draft may have a shorter context than the target's: past it the target
         # decodes alone.

@@ -25,6 +25,7 @@ from kvserve.sampling.logprobs import compute_prompt_logprobs
 from kvserve.sampling.sampler import Sampler, SamplingInputs
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.verify import kept_rows, verification_noise
+from kvserve.utils.huge_pages import back_with_huge_pages
 from kvserve.worker.cuda_graphs import StepInputs, samples_every_token
 from kvserve.worker.memory_profile import worst_case_batch
 
@@ -58,6 +59,7 @@ class ModelRunner:
         self.last_step_tokens = 0  # the tokens the last step ran: a captured graph's padded shape, else its own
         if device.type == "cpu":
             cpu_kernels.available()  # build (or load) the native kernel now, not in a first request's step
+            back_with_huge_pages(self.model)  # every step streams the weights
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, verify_width: int | None = None,
                        verify_max_seqs: int = 0) -> None:
