@@ -1,4 +1,4 @@
-"""Decode with and without huge pages behind the weights and KV cache (kvserve/utils/huge_pages.py).
+"""Decode with and without huge pages behind the weights (kvserve/utils/huge_pages.py).
 
 Whether a buffer sits in huge pages is fixed for a process's life, so the two settings run in separate
 processes (KVSERVE_HUGE_PAGES=0 turns the advice off), in --pairs pairs back to back, the order swapped
@@ -92,7 +92,7 @@ def main() -> None:
              f"{args.repeat} runs per process; {args.pairs} pairs of processes, with and without "
              f"(KVSERVE_HUGE_PAGES=0), the order swapped every pair. Memory in huge pages (AnonHugePages, median): "
              f"{huge_on} MiB with, {huge_off} MiB without.")
-    report("huge_pages", "Huge pages behind the weights and KV cache", args, setup, "\n".join(lines), results,
+    report("huge_pages", "Huge pages behind the weights", args, setup, "\n".join(lines), results,
            isa=cpu_kernels.isa())
 
 
