@@ -75,6 +75,8 @@ def test_tensors_in_walks_modules_lists_and_dataclasses():
     layer.segments = [Blocks(torch.ones(3), torch.ones(2))]
     model = torch.nn.Sequential(layer)
     caches = [(torch.zeros(5), torch.zeros(5))]
+    if torch.backends.mkldnn.is_available():
+        layer.packed_weight = layer.weight.detach().to_mkldnn()  # opaque, as a packed bfloat16 weight is
     found = {t.data_ptr() for t in tensors_in(model) + tensors_in(caches)}
     want = [layer.weight, layer.bias, layer.segments[0].qs, layer.segments[0].scales, *caches[0]]
     assert found == {t.data_ptr() for t in want}

@@ -53,7 +53,8 @@ def tensors_in(obj: object, depth: int = 4) -> list[torch.Tensor]:
 
     def walk(x: object, d: int) -> None:
         if isinstance(x, torch.Tensor):
-            if x.device.type == "cpu" and x.numel():
+            # Strided CPU tensors only: oneDNN's packed weights (bfloat16 Linear) are opaque, no storage.
+            if x.device.type == "cpu" and x.layout == torch.strided and x.numel():
                 found.setdefault(x.data_ptr(), x)
         elif d <= 0:
             return
