@@ -3,10 +3,12 @@
 Why: a CPU decode step streams every weight once (~94 MB for the default model), and with 4 KiB pages
 that is ~23,000 TLB misses a step, each a page walk. torch's allocator leaves huge pages to the kernel's
 default, which on most distributions is "madvise": never, unless asked. Asked after load, for the ranges
-the weights occupy, decode of the default model ran 1.05x at one stream and 1.02x at 32, every one of 8
-process pairs faster (Zen 5, AVX-512; benchmarks/huge_pages.py). The KV cache is left as it is: merged
-into huge pages as well it showed no gain beside the weights' in a first comparison, and it cost up to
-a second of start-up per GiB (the pages must be copied, or faulted in huge before the first write).
+the weights occupy, decode of the default model ran 1.045x at one stream and 1.041x at 32 (7 and 6 of 8
+process pairs faster; Zen 5, AVX-512; benchmarks/huge_pages.py), with no clear change under forced AVX2,
+where the matmuls are compute-bound. The KV cache is left as it is: merged into huge pages as well it
+showed no gain beside the weights' in a first comparison, and it cost up to a second of start-up per GiB
+(the pages must be copied, or faulted in huge before the first write). oneDNN's packed copies of float
+bfloat16 weights (quantization "none") are opaque and stay as oneDNN allocated them.
 
 How: MADV_HUGEPAGE marks the ranges (later faults there take huge pages, and khugepaged may merge the
 pages already there, slowly); MADV_COLLAPSE (Linux 6.1+) merges them now (~0.05 s for the default model).
@@ -95,11 +97,9 @@ def ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
     return out
 
 
-def back_with_huge_pages(*holders: object, collapse: bool = True) -> int:
-    """Advise huge pages for the tensors the holders hold (see the module doc) and, with collapse, merge
-    the pages already there; returns the bytes merged (0 where the kernel only took the advice, or refused
-    it). Merging pages that are already huge is almost free: advise a new buffer before it is first
-    touched (collapse=False), and its pages fault in huge."""
+def back_with_huge_pages(*holders: object) -> int:
+    """Advise huge pages for the tensors the holders hold and merge the pages already there (see the
+    module doc); returns the bytes merged (0 where the kernel only took the advice, or refused it)."""
     madvise = _madvise()
     if madvise is None:
         return 0
@@ -107,8 +107,7 @@ def back_with_huge_pages(*holders: object, collapse: bool = True) -> int:
     merged = 0
     for lo, hi in ranges(tensors):
         madvise(lo, hi - lo, _MADV_HUGEPAGE)
-        if collapse and madvise(lo, hi - lo, _MADV_COLLAPSE) == 0:
+        if madvise(lo, hi - lo, _MADV_COLLAPSE) == 0:
             merged += hi - lo
-    if collapse:
-        logger.debug("huge pages: %d MiB merged", merged >> 20)
+    logger.debug("huge pages: %d MiB merged", merged >> 20)
     return merged
