@@ -25,7 +25,7 @@ class ScriptedProposer:
         self.rng = random.Random(seed)
         self.calls = 0
 
-    def propose_with_length(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
+    def propose_with_length(self, token_ids: list[int], max_tokens: int, index=None) -> tuple[list[int], int]:
         return self.propose(token_ids, max_tokens), 0  # one draft class
 
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:

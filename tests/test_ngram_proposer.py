@@ -12,16 +12,22 @@ def reference(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
 
 def reference_with_length(tokens: list[int], lo: int, hi: int, k: int) -> tuple[list[int], int]:
     """The draft, and the n of the match it continues (0 without one)."""
+    start, n = reference_start(tokens, lo, hi, k)
+    return (tokens[start:start + k], n) if n else ([], 0)
+
+
+def reference_start(matched: list[int], lo: int, hi: int, k: int) -> tuple[int, int]:
+    """Where the draft begins in the sequence (tokens as matched), and the n of its match (0 without one)."""
     for n in range(hi, lo - 1, -1):
-        if len(tokens) < n + 1:
+        if len(matched) < n + 1:
             continue
-        suffix = tokens[-n:]
-        starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == suffix]
+        suffix = matched[-n:]
+        starts = [i for i in range(len(matched) - n) if matched[i:i + n] == suffix]
         if starts:
-            full = [i for i in starts if i + n + k <= len(tokens)]
+            full = [i for i in starts if i + n + k <= len(matched)]
             i = full[-1] if full else starts[0]
-            return tokens[i + n:i + n + k], n
-    return [], 0
+            return i + n, n
+    return 0, 0
 
 
 def test_examples():
@@ -86,3 +92,26 @@ def test_reindented_code_still_drafts_with_whitespace_classes():
     assert NgramProposer(2, 4).propose(prompt + out, 4) == []
     draft = NgramProposer(2, 4, classes).propose(prompt + out, 4)
     assert tok.decode(draft) == " = width * height"
+
+
+@pytest.mark.parametrize("lo,hi", [(1, 3), (2, 4), (2, 8)])
+def test_an_index_kept_as_the_sequence_grows_drafts_as_a_fresh_one(lo, hi):
+    """The engine keeps one LookupIndex per sequence and extends it step by step (tokens appended one or
+    several at a time, as accepted runs append them); its drafts equal the brute-force reference at every
+    length, with whitespace-like classes too."""
+    import numpy as np
+
+    from kvserve.spec_decode.ngram import LookupIndex
+
+    rng = random.Random(lo * 100 + hi)
+    classes = np.array([0, 1, 2, 3, -1, -1])  # tokens 4 and 5 match each other
+    for proposer, as_matched in ((NgramProposer(lo, hi), lambda t: t),
+                                 (NgramProposer(lo, hi, classes), lambda t: [int(classes[x]) for x in t])):
+        for _ in range(40):
+            tokens, index = [], LookupIndex()
+            while len(tokens) < 60:
+                tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+                k = rng.randrange(1, 6)
+                start, n = reference_start(as_matched(tokens), lo, hi, k)
+                expected = (tokens[start:start + k], n) if n else ([], 0)  # the occurrence's own tokens
+                assert proposer.propose_with_length(tokens, k, index) == expected, (tokens, k)

@@ -298,8 +298,6 @@ class LLMEngine:
                 m.first_scheduled_time = now
         result = self.runner.execute(sched)
         now = time.monotonic()
-        if self.speculator is not None:
-            self.speculator.observe_step(self.runner.last_step_tokens, now - started)
 
         touched: dict[str, Request] = {}
         for seq, n in sched.scheduled:
@@ -349,6 +347,8 @@ class LLMEngine:
             if finished:
                 self.scheduler.finish(seq)
             touched[req.request_id] = req
+        if self.speculator is not None:
+            self.speculator.observe_step(self.runner.last_step_tokens, time.monotonic() - started)
 
         outputs = []
         for req in touched.values():
