@@ -97,6 +97,29 @@ def test_compute_bound_steps_draft_only_what_pays():
     assert policy({1: 1.0, 2: 1.0, 8: 1.0}, [0.9, 0.9]).choose(2, [(1, 1.0, 0), (2, 1.0, 0)]) == [1, 2]
 
 
+def test_expectations_are_scaled_by_what_kept_drafts_brought():
+    """gain_scale: accepted against expected tokens over the drafts `choose` kept. A sequence judged twice as
+    good as the average (scale 2) whose drafts land only as often as the average's brings half what was
+    expected of it. Drafts that never land bring the class's rate, so what is expected of them, to ~0 (probes
+    still keep some): the scale goes back toward 1, and stays finite."""
+    rng = random.Random(0)
+    p = policy({1: 1.0, 2: 1.0}, [0.9])  # one draft token, rows free: drafting always pays
+    assert p.gain_scale == 1.0
+    for _ in range(600):
+        k = p.choose(1, [(1, 2.0, 0)])
+        if k[0]:
+            p.record(1, int(rng.random() < 0.3))
+    assert p.acceptance_by_position(0)[0] == pytest.approx(0.3, abs=0.12)  # expected of it: 0.6 a draft
+    assert 0.35 < p.gain_scale < 0.7
+    assert p.expected_gain(0, 1) == pytest.approx(p.acceptance_by_position(0)[0] * p.gain_scale)
+    for _ in range(3000):
+        k = p.choose(1, [(1, 2.0, 0)])
+        if k[0]:
+            p.record(1, 0)
+    assert p.acceptance_by_position(0)[0] < 0.01
+    assert p.gain_scale == pytest.approx(1.0, abs=0.1)
+
+
 def test_graph_steps_cost_full_width_from_the_first_draft_token():
     """With CUDA graphs a step of 4 decoding sequences runs 4 x 1 tokens, or 4 x 5 once any of them drafts
     (times as measured on an H200: 1.57 and 2.19 ms). One chat-like draft (cumulative acceptance 57 / 33 /

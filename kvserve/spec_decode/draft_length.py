@@ -61,11 +61,11 @@ MODEL_CLASS = 0           # the class of a draft model's (or eagle head's) draft
 # or with the rule a chain of k > 1, the rows sized by the head's confidence (speculator.py).
 TREE_CLASS = -1
 PROBE_EVERY = 16
-_CALIBRATION_WEIGHT = 1 / 64  # per decision, of the expected and accepted tokens behind `gain_scale`
-_CALIBRATION_PRIOR = 4.0      # tokens on each side at the start: scale 1 until drafts say otherwise
 PROBE_RUN = 3              # decisions a probe lasts: its first step follows another size, the others time it as it runs
 PROBE_MIN_RATE = 0.5       # below this share of the best rate, a length is probed every MAX_AGE decisions
 MAX_AGE = 256              # steps
+_CALIBRATION_WEIGHT = 1 / 64  # per decision, of the expected and accepted tokens behind `gain_scale`
+_CALIBRATION_PRIOR = 4.0      # tokens added to each side: scale 1 before any draft, and never 0 after
 
 # (sequences, tokens without drafts, draft tokens) -> the tokens the step will run, what StepTimes keys its time
 # by. Its own tokens where steps run as they come; a captured graph's padded shape on a GPU, where a step
@@ -162,15 +162,15 @@ class DraftLength:
         self._probe_left = 0          # decisions left in the probe under way
         # Tokens the kept drafts were expected to bring and those they brought, decayed per decision; their
         # ratio scales every expectation (see `gain_scale`).
-        self._predicted = _CALIBRATION_PRIOR
-        self._realized = _CALIBRATION_PRIOR
+        self._predicted = 0.0
+        self._realized = 0.0
 
     @property
     def gain_scale(self) -> float:
         """Accepted tokens per token expected, over the recent drafts the rule kept. The rule keeps the drafts
         it expects most of, so its expectations of them run high (and `choose` ranks by them): at 4 streams
         of chat on AVX-512, kept lookup drafts brought 1.34 tokens a step where 1.89 were expected."""
-        return self._realized / self._predicted
+        return (self._realized + _CALIBRATION_PRIOR) / (self._predicted + _CALIBRATION_PRIOR)
 
     def acceptance_by_position(self, draft_class: int) -> list[float]:
         """[i]: P(draft tokens 0..i all accepted) for a draft of this class."""
