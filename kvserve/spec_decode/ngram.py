@@ -30,8 +30,8 @@ def whitespace_classes(tokenizer: Tokenizer, vocab_size: int) -> np.ndarray:
 
 class LookupIndex:
     """One sequence's tokens as they are matched (their classes), and where each n-gram of the proposer's
-    shortest length ends: extended by the tokens appended since the last lookup, so a step's lookup costs
-    what the last token's earlier occurrences cost, not a pass over the whole sequence."""
+    shortest length ends: extended by the tokens appended since the last lookup, so a step's lookup walks
+    the earlier ends of the sequence's last such n-gram, not the whole sequence."""
 
     def __init__(self) -> None:
         self.classes: list[int] = []
