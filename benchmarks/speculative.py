@@ -27,7 +27,8 @@ front of it (lookup --prompt-lookup-min..max drafts where the last tokens occurr
 elsewhere; k = --eagle-lookup-k for both); eagle-b, eagle with a second head (--eagle-b-model, e.g. an
 earlier one) for two heads side by side in one run, and eagle-b-fixed, eagle-b-always; eagle-tree, the head
 with alternatives to its first draft token (--eagle-tree, vLLM's speculative_token_tree), and its variants;
-eagle-tree2, a second tree beside it (--eagle-tree2).
+eagle-tree2, a second tree beside it (--eagle-tree2); eagle-tree-lookup, prompt lookup in front of a tree
+(--eagle-tree-lookup, whose chain also bounds lookup's drafts; lookup --prompt-lookup-min..max).
 
 Each (workload, concurrency) runs a closed loop: `concurrency` requests in flight, a new one added when one
 finishes, until --num-requests (at least `concurrency`) are done; --rounds times, the methods taking turns,
@@ -113,6 +114,10 @@ def method_config(method: str, args) -> dict | None:
         cfg = {"method": "draft", "num_speculative_tokens": args.draft_k, "model": args.draft_model}
     elif method == "eagle-lookup":
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_lookup_k, "model": args.eagle_model,
+               "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    elif method == "eagle-tree-lookup":
+        cfg = {"method": "eagle", "num_speculative_tokens": len(ast.literal_eval(args.eagle_tree_lookup)),
+               "speculative_token_tree": args.eagle_tree_lookup, "model": args.eagle_model,
                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
     elif method.startswith("eagle-tree"):
         tree = args.eagle_tree2 if method.startswith("eagle-tree2") else args.eagle_tree
@@ -385,6 +390,7 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
              f"draft k={args.draft_k} ({args.draft_model or 'the shipped draft'}); "
              f"eagle k={args.eagle_k} ({args.eagle_model or 'the shipped head'}"
              + (f"; eagle-lookup k={args.eagle_lookup_k}" if "eagle-lookup" in args.methods else "")
+             + (f"; eagle-tree-lookup {args.eagle_tree_lookup}" if "eagle-tree-lookup" in args.methods else "")
              + (f"; eagle-b: {args.eagle_b_model}" if any(m.startswith("eagle-b") for m in args.methods) else "")
              + "); "
              f"at most {args.max_tokens} output tokens per request ("
@@ -417,7 +423,7 @@ def main() -> None:
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-fixed", "eagle", "eagle-fixed"],
                     choices=["none", "none-control", "ngram-plain", "ngram-one-class", "ngram-one-length",
-                             "ngram-long", "eagle-lookup",
+                             "ngram-long", "eagle-lookup", "eagle-tree-lookup",
                              *(m + v for m in ("ngram", "draft", "eagle", "eagle-b", "eagle-tree", "eagle-tree2")
                                for v in ("", "-fixed", "-always", "-unlimited"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
@@ -438,6 +444,8 @@ def main() -> None:
                     help="speculative_token_tree of the eagle-tree methods (num_speculative_tokens: its nodes)")
     ap.add_argument("--eagle-tree2", default="[(0,), (1,), (2,)]",
                     help="speculative_token_tree of the eagle-tree2 methods: a second tree beside --eagle-tree")
+    ap.add_argument("--eagle-tree-lookup", default="[(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (1,), (2,)]",
+                    help="speculative_token_tree of eagle-tree-lookup: its chain of 4 lets lookup draft 4 tokens")
     ap.add_argument("--eagle-model", default=None, help="the eagle methods' head (default: the shipped head)")
     ap.add_argument("--eagle-b-model", default=None, help="method eagle-b's head (required with eagle-b*)")
     ap.add_argument("--dtype", default="auto")
