@@ -115,14 +115,13 @@ def method_config(method: str, args) -> dict | None:
     elif method == "eagle-lookup":
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_lookup_k, "model": args.eagle_model,
                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
-    elif method == "eagle-tree-lookup":
-        cfg = {"method": "eagle", "num_speculative_tokens": len(ast.literal_eval(args.eagle_tree_lookup)),
-               "speculative_token_tree": args.eagle_tree_lookup, "model": args.eagle_model,
-               "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
     elif method.startswith("eagle-tree"):
-        tree = args.eagle_tree2 if method.startswith("eagle-tree2") else args.eagle_tree
+        tree = (args.eagle_tree2 if method.startswith("eagle-tree2")
+                else args.eagle_tree_lookup if method == "eagle-tree-lookup" else args.eagle_tree)
         cfg = {"method": "eagle", "num_speculative_tokens": len(ast.literal_eval(tree)),
                "speculative_token_tree": tree, "model": args.eagle_model}
+        if method == "eagle-tree-lookup":  # lookup in front of the tree, as eagle-lookup puts it before a chain
+            cfg.update(prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)
     elif method.startswith("eagle-b"):
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_k, "model": args.eagle_b_model}
     elif method.startswith("eagle"):

@@ -217,20 +217,20 @@ class DraftLength:
         # with all before it, so its gain never rises along its draft and each sequence's tokens come in
         # order: the first T of the list are the best T rows a step can add.
         ranked: list[tuple[float, int, int]] = []
-        calibration = self.gain_scale
         for r, (avail, scale, draft_class) in enumerate(drafts):
             q = self.acceptance_by_position(draft_class)
-            ranked.extend((-min(1.0, q[i] * scale) * calibration, i, r) for i in range(avail))
+            ranked.extend((-min(1.0, q[i] * scale), i, r) for i in range(avail))
         ranked.sort()
         # The model drafts every sequence it drafts for to the deepest of their kept tokens, and that time is
         # the same whatever else the step carries; so each cap on the model's depth is tried (a lookup
         # draft beside a model too slow to pay still goes), and the best rate over all caps wins.
         model_depths = [avail for avail, _, draft_class in drafts if draft_class <= MODEL_CLASS]
         caps = range(max(model_depths) + 1) if model_depths and self.draft_seconds > 0 else [None]
+        calibration = self.gain_scale  # one factor for every gain: the ranking stands, the rates scale
         options = []  # per cap: (the tokens it allows, the rate of keeping the first T of them for each T)
         for cap in caps:
             subset = ranked if cap is None else [x for x in ranked if drafts[x[2]][2] > MODEL_CLASS or x[1] < cap]
-            options.append((subset, self._rates(num_seqs, num_tokens, subset, drafts)))
+            options.append((subset, self._rates(num_seqs, num_tokens, subset, drafts, calibration)))
         chosen = max(range(len(options)), key=lambda c: (max(options[c][1]), -c))
         kept, rates = options[chosen]
         # Where the best keeps every token its cap allows, one token more (a probe's) is in the next cap's list.
@@ -244,7 +244,7 @@ class DraftLength:
         for neg_gain, _, r in kept[:n]:
             keep[r] += 1
             if drafts[r][2] != TREE_CLASS:
-                expected -= neg_gain / calibration
+                expected -= neg_gain
         self._realized *= 1 - _CALIBRATION_WEIGHT
         self._predicted = self._predicted * (1 - _CALIBRATION_WEIGHT) + expected
         return keep
@@ -276,12 +276,13 @@ class DraftLength:
         return self.step_tokens(num_seqs, num_tokens, num_drafts)
 
     def _rates(self, num_seqs: int | None, num_tokens: int, ranked: list[tuple[float, int, int]],
-               drafts: list[tuple[int, float, int]]) -> list[float]:
-        """[T]: the expected tokens per second of the step that keeps the first T of ranked."""
+               drafts: list[tuple[int, float, int]], calibration: float) -> list[float]:
+        """[T]: the expected tokens per second of the step that keeps the first T of ranked, each gain scaled
+        by calibration (gain_scale)."""
         rates = [num_tokens / self.times.estimate(self._run_tokens(num_seqs, num_tokens, 0))]
         tokens, depth = float(num_tokens), 0
         for added, (neg_gain, i, r) in enumerate(ranked, 1):
-            tokens -= neg_gain
+            tokens -= neg_gain * calibration
             if drafts[r][2] <= MODEL_CLASS:
                 depth = max(depth, i + 1)
             run = self._run_tokens(num_seqs, num_tokens, added)

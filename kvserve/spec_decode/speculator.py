@@ -35,7 +35,7 @@ from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.draft_length import MODEL_CLASS, TREE_CLASS, DraftLength, StepTokens
 from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.eagle_proposer import EagleProposer
-from kvserve.spec_decode.ngram import LookupIndex, NgramProposer
+from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.state import FIRST_PAUSE_STEPS, spec_state
 
 _MAX_PAUSE_STEPS = 256
@@ -179,8 +179,6 @@ class Speculator:
             return []
         if lookup:
             state = spec_state(seq)
-            if state.lookup is None:
-                state.lookup = LookupIndex()
             draft, match_length = self.proposer.propose_with_length(seq.token_ids, max_new, state.lookup)
             if draft:
                 state.draft_class = match_length

@@ -20,7 +20,7 @@ class SpecState:
     paused_until: int = 0        # no drafts before this step
     pause_steps: int = FIRST_PAUSE_STEPS
     draft_class: int = 0         # the last draft's class (draft_length.py): n-gram drafts, their match length
-    lookup: LookupIndex | None = None  # prompt lookup's index of the sequence (ngram.py), once it looked up
+    lookup: LookupIndex = field(default_factory=LookupIndex)  # prompt lookup's index of the sequence (ngram.py)
     # Draft model (method "draft"): its K/V is valid below this position, in the blocks the sequence held
     # after its draft_preemptions-th preemption.
     draft_computed: int = 0
