@@ -13,6 +13,10 @@
         # (results/train_eagle_attention_cpu_1000.md): an experiment; no better, and the engine refuses such heads
     ... --soft-labels 0.5   # half the token loss on the target's whole distribution (distillation):
         # results/train_eagle_soft_labels_cpu_1000.md, +0.01 first-token acceptance, within a re-run's spread
+    python benchmarks/train_eagle.py --seed 1 --num-prompts 2000 --num-texts 0 --held-out 0.05 --steps 300 \
+        --lr 0.001 --init kvserve/spec_decode/drafts/smollm2-135m-eagle.safetensors --out /tmp/h.safetensors \
+        --compare kvserve/spec_decode/drafts/smollm2-135m-eagle.safetensors   # the shipped head trained on
+        # 1900 answers it never saw (another seed's questions): results/train_eagle_more_data_cpu_2000.md
 
 Data: train_draft.py's (the target, SmolLM2-135M-Instruct Q4_1, answers offline chat, summarise and
 repeat prompts greedily; its top-1 choice at every position is the label; same held-out split), with chat
@@ -234,6 +238,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="draft length for the held-out acceptance")
     ap.add_argument("--data-cache", type=str, default="/tmp/kvserve-eagle-data.pt")
     ap.add_argument("--feature-cache", type=str, default="/tmp/kvserve-eagle-features.pt")
+    ap.add_argument("--init", type=str, default=None, metavar="HEAD",
+                    help="go on training this head file (its shape and vocabulary; --vocab and --intermediate unused) "
+                         "instead of a new one: more data on top of a head made before")
     ap.add_argument("--out", type=str, default=str(SHIPPED_HEAD))
     ap.add_argument("--name", type=str, default="train_eagle", help="results/<name>.{json,md}")
     ap.add_argument("--data-only", action="store_true", help="generate the data and features, then stop")
@@ -258,6 +265,9 @@ def main() -> None:
     rank = counts.clone()
     rank[eos_ids] = rank.max() + 1  # always predictable
     vocab_ids = rank.argsort(descending=True)[:args.vocab].sort().values
+    if args.init:  # the vocabulary and shape the head was made with
+        init_cfg, init_tensors, _ = read_head(args.init)
+        vocab_ids = init_tensors["vocab_ids"]
     coverage = counts[vocab_ids].sum().item() / max(1, counts.sum().item())
     train = examples(train_rows, feats[:len(train_rows)], vocab_ids, fcfg.vocab_size, args.device)
     held = examples(held_rows, feats[len(train_rows):], vocab_ids, fcfg.vocab_size, args.device)
@@ -270,7 +280,14 @@ def main() -> None:
         hcfg = dataclasses.replace(hcfg, num_attention_heads=fcfg.num_attention_heads,
                                    num_key_value_heads=fcfg.num_key_value_heads, head_dim=fcfg.head_dim,
                                    rope_theta=fcfg.rope_theta)
-    head = initial_head(hcfg, embedding, vocab_ids, args.seed).to(args.device)
+    if args.init:
+        if init_cfg.fuse_layers != args.fuse_layers or bool(init_cfg.num_attention_heads) != args.attention:
+            raise SystemExit(f"--init {args.init}: its layers differ from this run's --fuse-layers / --attention")
+        hcfg = init_cfg
+        head = EagleHeadReference(hcfg, embedding, {k: v if k == "vocab_ids" else v.float()
+                                                    for k, v in init_tensors.items()}).to(args.device)
+    else:
+        head = initial_head(hcfg, embedding, vocab_ids, args.seed).to(args.device)
     # --soft-labels reads the target's distribution off its LM head, which is its embedding (tied).
     soft_lm_head = embedding[vocab_ids].to(args.device) if args.soft_labels > 0 else None
     before = acceptance(head, held, args.k)
@@ -341,7 +358,9 @@ def main() -> None:
                       + " | ".join(f"{a:.2f}" for a in r["accepted_per_pos"]) + " |\n")
     fused = f"fusing layers {args.fuse_layers} with the final feature, " if args.fuse_layers else ""
     fused += f"causal self-attention ({hcfg.num_attention_heads} heads), " if args.attention else ""
-    setup = (f"Head: {fused}fc + one MLP of width {args.intermediate}, reduced LM head over {len(vocab_ids)} tokens "
+    fused += f"trained further from {Path(args.init).name}, " if args.init else ""
+    setup = (f"Head: {fused}fc + one MLP of width {hcfg.intermediate_size}, reduced LM head over {len(vocab_ids)} "
+             f"tokens "
              f"({coverage:.1%} of label tokens), {size:.1f} MiB. Data: train_draft.py's, {len(train)} rows, "
              f"{num_positions} labelled positions (generated in {t_data:.0f} s; 0: from the cache); target "
              f"features {t_feat:.0f} s (0: cached); training {steps_done} steps of ~{args.tokens_per_step} positions "

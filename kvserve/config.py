@@ -89,6 +89,10 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be {'|'.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+            k = self.speculative_config.num_speculative_tokens
+            if k >= self.max_num_batched_tokens:  # a verification row of 1 + k tokens could never be scheduled
+                raise ValueError(f"speculative_config: num_speculative_tokens ({k}) must be below "
+                                 f"max_num_batched_tokens ({self.max_num_batched_tokens})")
 
 
 @dataclass
