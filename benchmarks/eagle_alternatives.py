@@ -67,7 +67,7 @@ def main() -> None:
     fcfg, embedding, _, _ = target_tensors([])
     head_path = Path(args.head) if args.head else SHIPPED_HEAD
     cfg, tensors, _ = read_head(head_path)
-    head = EagleHeadReference(cfg, embedding, {k: v if k == "vocab_ids" else v.float() for k, v in tensors.items()})
+    head = EagleHeadReference(cfg, embedding, tensors)  # its tensors become float parameters
     rows = examples(held, feats, head.vocab_ids, fcfg.vocab_size, "cpu")
     results = {kind: coverage(head, [r for r in rows if kind == "all" or r[4] == kind])
                for kind in sorted({r[4] for r in rows}) + ["all"]}

@@ -107,7 +107,7 @@ def main() -> None:
     tables = build_datastore(train, set(args.datastore_kinds))
     fcfg, embedding, _, _ = target_tensors([])
     cfg, tensors, _ = read_head(SHIPPED_HEAD)
-    head = EagleHeadReference(cfg, embedding, {k: v if k == "vocab_ids" else v.float() for k, v in tensors.items()})
+    head = EagleHeadReference(cfg, embedding, tensors)  # its tensors become float parameters
     rows = examples(held, feats, head.vocab_ids, fcfg.vocab_size, "cpu")
     results = {kind: score(head, [x for x in rows if x[4] == kind], [r for r in held if r["kind"] == kind], tables)
                for kind in ("bench", "chat")}

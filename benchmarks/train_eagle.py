@@ -249,6 +249,10 @@ def main() -> None:
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device == "cpu" and cpu_has_native_bf16() else "float32"
     torch.manual_seed(args.seed)
+    # A head to go on training is read first: a mismatch stops the run before the data and features are made.
+    init_cfg, init_tensors = read_head(args.init)[:2] if args.init else (None, None)
+    if init_cfg and (init_cfg.fuse_layers != args.fuse_layers or bool(init_cfg.num_attention_heads) != args.attention):
+        raise SystemExit(f"--init {args.init}: its layers differ from this run's --fuse-layers / --attention")
 
     train_rows, held_rows, t_data = load_data(args)
     all_train_rows = train_rows  # the head's vocabulary comes from all of them
@@ -265,8 +269,7 @@ def main() -> None:
     rank = counts.clone()
     rank[eos_ids] = rank.max() + 1  # always predictable
     vocab_ids = rank.argsort(descending=True)[:args.vocab].sort().values
-    if args.init:  # the vocabulary and shape the head was made with
-        init_cfg, init_tensors, _ = read_head(args.init)
+    if init_tensors:  # the vocabulary and shape the head was made with
         vocab_ids = init_tensors["vocab_ids"]
     coverage = counts[vocab_ids].sum().item() / max(1, counts.sum().item())
     train = examples(train_rows, feats[:len(train_rows)], vocab_ids, fcfg.vocab_size, args.device)
@@ -280,12 +283,9 @@ def main() -> None:
         hcfg = dataclasses.replace(hcfg, num_attention_heads=fcfg.num_attention_heads,
                                    num_key_value_heads=fcfg.num_key_value_heads, head_dim=fcfg.head_dim,
                                    rope_theta=fcfg.rope_theta)
-    if args.init:
-        if init_cfg.fuse_layers != args.fuse_layers or bool(init_cfg.num_attention_heads) != args.attention:
-            raise SystemExit(f"--init {args.init}: its layers differ from this run's --fuse-layers / --attention")
+    if init_cfg:
         hcfg = init_cfg
-        head = EagleHeadReference(hcfg, embedding, {k: v if k == "vocab_ids" else v.float()
-                                                    for k, v in init_tensors.items()}).to(args.device)
+        head = EagleHeadReference(hcfg, embedding, init_tensors).to(args.device)  # its tensors become float
     else:
         head = initial_head(hcfg, embedding, vocab_ids, args.seed).to(args.device)
     # --soft-labels reads the target's distribution off its LM head, which is its embedding (tied).
