@@ -21,6 +21,7 @@ the table gives each part's fastest round (this host's speed drifts; the fastest
 disturbed) and the median.
 
     python benchmarks/verify_rows.py                 # results/verify_rows_<isa>.{json,md}
+    KVSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 python benchmarks/verify_rows.py --name verify_rows_avx2_forced
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ def main() -> None:
                     "prompt plus its output so far)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--repeat", type=int, default=20, help="calls per timing")
+    ap.add_argument("--name", default=None, help="results/<name>.{json,md} (default: verify_rows_<the kernels' ISA>)")
     args = ap.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("verify_rows.py times the native CPU kernels, and none are built here")
@@ -181,8 +183,8 @@ def main() -> None:
              "norms, rotary, KV writes, sampling and Python of a step; 'engine step' is the engine's whole step "
              "for one sequence at this context carrying rows - 1 drafts (ModelRunner.execute: the forward, the "
              "logits of every row, verification and sampling), timed in the same rounds.")
-    report(f"verify_rows_{cpu_kernels.isa()}", "Cost of a verification step's rows, part by part", args, setup,
-           "\n".join(lines), results, script="verify_rows")
+    report(args.name or f"verify_rows_{cpu_kernels.isa()}", "Cost of a verification step's rows, part by part", args,
+           setup, "\n".join(lines), results, script="verify_rows")
 
 
 if __name__ == "__main__":
