@@ -20,6 +20,7 @@ ngram-plain (ngram with tokens matched only as themselves, no whitespace classes
 ngram-one-class (ngram with one acceptance record for all drafts, not one per match length: draft_length.py);
 ngram-one-length (ngram with one draft length for every sequence of a step, not one per sequence);
 ngram-long (ngram with num_speculative_tokens and prompt_lookup_max --ngram-long-k, for copies);
+ngram-no-indents, ngram-long-no-indents (those without moving a draft's indentation with the copy's: ngram.Indents);
 draft, draft-fixed, draft-always, the same with the draft model (--draft-model, default: the draft shipped
 for the default model, k = --draft-k); eagle, eagle-fixed, eagle-always, eagle-unlimited, the same with the eagle head
 (--eagle-model, default: the shipped head, k = --eagle-k); eagle-lookup, the head with prompt lookup in
@@ -126,7 +127,7 @@ def method_config(method: str, args) -> dict | None:
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_k, "model": args.eagle_b_model}
     elif method.startswith("eagle"):
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_k, "model": args.eagle_model}
-    elif method == "ngram-long":
+    elif method.startswith("ngram-long"):
         cfg = {"method": "ngram", "num_speculative_tokens": args.ngram_long_k,
                "prompt_lookup_max": args.ngram_long_k, "prompt_lookup_min": args.prompt_lookup_min}
     else:
@@ -382,7 +383,7 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
     saved = {w: {c: {m: {k: v for k, v in r.items() if k not in ("token_ids", "tpots_ms")} for m, r in by_m.items()}
                  for c, by_m in by_c.items()} for w, by_c in results.items()}
     ngram = f"n-gram k={args.num_speculative_tokens}, lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}"
-    if "ngram-long" in args.methods:
+    if any(m.startswith("ngram-long") for m in args.methods):
         ngram += f" (ngram-long: k={args.ngram_long_k}, lookup {args.prompt_lookup_min}..{args.ngram_long_k})"
     setup = (f"Model: the default SmolLM2-135M-Instruct (dtype {args.dtype}, quantization {args.quantization}); "
              f"{ngram}; "
@@ -422,7 +423,8 @@ def main() -> None:
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-fixed", "eagle", "eagle-fixed"],
                     choices=["none", "none-control", "ngram-plain", "ngram-one-class", "ngram-one-length",
-                             "ngram-long", "eagle-lookup", "eagle-tree-lookup",
+                             "ngram-long", "ngram-no-indents", "ngram-long-no-indents", "eagle-lookup",
+                             "eagle-tree-lookup",
                              *(m + v for m in ("ngram", "draft", "eagle", "eagle-b", "eagle-tree", "eagle-tree2")
                                for v in ("", "-fixed", "-always", "-unlimited"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
@@ -486,6 +488,9 @@ def main() -> None:
             for method in args.methods}
     if "ngram-plain" in llms:
         llms["ngram-plain"].engine.speculator.proposer.token_classes = None
+    for method in ("ngram-no-indents", "ngram-long-no-indents"):
+        if method in llms:
+            llms[method].engine.speculator.proposer.indents = None
     if "ngram-one-class" in llms:
         speculator = llms["ngram-one-class"].engine.speculator
         speculator.proposer = OneClassProposer(speculator.proposer)

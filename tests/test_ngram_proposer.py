@@ -94,6 +94,59 @@ def test_reindented_code_still_drafts_with_whitespace_classes():
     assert tok.decode(draft) == " = width * height"
 
 
+def test_a_draft_past_the_line_end_takes_the_copys_indentation():
+    """The default model's tokenizer: the copy re-indents the prompt's code from 8 spaces to 4. A draft that
+    runs past the line's end drafts the next line's indentation as the copy has it (4 spaces) rather than as
+    the prompt has it; without Indents the same draft carries the prompt's. Moved out (4 -> 8), the same."""
+    from kvserve.models.default import default_model_path
+    from kvserve.models.loader import load_tokenizer
+    from kvserve.spec_decode.ngram import Indents, token_texts, whitespace_classes
+
+    tok = load_tokenizer(default_model_path())
+    texts = token_texts(tok)
+    classes, indents = whitespace_classes(tok, tok.vocab_size, texts), Indents(texts)
+    for was, now in (("        ", "    "), ("    ", "        ")):
+        code = "def area(width, height):\n{0}total = width * height\n{0}return total\n"
+        prompt = tok.encode(code.format(was), add_special_tokens=False)
+        out = tok.encode(code.format(now).split(" * ")[0], add_special_tokens=False)  # "... total = width"
+        plain = NgramProposer(2, 8, classes).propose(prompt + out, 8)
+        assert tok.decode(plain).startswith(f" * height\n{was}return")
+        draft, n = NgramProposer(2, 8, classes, indents).propose_with_length(prompt + out, 8)
+        assert n > 0 and tok.decode(draft).startswith(f" * height\n{now}return total\n")
+
+
+def test_indents_change_no_draft_where_no_indentation_differs():
+    """Where no match pairs two different indentations, drafts with Indents are the plain ones: random
+    sequences over words and one indentation token per class ('\n' has none: it moves nothing)."""
+    import numpy as np
+
+    from kvserve.spec_decode.ngram import Indents
+
+    texts = ["a", "b", "c", " =", "\n", "\n   ", "\n\n       ", " "]
+    classes = np.array([0, 1, 2, 3, -2, -2, -3, -1])
+    rng = random.Random(3)
+    plain, indented = NgramProposer(2, 6, classes), NgramProposer(2, 6, classes, Indents(texts))
+    for _ in range(300):
+        tokens = [rng.randrange(len(texts)) for _ in range(rng.randrange(3, 60))]
+        assert indented.propose_with_length(tokens, 6) == plain.propose_with_length(tokens, 6)
+
+
+def test_indents_move_a_toy_draft_and_stop_where_no_token_fits():
+    """Toy vocabulary: the copy's line starts with '\n   ' where the prompt's had '\n       ' (4 spaces
+    out); the draft's next indentation moves by -4, and a draft stops before an indentation with no token
+    at its new width."""
+    import numpy as np
+
+    from kvserve.spec_decode.ngram import Indents
+
+    texts = ["a", "b", "c", "d", "\n   ", "\n       ", "\n           "]
+    classes = np.array([0, 1, 2, 3, -2, -2, -2])
+    p = NgramProposer(2, 6, classes, Indents(texts))
+    prompt = [5, 0, 1, 5, 2, 3, 6, 0, 4, 1]  # "\n       a b\n       c d\n           a\n   b"
+    copy = [4, 0, 1]                         # the first line again, 4 spaces out
+    assert p.propose(prompt + copy, 6) == [4, 2, 3, 5, 0]  # next lines 4 out; '\n   ' - 4 has no token
+
+
 @pytest.mark.parametrize("lo,hi", [(1, 3), (2, 4), (2, 8)])
 def test_an_index_kept_as_the_sequence_grows_drafts_as_a_fresh_one(lo, hi):
     """The engine keeps one LookupIndex per sequence and extends it step by step (tokens appended one or

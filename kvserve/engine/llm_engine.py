@@ -38,7 +38,7 @@ from kvserve.spec_decode.draft_model import load_draft
 from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.eagle_head import head_quantization, load_eagle_head
 from kvserve.spec_decode.eagle_proposer import EagleProposer
-from kvserve.spec_decode.ngram import whitespace_classes
+from kvserve.spec_decode.ngram import Indents, token_texts, whitespace_classes
 from kvserve.spec_decode.speculator import Speculator
 from kvserve.spec_decode.verify import kept_alternative
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
@@ -118,9 +118,12 @@ class LLMEngine:
                 draft.model.capture_graphs(verify_seqs)
         self.speculator = None
         if spec is not None:
-            classes = whitespace_classes(self.tokenizer, mc.vocab_size) if spec.method == "ngram" else None
+            classes = indents = None
+            if spec.method == "ngram":
+                texts = token_texts(self.tokenizer)
+                classes, indents = whitespace_classes(self.tokenizer, mc.vocab_size, texts), Indents(texts)
             self.speculator = Speculator(spec, self.max_model_len, config.max_num_batched_tokens, draft, classes,
-                                         step_tokens=self.runner.step_tokens)
+                                         step_tokens=self.runner.step_tokens, indents=indents)
         self.requests: dict[str, Request] = {}
         self._accumulators: dict[str, RequestOutputAccumulator] = {}   # only for callers of step()
         self._seq_ids = itertools.count()

@@ -35,7 +35,7 @@ from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.draft_length import MODEL_CLASS, TREE_CLASS, DraftLength, StepTokens
 from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.eagle_proposer import EagleProposer
-from kvserve.spec_decode.ngram import NgramProposer
+from kvserve.spec_decode.ngram import Indents, NgramProposer
 from kvserve.spec_decode.state import FIRST_PAUSE_STEPS, spec_state
 
 _MAX_PAUSE_STEPS = 256
@@ -55,16 +55,17 @@ class SpecDecodeStats:
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, max_num_batched_tokens: int,
                  draft: DraftProposer | EagleProposer | None = None, token_classes: np.ndarray | None = None,
-                 step_tokens: StepTokens | None = None) -> None:
+                 step_tokens: StepTokens | None = None, indents: Indents | None = None) -> None:
         """token_classes: for method "ngram", what each token id is matched as (ngram.whitespace_classes);
-        step_tokens: the tokens a step will run, what its time is keyed by (ModelRunner.step_tokens).
+        step_tokens: the tokens a step will run, what its time is keyed by (ModelRunner.step_tokens);
+        indents: for method "ngram", how drafts follow a copy's re-indented lines (ngram.Indents).
         A tree's alternatives need an attention backend that takes them (the engine checks)."""
         self.config = config
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         assert (config.method != "ngram") == (draft is not None)
         self.draft = draft
-        self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, token_classes)
+        self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, token_classes, indents)
                          if config.uses_lookup else None)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.draft_depth)
         # A head whose vocabulary has fewer tokens than a tree's first level offers what it has.
