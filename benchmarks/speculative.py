@@ -21,6 +21,7 @@ ngram-one-class (ngram with one acceptance record for all drafts, not one per ma
 ngram-one-length (ngram with one draft length for every sequence of a step, not one per sequence);
 ngram-long (ngram with num_speculative_tokens and prompt_lookup_max --ngram-long-k, for copies);
 ngram-no-indents, ngram-long-no-indents (those without moving a draft's indentation with the copy's: ngram.Indents);
+eagle-lookup-plain (eagle-lookup's prompt lookup without whitespace classes and indentation, as before session 35);
 draft, draft-fixed, draft-always, the same with the draft model (--draft-model, default: the draft shipped
 for the default model, k = --draft-k); eagle, eagle-fixed, eagle-always, eagle-unlimited, the same with the eagle head
 (--eagle-model, default: the shipped head, k = --eagle-k); eagle-lookup, the head with prompt lookup in
@@ -113,7 +114,7 @@ def method_config(method: str, args) -> dict | None:
         return None
     if method.startswith("draft"):
         cfg = {"method": "draft", "num_speculative_tokens": args.draft_k, "model": args.draft_model}
-    elif method == "eagle-lookup":
+    elif method.startswith("eagle-lookup"):
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_lookup_k, "model": args.eagle_model,
                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
     elif method.startswith("eagle-tree"):
@@ -389,7 +390,8 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
              f"{ngram}; "
              f"draft k={args.draft_k} ({args.draft_model or 'the shipped draft'}); "
              f"eagle k={args.eagle_k} ({args.eagle_model or 'the shipped head'}"
-             + (f"; eagle-lookup k={args.eagle_lookup_k}" if "eagle-lookup" in args.methods else "")
+             + (f"; eagle-lookup k={args.eagle_lookup_k}"
+                if any(m.startswith("eagle-lookup") for m in args.methods) else "")
              + (f"; eagle-tree-lookup {args.eagle_tree_lookup}" if "eagle-tree-lookup" in args.methods else "")
              + (f"; eagle-b: {args.eagle_b_model}" if any(m.startswith("eagle-b") for m in args.methods) else "")
              + "); "
@@ -424,7 +426,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-fixed", "eagle", "eagle-fixed"],
                     choices=["none", "none-control", "ngram-plain", "ngram-one-class", "ngram-one-length",
                              "ngram-long", "ngram-no-indents", "ngram-long-no-indents", "eagle-lookup",
-                             "eagle-tree-lookup",
+                             "eagle-lookup-plain", "eagle-tree-lookup",
                              *(m + v for m in ("ngram", "draft", "eagle", "eagle-b", "eagle-tree", "eagle-tree2")
                                for v in ("", "-fixed", "-always", "-unlimited"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
@@ -488,9 +490,11 @@ def main() -> None:
             for method in args.methods}
     if "ngram-plain" in llms:
         llms["ngram-plain"].engine.speculator.proposer.token_classes = None
-    for method in ("ngram-no-indents", "ngram-long-no-indents"):
+    for method in ("ngram-no-indents", "ngram-long-no-indents", "eagle-lookup-plain"):
         if method in llms:
             llms[method].engine.speculator.proposer.indents = None
+    if "eagle-lookup-plain" in llms:
+        llms["eagle-lookup-plain"].engine.speculator.proposer.token_classes = None
     if "ngram-one-class" in llms:
         speculator = llms["ngram-one-class"].engine.speculator
         speculator.proposer = OneClassProposer(speculator.proposer)

@@ -119,7 +119,7 @@ class LLMEngine:
         self.speculator = None
         if spec is not None:
             classes = indents = None
-            if spec.method == "ngram":
+            if spec.uses_lookup:  # method ngram, or prompt lookup in front of a draft model or eagle head
                 texts = token_texts(self.tokenizer)
                 classes, indents = whitespace_classes(self.tokenizer, mc.vocab_size, texts), Indents(texts)
             self.speculator = Speculator(spec, self.max_model_len, config.max_num_batched_tokens, draft, classes,

@@ -56,9 +56,9 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, max_num_batched_tokens: int,
                  draft: DraftProposer | EagleProposer | None = None, token_classes: np.ndarray | None = None,
                  step_tokens: StepTokens | None = None, indents: Indents | None = None) -> None:
-        """token_classes: for method "ngram", what each token id is matched as (ngram.whitespace_classes);
+        """token_classes: for prompt lookup, what each token id is matched as (ngram.whitespace_classes);
         step_tokens: the tokens a step will run, what its time is keyed by (ModelRunner.step_tokens);
-        indents: for method "ngram", how drafts follow a copy's re-indented lines (ngram.Indents).
+        indents: for prompt lookup, how drafts follow a copy's re-indented lines (ngram.Indents).
         A tree's alternatives need an attention backend that takes them (the engine checks)."""
         self.config = config
         self.max_model_len = max_model_len
