@@ -394,6 +394,8 @@ def test_prompt_lookup_in_front_of_the_head(tiny_model_dirs, heads):
     path, hf = tiny_model_dirs["llama"]
     wave, ref = preempting_wave(path)
     engine = make_engine(path, spec(heads["partial"], prompt_lookup_min=1, prompt_lookup_max=2), **PREEMPTING)
+    lookup = engine.speculator.proposer  # matches whitespace and follows re-indentation as method ngram's does
+    assert lookup.token_classes is not None and lookup.indents is not None
     kinds = count_draft_kinds(engine)
     checks: list[int] = []  # sequences whose head input was checked, per step
     got = run_waves(engine, wave, check=True, after_step=lambda e: checks.append(check_head_inputs(e, hf)))
