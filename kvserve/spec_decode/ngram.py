@@ -66,6 +66,8 @@ class Indents:
         """draft (token_ids[start:...], an earlier occurrence's continuation of the sequence's end, matched by
         classes) re-indented as the sequence's current line is against the occurrence's."""
         num = len(token_ids)
+        if not self.spaces:  # a vocabulary without indentation tokens (newlines and spaces apart)
+            return draft
         for j in range(1, min(start, MAX_INDENT_WALK) + 1):  # back from the match to the nearest whitespace
             a, b = start - j, num - j
             if classes[a] != classes[b]:
