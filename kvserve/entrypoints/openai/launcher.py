@@ -21,9 +21,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# A port found free may be taken before the server binds it (Ray's processes, started meanwhile, take
+# ephemeral ports too): a server that could not bind a port it was not given is started again on another.
+BIND_ATTEMPTS = 3
+_BIND_FAILURES = ("address already in use", "failed to bind")
+
+
 class RemoteServer:
     def __init__(self, args: Sequence[str] = (), *, port: int | None = None, startup_timeout_s: float = 300.0,
                  env: dict[str, str] | None = None) -> None:
+        self.chosen_port = port is None
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.args = ["--port", str(self.port), *args]
@@ -40,6 +47,20 @@ class RemoteServer:
         self.stop()
 
     def start(self) -> None:
+        for attempt in range(1, BIND_ATTEMPTS + 1):
+            try:
+                return self._start()
+            except RuntimeError as e:
+                if (not self.chosen_port or attempt == BIND_ATTEMPTS
+                        or not any(f in str(e).lower() for f in _BIND_FAILURES)):
+                    raise
+            self.port = free_port()
+            self.base_url = f"http://127.0.0.1:{self.port}"
+            self.args[1] = str(self.port)
+            self.log.seek(0)
+            self.log.truncate()
+
+    def _start(self) -> None:
         cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
                                      stdin=subprocess.DEVNULL)
