@@ -131,6 +131,32 @@ def test_indents_change_no_draft_where_no_indentation_differs():
         assert indented.propose_with_length(tokens, 6) == plain.propose_with_length(tokens, 6)
 
 
+def test_indents_only_move_indentation_and_never_lengthen_a_draft():
+    """Random sequences over words and indentations of several widths per newline count (so matches do pair
+    different widths): with Indents, a draft is the plain draft's prefix with indentation tokens swapped for
+    ones of the same newlines, never longer, every id in the vocabulary, and no draft exactly when the match
+    length is 0."""
+    import numpy as np
+
+    from kvserve.spec_decode.ngram import Indents
+
+    texts = ["a", "b", " =", "\n", "\n ", "\n   ", "\n       ", "\n\n   ", "\n\n       ", "\r\n   ", "\n\t"]
+    classes = np.array([0, 1, 2] + [-1 - t.count("\n") for t in texts[3:]])
+    head = {i: t[:t.rfind("\n") + 1] for i, t in enumerate(texts) if "\n" in t}
+    rng = random.Random(5)
+    plain, indented = NgramProposer(2, 6, classes), NgramProposer(2, 6, classes, Indents(texts))
+    moved_any = False
+    for _ in range(3000):
+        tokens = [rng.randrange(len(texts)) for _ in range(rng.randrange(3, 50))]
+        k = rng.randrange(1, 7)
+        (p, _), (d, dn) = plain.propose_with_length(tokens, k), indented.propose_with_length(tokens, k)
+        assert len(d) <= len(p) <= k and (dn == 0) == (not d) and all(0 <= t < len(texts) for t in d)
+        for x, y in zip(d, p):
+            assert x == y or (classes[x] == classes[y] < 0 and head[x] == head[y]), (tokens, k, d, p)
+        moved_any |= d != p[:len(d)]
+    assert moved_any  # the toy sequences did exercise the move
+
+
 def test_indents_move_a_toy_draft_and_stop_where_no_token_fits():
     """Toy vocabulary: the copy's line starts with '\n   ' where the prompt's had '\n       ' (4 spaces
     out); the draft's next indentation moves by -4, and a draft stops before an indentation with no token

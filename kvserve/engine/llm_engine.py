@@ -121,7 +121,8 @@ class LLMEngine:
             classes = indents = None
             if spec.uses_lookup:  # method ngram, or prompt lookup in front of a draft model or eagle head
                 texts = token_texts(self.tokenizer)
-                classes, indents = whitespace_classes(self.tokenizer, mc.vocab_size, texts), Indents(texts)
+                classes = whitespace_classes(self.tokenizer, mc.vocab_size, texts)
+                indents = Indents(texts[:mc.vocab_size])  # it drafts ids of its own: only ones the model has
             self.speculator = Speculator(spec, self.max_model_len, config.max_num_batched_tokens, draft, classes,
                                          step_tokens=self.runner.step_tokens, indents=indents)
         self.requests: dict[str, Request] = {}

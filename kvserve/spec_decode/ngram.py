@@ -47,9 +47,13 @@ class Indents:
     prompt, but a draft running past a line's end was wrong at the next line's first token. So the copy's
     current line says by how much it moved (its indentation token against the prompt's at the same place),
     and the draft's indentation tokens move by as many spaces; a draft stops before one that has no token
-    for its new width. Replayed on the default model's greedy copies of the benchmark's 8 copy prompts (4 of
-    them code, 3 re-indented), drafting up to 8 tokens: 340 -> 329 verification steps for the same 1369
-    tokens (up to 4: 439 -> 431), and 25 of the 35 drafts whose first token was a wrong indentation right."""
+    for its new width. Only tokens holding a newline and then spaces count as indentation: a line at column 0
+    (a bare newline) neither measures nor moves, and a tokenizer that splits newlines from the spaces after
+    them (its indentation in tokens of spaces alone) is left as it was. The measure is the nearest
+    whitespace pair behind the match, normally the current line's first token. Replayed on the default
+    model's greedy copies of the benchmark's 8 copy prompts (4 of them code, 3 re-indented), drafting up to 8
+    tokens: 340 -> 329 verification steps for the same 1369 tokens (up to 4: 439 -> 431), and 25 of the 35
+    drafts whose first token was a wrong indentation right."""
 
     def __init__(self, texts: list[str]) -> None:
         self.spaces: dict[int, int] = {}              # indentation token id -> spaces after its last newline

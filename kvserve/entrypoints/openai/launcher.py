@@ -30,6 +30,8 @@ _BIND_FAILURES = ("address already in use", "failed to bind")
 class RemoteServer:
     def __init__(self, args: Sequence[str] = (), *, port: int | None = None, startup_timeout_s: float = 300.0,
                  env: dict[str, str] | None = None) -> None:
+        if "--port" in args:
+            raise ValueError("RemoteServer: pass port=, not --port in args (the launcher says where it listens)")
         self.chosen_port = port is None
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
