@@ -109,6 +109,12 @@ def make_prompts(workload: str, n: int, seed: int) -> list[tuple[list[dict], str
     return convs
 
 
+# Methods whose prompt lookup goes without some of its parts (ngram.NgramProposer's attributes): what each
+# part was measured against.
+LOOKUP_WITHOUT = {"ngram-plain": ("token_classes",), "ngram-no-indents": ("indents",),
+                  "ngram-long-no-indents": ("indents",), "eagle-lookup-plain": ("token_classes", "indents")}
+
+
 def method_config(method: str, args) -> dict | None:
     if method in ("none", "none-control"):
         return None
@@ -488,13 +494,10 @@ def main() -> None:
                         speculative_config=method_config(method, args), max_num_seqs=max(args.concurrency),
                         kv_cache_memory=args.kv_cache_memory)
             for method in args.methods}
-    if "ngram-plain" in llms:
-        llms["ngram-plain"].engine.speculator.proposer.token_classes = None
-    for method in ("ngram-no-indents", "ngram-long-no-indents", "eagle-lookup-plain"):
+    for method, parts in LOOKUP_WITHOUT.items():
         if method in llms:
-            llms[method].engine.speculator.proposer.indents = None
-    if "eagle-lookup-plain" in llms:
-        llms["eagle-lookup-plain"].engine.speculator.proposer.token_classes = None
+            for part in parts:
+                setattr(llms[method].engine.speculator.proposer, part, None)
     if "ngram-one-class" in llms:
         speculator = llms["ngram-one-class"].engine.speculator
         speculator.proposer = OneClassProposer(speculator.proposer)
