@@ -4,6 +4,7 @@ preemptions and prefix-cache hits forced; and the real proposers draft well on t
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.attention import torch_backend, torch_plan
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.spec_decode.speculator import Speculator
 from spec_helpers import count_alternatives, generate_with
@@ -131,3 +132,49 @@ def test_shipped_eagle_head_with_a_token_tree_greedy_identical_with_preemption(m
         assert [list(lp) for lp in o.outputs[0].logprobs] == [list(lp) for lp in r.outputs[0].logprobs]
     assert after.num_preemptions > before.num_preemptions
     assert counts["trees"] > 20 and counts["kept"] > 0, counts
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the native attention kernel is what long prefills leave")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_long_drafts_at_long_context_bit_for_bit(dtype, monkeypatch):
+    """A verification row longer than the prefill chunks that stay on the attention kernel at any context, at a
+    context where longer chunks go to SDPA: every position is computed as a plain decode computes it, so the
+    logprobs are the same bits as without speculation. (Found by QA: at 17 rows past 4096 tokens of context on
+    AVX-512, 1024 on AVX2, verification went to SDPA and greedy text could change.) The threshold is lowered so
+    that a short prompt reaches it."""
+    monkeypatch.setattr(torch_plan, "_KERNEL_MAX_PREFILL_CONTEXT", {"avx512": 64, "avx2": 64})
+    k = torch_plan._KERNEL_ALWAYS_MAX_QUERY + 4
+    verified = []  # per step with drafts: its longest verification row
+    build_plan = torch_backend.build_plan
+
+    def spy(batch, *args, **kwargs):
+        rows = [batch.query_len(i) for i in range(batch.num_seqs) if batch.verifies(i)]
+        verified.extend(rows[:1] and [max(rows)])
+        return build_plan(batch, *args, **kwargs)
+    monkeypatch.setattr(torch_backend, "build_plan", spy)
+    llm = LLM(dtype=dtype, speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                               "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+                                               "disable_by_batch_size": None, "adaptive_draft_length": False})
+    prompt = "Repeat this code exactly.\n\n" + CODE * 3 + "Again:\n\n"
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, logprobs=2)
+    (ref,), _, _ = generate_with(llm, False, [prompt], params)
+    assert not verified
+    (out,), _, _ = generate_with(llm, True, [prompt], params)
+    assert len(ref.prompt_token_ids) > 64
+    assert max(verified) > torch_plan._KERNEL_ALWAYS_MAX_QUERY  # rows SDPA would have taken
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert out.outputs[0].logprobs == ref.outputs[0].logprobs
+
+
+def test_warns_where_torch_matmuls_round_verification_rows_otherwise(caplog):
+    """Unquantized 16-bit weights multiply with torch's matmuls, whose rounding depends on the step's row count:
+    the engine says at start-up that speculation may then change outputs. Quantized weights on the kernels do
+    not (the default model's GGUF blocks), nor does float32 (differences of ~1e-5)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    for quantization, dtype, warns in (("none", "bfloat16", True), ("none", "float32", False),
+                                       ("auto", "bfloat16", not cpu_kernels.available())):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvserve.engine.llm_engine"):
+            LLM(quantization=quantization, dtype=dtype, speculative_config=spec)
+        said = any("round a verification step's rows differently" in r.getMessage() for r in caplog.records)
+        assert said == warns, (quantization, dtype)

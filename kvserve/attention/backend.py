@@ -51,18 +51,21 @@ class StepBatch:
     block_size: int
     # [T] host list: each token's position, where a tree draft's makes one differ from its index; else None
     positions_list: list[int] | None = None
+    # [B] host list: the draft tokens ending each sequence's query (speculative verification); None: no drafts
+    num_drafts_list: list[int] | None = None
 
     @classmethod
     def from_host(cls, block_tables: list[list[int]], slot_mapping: list[int], query_start_loc: list[int],
                   seq_lens: list[int], block_size: int, device: torch.device,
-                  positions: list[int] | None = None) -> StepBatch:
+                  positions: list[int] | None = None, num_drafts: list[int] | None = None) -> StepBatch:
         """The step's tensors on `device` from host lists; block tables zero-padded to the longest.
-        positions: only where tree drafts put some token elsewhere than its index."""
+        positions: only where tree drafts put some token elsewhere than its index; num_drafts: only where some
+        sequence verifies drafts."""
         width = max(map(len, block_tables))
         padded = [table + [0] * (width - len(table)) if len(table) < width else table for table in block_tables]
         i64 = lambda x: to_device(x, device, torch.int64)  # noqa: E731
         return cls(i64(slot_mapping), i64(query_start_loc), i64(seq_lens), i64(padded), query_start_loc,
-                   seq_lens, block_size, positions)
+                   seq_lens, block_size, positions, num_drafts)
 
     @property
     def num_seqs(self) -> int:
@@ -74,6 +77,10 @@ class StepBatch:
 
     def query_len(self, i: int) -> int:
         return self.query_start_loc_list[i + 1] - self.query_start_loc_list[i]
+
+    def verifies(self, i: int) -> bool:
+        """Whether sequence i's query is a decode token and its drafts."""
+        return self.num_drafts_list is not None and self.num_drafts_list[i] > 0
 
     @property
     def max_query_len(self) -> int:

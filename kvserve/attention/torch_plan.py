@@ -25,7 +25,10 @@ _GROUP_STRIDE = 4  # candidate group boundaries every this many rows, which keep
 # sequence's K/V for each of its rows. Measured per layer (benchmarks/results/prefill_attention_*.md):
 # AVX-512 1.34x SDPA's speed at 4k tokens of context, 0.86x at 8k; AVX2 1.13x at 1k, 0.93x at 2k.
 _KERNEL_MAX_PREFILL_CONTEXT = {"avx512": 4096, "avx2": 1024}
-_KERNEL_ALWAYS_MAX_QUERY = 16       # rows this short (decodes, speculative verification) stay on the kernel
+# Prefill chunks this short stay on the kernel at any context. Verification rows (a decode token and its drafts)
+# always do, however many drafts: each position must round as a plain decode's does, or speculation would change
+# the output.
+_KERNEL_ALWAYS_MAX_QUERY = 16
 # Steps of at most this many tokens (speculative verification at a few streams) get their kernel rows from the
 # host lists: the dozen small tensor ops of the general path took ~40 us of a ~3 ms step at one stream.
 _HOST_ROWS_MAX_TOKENS = 64
@@ -83,7 +86,8 @@ class AttentionPlan:
 def build_plan(batch: StepBatch, num_kv_heads: int, num_blocks: int, window: int | None, kernel: bool
                ) -> AttentionPlan:
     """kernel: query tokens go to the native kernel instead of gathered groups and SDPA, except those of
-    prefills with more than _KERNEL_MAX_PREFILL_CONTEXT (for the kernels' ISA) tokens of context."""
+    prefill chunks longer than _KERNEL_ALWAYS_MAX_QUERY with more than _KERNEL_MAX_PREFILL_CONTEXT (for the
+    kernels' ISA) tokens of context."""
     dev = batch.slot_mapping.device
     bs = batch.block_size
     heads = torch.arange(num_kv_heads, device=dev)
@@ -96,11 +100,11 @@ def build_plan(batch: StepBatch, num_kv_heads: int, num_blocks: int, window: int
     starts, lens = batch.query_start_loc_list, batch.seq_lens_list
     kernel_rows, torch_seqs = None, range(batch.num_seqs)
     if kernel:
-        # Long prefills stay with SDPA (see _KERNEL_MAX_PREFILL_CONTEXT). A handful of rows (speculative
-        # verification) reads the context once, far cheaper than SDPA's gather of all of it.
+        # Long prefills stay with SDPA (see _KERNEL_MAX_PREFILL_CONTEXT). A handful of rows reads the context
+        # once, far cheaper than SDPA's gather of all of it.
         longest = _KERNEL_MAX_PREFILL_CONTEXT[cpu_kernels.isa()]
         torch_seqs = [i for i in range(batch.num_seqs)
-                      if batch.query_len(i) > _KERNEL_ALWAYS_MAX_QUERY and lens[i] > longest]
+                      if batch.query_len(i) > _KERNEL_ALWAYS_MAX_QUERY and lens[i] > longest and not batch.verifies(i)]
         kernel_rows = _kernel_rows(batch, torch_seqs)
 
     decode_rows = sorted((i for i in torch_seqs if batch.query_len(i) == 1), key=lambda i: lens[i])

@@ -215,9 +215,11 @@ class ModelRunner:
         hidden states. tree: some positions differ from their tokens' indices (alternatives)."""
         dev = self.device
         # The backend's per-step work (index tensors, plans) happens here, once, not in the first layer.
+        drafts = sched.spec_token_ids
         meta = self.attn_backend.build_metadata(StepBatch.from_host(
             [seq.block_table for seq, _ in sched.scheduled], slot_mapping, query_start_loc, seq_lens,
-            self.block_size, dev, positions if tree else None))
+            self.block_size, dev, positions if tree else None,
+            [len(drafts.get(seq.seq_id, ())) for seq, _ in sched.scheduled] if drafts else None))
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),
