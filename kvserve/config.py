@@ -52,6 +52,11 @@ class EngineConfig:
     # "auto": Triton on CUDA when triton is installed, else torch (native CPU kernels where they apply);
     # "torch" | "triton" force one (kvserve/attention/selector.py).
     attention_backend: str = "auto"
+    # CPU: every row's attention on the native kernel at any context, so that what a request's steps also carry
+    # (other requests, drafts, a prefix-cache hit: where a long prompt is cut into chunks) cannot change its
+    # output. Off, prompt chunks of more than 16 tokens past 4096 tokens of context (1024 with AVX2) go to
+    # torch's SDPA, which is faster there (kvserve/attention/torch_plan.py).
+    batch_invariant: bool = False
     # CUDA with the Triton backend: pure-decode steps replay CUDA graphs captured at startup
     # (kvserve/worker/cuda_graphs.py); True runs every step eagerly.
     enforce_eager: bool = False

@@ -178,3 +178,42 @@ def test_warns_where_torch_matmuls_round_verification_rows_otherwise(caplog):
             LLM(quantization=quantization, dtype=dtype, speculative_config=spec)
         said = any("round a verification step's rows differently" in r.getMessage() for r in caplog.records)
         assert said == warns, (quantization, dtype)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="batch invariance is the native attention kernel's")
+def test_batch_invariant_keeps_a_long_prompt_independent_of_its_neighbours(monkeypatch):
+    """Past the context where long prompt chunks go to SDPA (lowered here to 64 tokens), where a prompt is cut
+    into chunks depends on what else its steps carry. With batch_invariant every row stays on the kernel, so a
+    prompt prefilled beside another request's decode and verification rows gives the same bits as alone."""
+    monkeypatch.setattr(torch_plan, "_KERNEL_MAX_PREFILL_CONTEXT", {"avx512": 64, "avx2": 64})
+    sdpa_chunks = []
+    build_plan = torch_backend.build_plan
+
+    def spy(*args, **kwargs):
+        plan = build_plan(*args, **kwargs)
+        sdpa_chunks.extend(plan.prefills)
+        return plan
+    monkeypatch.setattr(torch_backend, "build_plan", spy)
+    spec = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+            "disable_by_batch_size": None, "adaptive_draft_length": False}
+    neighbour = "Repeat this code exactly.\n\n" + CODE * 2 + "Again:\n\n"
+    prompt = "Copy the list: apples, pears, plums, cherries, grapes, lemons. " * 12 + "Copy:"
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
+    for invariant in (False, True):
+        llm = LLM(batch_invariant=invariant, max_num_batched_tokens=48, speculative_config=spec)
+        (alone,), _, _ = generate_with(llm, True, [prompt], params)
+        sdpa_chunks.clear()
+        engine = llm.engine
+        engine.reset_prefix_cache()
+        engine.add_request("neighbour", neighbour, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+        for _ in range(12):  # the neighbour prefills, then decodes with drafts
+            engine.step()
+        engine.add_request("prompt", prompt, params)
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        if invariant:
+            assert not sdpa_chunks
+            assert outs["prompt"].outputs[0].logprobs == alone.outputs[0].logprobs
+        else:  # the path the option closes was taken
+            assert sdpa_chunks

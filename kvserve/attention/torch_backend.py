@@ -46,10 +46,12 @@ class TorchPagedBackend(AttentionBackend):
     name = "torch"
     supports_tree_drafts = True
 
-    def __init__(self, *args, native_kernels: bool = True, **kwargs) -> None:
-        """native_kernels=False: the torch path only (the reference the kernels are tested against)."""
+    def __init__(self, *args, native_kernels: bool = True, batch_invariant: bool = False, **kwargs) -> None:
+        """native_kernels=False: the torch path only (the reference the kernels are tested against).
+        batch_invariant: every row on the native kernel at any context (EngineConfig.batch_invariant)."""
         super().__init__(*args, **kwargs)
         self.native_kernels = native_kernels
+        self.batch_invariant = batch_invariant
         self._kernel = {layer.layer_idx: native_kernels and self._kernel_applies(layer) for layer in self.layers}
         self._plan_keys = sorted({self._plan_key(layer) for layer in self.layers}, key=repr)
 
@@ -59,7 +61,8 @@ class TorchPagedBackend(AttentionBackend):
 
     def build_metadata(self, batch: StepBatch) -> TorchMetadata:
         Hkv = self.kv_spec.num_kv_heads
-        plans = {key: build_plan(batch, Hkv, self.num_blocks, key[0], key[1]) for key in self._plan_keys}
+        plans = {key: build_plan(batch, Hkv, self.num_blocks, key[0], key[1], self.batch_invariant)
+                 for key in self._plan_keys}
         return TorchMetadata(batch, self, plans)
 
     def kernel_only_plan(self, meta: AttentionMetadata) -> AttentionPlan | None:

@@ -83,11 +83,11 @@ class AttentionPlan:
     prefills: list[PrefillPlan]      # torch path: sequences with several new tokens
 
 
-def build_plan(batch: StepBatch, num_kv_heads: int, num_blocks: int, window: int | None, kernel: bool
-               ) -> AttentionPlan:
+def build_plan(batch: StepBatch, num_kv_heads: int, num_blocks: int, window: int | None, kernel: bool,
+               kernel_only: bool = False) -> AttentionPlan:
     """kernel: query tokens go to the native kernel instead of gathered groups and SDPA, except those of
     prefill chunks longer than _KERNEL_ALWAYS_MAX_QUERY with more than _KERNEL_MAX_PREFILL_CONTEXT (for the
-    kernels' ISA) tokens of context."""
+    kernels' ISA) tokens of context; kernel_only: those too (batch invariance)."""
     dev = batch.slot_mapping.device
     bs = batch.block_size
     heads = torch.arange(num_kv_heads, device=dev)
@@ -99,7 +99,9 @@ def build_plan(batch: StepBatch, num_kv_heads: int, num_blocks: int, window: int
 
     starts, lens = batch.query_start_loc_list, batch.seq_lens_list
     kernel_rows, torch_seqs = None, range(batch.num_seqs)
-    if kernel:
+    if kernel and kernel_only:
+        kernel_rows, torch_seqs = _kernel_rows(batch, []), []
+    elif kernel:
         # Long prefills stay with SDPA (see _KERNEL_MAX_PREFILL_CONTEXT). A handful of rows reads the context
         # once, far cheaper than SDPA's gather of all of it.
         longest = _KERNEL_MAX_PREFILL_CONTEXT[cpu_kernels.isa()]

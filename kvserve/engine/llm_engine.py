@@ -96,8 +96,10 @@ class LLMEngine:
                                  num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
+        if config.batch_invariant and self.device.type != "cpu":
+            raise ValueError("batch_invariant applies to the CPU's attention kernels; on CUDA it is not available")
         self.runner = ModelRunner(loaded.model, kv_spec, num_blocks, self.device, self.eos_token_ids, self.dtype,
-                                  config.attention_backend)
+                                  config.attention_backend, config.batch_invariant)
         if spec is not None and spec.num_alternatives and not self.runner.attn_backend.supports_tree_drafts:
             raise ValueError(f"speculative_config: speculative_token_tree with alternatives needs an attention "
                              f"backend that takes tree rows (the CPU's 'torch'); this engine runs "

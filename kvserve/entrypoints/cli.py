@@ -71,6 +71,10 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     p.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="auto: Triton on CUDA (when triton is installed), else torch, which runs the native CPU "
                         "kernels where they apply. (default: %(default)s)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="CPU: every row's attention on kvserve's kernel at any context, so that a request's output "
+                        "does not depend on what else its steps carry (long prompts' chunks otherwise go to SDPA past "
+                        "4096 tokens of context, 1024 with AVX2); long prefills get slower")
     p.add_argument("--enforce-eager", action="store_true",
                    help="Run every step eagerly: no CUDA graphs for decode steps (captured by default on CUDA "
                         "with the Triton attention backend).")
@@ -127,7 +131,7 @@ def engine_config(args: argparse.Namespace, max_waiting: int | None = None) -> E
         quantization=args.quantization, quant_group_size=args.quant_group_size,
         seed=args.seed, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, batch_invariant=args.batch_invariant,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.prefix_caching,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,

@@ -46,12 +46,14 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_spec: KVCacheSpec, num_blocks: int, device: torch.device,
-                 eos_token_ids: list[int], dtype: torch.dtype = torch.float32, attention_backend: str = "auto") -> None:
+                 eos_token_ids: list[int], dtype: torch.dtype = torch.float32, attention_backend: str = "auto",
+                 batch_invariant: bool = False) -> None:
         self.model = model
         self.block_size = kv_spec.block_size
         self.device = device
         self.eos_token_ids = eos_token_ids
-        self.attn_backend = make_attention_backend(attention_backend, model, kv_spec, num_blocks, device, dtype)
+        self.attn_backend = make_attention_backend(attention_backend, model, kv_spec, num_blocks, device, dtype,
+                                                   **({"batch_invariant": True} if batch_invariant else {}))
         self.kv_caches = self.attn_backend.allocate_kv_caches()
         self.sampler = Sampler()
         self.graphs = None  # StepGraphs once capture_graphs ran (CUDA, Triton backend)
