@@ -217,3 +217,12 @@ def test_batch_invariant_keeps_a_long_prompt_independent_of_its_neighbours(monke
             assert outs["prompt"].outputs[0].logprobs == alone.outputs[0].logprobs
         else:  # the path the option closes was taken
             assert sdpa_chunks
+
+
+def test_batch_invariant_says_which_layers_it_cannot_cover(caplog, monkeypatch):
+    """Where the native kernel is missing (as under KVSERVE_CPU_ISA=none, imitated here) the option cannot keep rows
+    on it: the engine says so."""
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    with caplog.at_level("WARNING", logger="kvserve.attention.torch_backend"):
+        LLM(batch_invariant=True, quantization="none", dtype="float32")
+    assert any("cannot run on the native kernel" in r.getMessage() for r in caplog.records)

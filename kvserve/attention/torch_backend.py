@@ -19,6 +19,7 @@ prefix.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,8 @@ from kvserve.attention.backend import FP8, FP8_MAX, AttentionBackend, AttentionM
 from kvserve.attention.torch_plan import AttentionPlan, DecodeGroup, PrefillPlan, build_plan
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.attention import PagedAttention
+
+logger = logging.getLogger(__name__)
 
 PlanKey = tuple[int | None, bool]  # (sliding window, native kernel)
 
@@ -53,6 +56,10 @@ class TorchPagedBackend(AttentionBackend):
         self.native_kernels = native_kernels
         self.batch_invariant = batch_invariant
         self._kernel = {layer.layer_idx: native_kernels and self._kernel_applies(layer) for layer in self.layers}
+        if batch_invariant and not all(self._kernel.values()):
+            logger.warning("batch_invariant: %d of %d attention layers cannot run on the native kernel (none built "
+                           "for this CPU, or a geometry it lacks): their long prompt chunks still depend on the batch",
+                           sum(not k for k in self._kernel.values()), len(self._kernel))
         self._plan_keys = sorted({self._plan_key(layer) for layer in self.layers}, key=repr)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
