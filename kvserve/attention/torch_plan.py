@@ -8,6 +8,7 @@ block_id * block_size + offset, the same in every head. The batch's conventions:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -99,12 +100,10 @@ def build_plan(batch: StepBatch, num_kv_heads: int, num_blocks: int, window: int
 
     starts, lens = batch.query_start_loc_list, batch.seq_lens_list
     kernel_rows, torch_seqs = None, range(batch.num_seqs)
-    if kernel and kernel_only:
-        kernel_rows, torch_seqs = _kernel_rows(batch, []), []
-    elif kernel:
-        # Long prefills stay with SDPA (see _KERNEL_MAX_PREFILL_CONTEXT). A handful of rows reads the context
-        # once, far cheaper than SDPA's gather of all of it.
-        longest = _KERNEL_MAX_PREFILL_CONTEXT[cpu_kernels.isa()]
+    if kernel:
+        # Long prefills stay with SDPA (see _KERNEL_MAX_PREFILL_CONTEXT), but with kernel_only. A handful of rows
+        # reads the context once, far cheaper than SDPA's gather of all of it.
+        longest = math.inf if kernel_only else _KERNEL_MAX_PREFILL_CONTEXT[cpu_kernels.isa()]
         torch_seqs = [i for i in range(batch.num_seqs)
                       if batch.query_len(i) > _KERNEL_ALWAYS_MAX_QUERY and lens[i] > longest and not batch.verifies(i)]
         kernel_rows = _kernel_rows(batch, torch_seqs)

@@ -85,8 +85,8 @@ def rounds_by_step_shape(model: nn.Module) -> bool:
     """Whether some linear layer of model multiplies with torch's matmuls (FloatMethod, or blocks without the
     kernel), whose rounding of a row depends on how many rows its step has (the BLAS picks its kernel and
     blocking by shape). kvserve's quantized CPU kernels compute every row alike, whatever else is in the step."""
-    return any(isinstance(m.method, FloatMethod) or (isinstance(m.method, BlockMethod) and not m.method.use_kernel)
-               for m in model.modules() if isinstance(getattr(m, "method", None), (FloatMethod, BlockMethod)))
+    methods = (getattr(m, "method", None) for m in model.modules())
+    return any(isinstance(x, FloatMethod) or (isinstance(x, BlockMethod) and not x.use_kernel) for x in methods)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
