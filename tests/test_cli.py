@@ -131,3 +131,18 @@ def test_serve_models_from_the_command_line_and_a_file(tmp_path):
     # Errors reach the user as one line naming the field, not a traceback.
     path.write_text("models:\n  - {name: a, model: x, data_parallel_size: 0}\n")
     assert main(["serve", "--models-config", str(path)]) == 2
+
+
+@pytest.mark.timeout(300)
+def test_serve_that_cannot_start_its_engine_says_why_in_one_line(tmp_path):
+    # The engine process refuses the configuration (no such draft model) after the server has started:
+    # the user gets that reason and a failing exit status, not the engine's and uvicorn's tracebacks.
+    missing = tmp_path / "no-such-draft"
+    out = subprocess.run([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", "0",
+                          "--max-model-len", "256", "--speculative-config",
+                          f'{{"method": "draft", "num_speculative_tokens": 3, "model": "{missing}"}}'],
+                         capture_output=True, text=True, timeout=280, stdin=subprocess.DEVNULL)
+    assert out.returncode != 0
+    reason = [line for line in out.stderr.splitlines() if "engine failed to start" in line]
+    assert len(reason) == 1 and f"model '{missing}' does not exist" in reason[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]

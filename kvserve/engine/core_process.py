@@ -220,8 +220,7 @@ def run_engine_core_process(config: EngineConfig, input_addr: str, output_addr: 
         try:
             core = EngineCore(config)
         except Exception as e:  # noqa: BLE001 - reported to the server, which exits with the message
-            logger.exception("engine failed to start")
-            push.send(encoder.encode(StartupFailed(f"{type(e).__name__}: {e}")))
+            push.send(encoder.encode(_startup_failed(e)))
             return
         push.send(encoder.encode(core.ready()))
         fault_token = faults.crash_token()
@@ -248,6 +247,15 @@ def run_engine_core_process(config: EngineConfig, input_addr: str, output_addr: 
         ctx.term()
 
 
+def _startup_failed(e: Exception) -> StartupFailed:
+    """What the server is told (it exits with the message). A configuration the engine refuses (ValueError,
+    FileNotFoundError) is the user's to fix and its message says how, so it is not logged here too; anything
+    else is a bug, and its traceback is logged."""
+    if not isinstance(e, (ValueError, FileNotFoundError)):
+        logger.exception("engine failed to start")
+    return StartupFailed(f"{type(e).__name__}: {e}")
+
+
 # ---------------------------------------------------------------- thread transport
 
 def run_engine_core_thread(core_factory: Callable[[], EngineCore], inbox: "queue.Queue[ToEngine]",
@@ -256,8 +264,7 @@ def run_engine_core_thread(core_factory: Callable[[], EngineCore], inbox: "queue
     try:
         core = core_factory()
     except Exception as e:  # noqa: BLE001
-        logger.exception("engine failed to start")
-        send(StartupFailed(f"{type(e).__name__}: {e}"))
+        send(_startup_failed(e))
         return
     send(core.ready())
 

@@ -74,6 +74,10 @@ class EngineDeadError(Exception):
     pass
 
 
+class EngineStartupError(RuntimeError):
+    """The engine could not start: its message says why (a bad configuration says what to change)."""
+
+
 class EngineOverloadedError(Exception):
     """More than config.max_waiting requests would be waiting."""
 
@@ -128,7 +132,7 @@ class AsyncLLM:
         msg = await asyncio.wait_for(first, startup_timeout_s)
         if isinstance(msg, StartupFailed):
             await self.shutdown()
-            raise RuntimeError(f"engine failed to start: {msg.message}")
+            raise EngineStartupError(f"engine failed to start: {msg.message}")
         self._apply_ready(msg)
 
     def _deliver_to(self, first: asyncio.Future) -> Callable[[FromEngine], None]:
@@ -140,7 +144,7 @@ class AsyncLLM:
         return deliver
 
     async def _launch(self, startup_timeout_s: float) -> None:
-        """Start an engine process and wait for its Ready. Raises RuntimeError if it fails or dies first."""
+        """Start an engine process and wait for its Ready. Raises EngineStartupError if it fails or dies first."""
         first: asyncio.Future = asyncio.get_running_loop().create_future()
         engine = EngineProcess(self.config, self._deliver_to(first))
         self._engine, self._send, self.engine_pid = engine, engine.send, engine.pid
@@ -150,12 +154,12 @@ class AsyncLLM:
                 why = (f"exited with code {engine.exitcode}" if not engine.is_alive()
                        else f"not ready after {startup_timeout_s:.0f}s")
                 await self._drop_engine()
-                raise RuntimeError(f"engine process {why} while starting")
+                raise EngineStartupError(f"engine process {why} while starting")
             await asyncio.wait({first}, timeout=_WATCH_INTERVAL_S)
         msg = first.result()
         if isinstance(msg, StartupFailed):
             await self._drop_engine()
-            raise RuntimeError(f"engine failed to start: {msg.message}")
+            raise EngineStartupError(f"engine failed to start: {msg.message}")
         self._apply_ready(msg)
 
     async def _drop_engine(self) -> None:

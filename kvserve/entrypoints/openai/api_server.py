@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.config import EngineConfig
-from kvserve.entrypoints.async_llm import EngineMode
+from kvserve.entrypoints.async_llm import EngineMode, EngineStartupError
 from kvserve.entrypoints.openai.auth import bearer_token, key_matches
 from kvserve.entrypoints.openai.errors import bad_request, error_body, install_error_handlers
 from kvserve.entrypoints.openai.pacing import LoopPacer
@@ -88,6 +88,7 @@ class ServerArgs:
 class ServerState:
     draining: bool = False
     in_flight: int = 0          # /v1 and tokenize requests still being answered (streams included)
+    startup_error: str | None = None  # why an engine could not start (what the server exits with)
 
 
 class GuardMiddleware:
@@ -100,6 +101,8 @@ class GuardMiddleware:
         self.pacer = LoopPacer(REQUESTS_PER_LOOP_TURN)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            return await self.app(scope, receive, self._startup_failure_in_one_line(send))
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path: str = scope["path"]
@@ -143,6 +146,17 @@ class GuardMiddleware:
             self.state.in_flight -= 1
 
 
+    def _startup_failure_in_one_line(self, send: Send) -> Send:
+        """uvicorn logs a failed startup's message, which Starlette fills with the whole traceback; an engine
+        that could not start has a one-line reason (e.g. a draft model path that does not exist), and the
+        user should see just that."""
+        async def send_short(message: Message) -> None:
+            if message["type"] == "lifespan.startup.failed" and self.state.startup_error is not None:
+                message = {**message, "message": self.state.startup_error}
+            await send(message)
+        return send_short
+
+
 def _header(scope: Scope, name: bytes) -> str | None:
     for k, v in scope.get("headers", []):
         if k.lower() == name:
@@ -178,7 +192,11 @@ def build_app(args: ServerArgs, state: ServerState | None = None, auto_router: A
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await registry.start()
+        try:
+            await registry.start()
+        except EngineStartupError as e:
+            state.startup_error = str(e)
+            raise
         tasks = [asyncio.create_task(history.run())]
         for model, i, engine, metrics in engines:
             if engine.config.speculative_config is not None:
