@@ -170,8 +170,11 @@ def _prefill(layer: PagedAttention, q: torch.Tensor, out: torch.Tensor, k_blocks
     i = plan.row
     start, end = batch.query_start_loc_list[i], batch.query_start_loc_list[i + 1]
     seq_len, Hkv, D = batch.seq_lens_list[i], layer.num_kv_heads, layer.head_dim
-    k = _gather(k_blocks, plan.gather_idx, layer.k_scale, q.dtype)
-    v = _gather(v_blocks, plan.gather_idx, layer.v_scale, q.dtype)
+    # On a CPU in float32 whatever the activations: torch's CPU flash attention ran 1.5-1.6x as fast in
+    # float32 as in bfloat16 (Intel Xeon with AVX-512 BF16, and with AVX2; benchmarks/README.md, session 37).
+    dtype = torch.float32 if q.device.type == "cpu" else q.dtype
+    k = _gather(k_blocks, plan.gather_idx, layer.k_scale, dtype)
+    v = _gather(v_blocks, plan.gather_idx, layer.v_scale, dtype)
     k = k.view(1, Hkv, -1, D)[:, :, :seq_len]  # [1, Hkv, S, D]
     v = v.view(1, Hkv, -1, D)[:, :, :seq_len]
     qi = q[start:end].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, H, q_len, D]
