@@ -94,7 +94,7 @@ class ServerState:
 class GuardMiddleware:
     """Pure ASGI (so streaming and disconnect detection pass through untouched): 503 while draining,
     401 without the API key on /v1, 413 for oversized bodies; paces bursts of new requests over loop turns;
-    counts in-flight requests for draining."""
+    counts in-flight requests for draining; shortens a failed startup's message to its reason."""
 
     def __init__(self, app: ASGIApp, args: ServerArgs, state: ServerState) -> None:
         self.app, self.args, self.state = app, args, state
@@ -144,7 +144,6 @@ class GuardMiddleware:
             await self.app(scope, replay, send)
         finally:
             self.state.in_flight -= 1
-
 
     def _startup_failure_in_one_line(self, send: Send) -> Send:
         """uvicorn logs a failed startup's message, which Starlette fills with the whole traceback; an engine
