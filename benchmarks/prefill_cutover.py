@@ -1,0 +1,74 @@
+"""Where long prefill chunks should leave the native attention kernel for torch's SDPA, end to end: the time
+to prefill one prompt alone with the cut-over (_KERNEL_MAX_PREFILL_CONTEXT for this CPU's kernels) set to each
+of --cutovers, in one engine, the settings taking turns in each round on the same fresh prompt (prefix caching
+off). Past the cut-over a chunk of more than 16 tokens runs on SDPA, and where a long prompt is cut into
+chunks then depends on its batch, so a lower cut-over buys speed with batch invariance (README, "Exact").
+
+    python benchmarks/prefill_cutover.py [--cutovers 1024 2048 4096] [--lengths 2048 4096 6144]
+                                                                     # results/prefill_cutover_<isa>.*
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from common import report
+from kvserve import LLM, SamplingParams
+from kvserve.attention import torch_plan
+from kvserve.kernels import cpu as cpu_kernels
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cutovers", nargs="+", type=int, default=[1024, 2048, 4096], help="tokens of context")
+    ap.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096, 6144], help="prompt tokens")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024, help="the chunk size (the engine's default)")
+    ap.add_argument("--name", default="prefill_cutover")
+    args = ap.parse_args()
+    isa = cpu_kernels.isa()
+    assert isa, "the native kernels did not build on this machine"
+    shipped = torch_plan._KERNEL_MAX_PREFILL_CONTEXT[isa]
+    llm = LLM(max_num_seqs=4, kv_cache_memory=1 << 30, enable_prefix_caching=False,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    rng = random.Random(0)
+    llm.generate([[rng.randrange(100, 40000) for _ in range(256)]], params, use_tqdm=False)  # warm-up
+
+    results: dict = {"shipped_cutover": shipped, "points": []}
+    rows = []
+    try:
+        for n in args.lengths:
+            seconds: dict[int, list[float]] = {c: [] for c in args.cutovers}
+            for k in range(args.rounds):
+                prompt = [rng.randrange(100, 40000) for _ in range(n)]
+                for c in (args.cutovers if k % 2 == 0 else args.cutovers[::-1]):
+                    torch_plan._KERNEL_MAX_PREFILL_CONTEXT[isa] = c
+                    t0 = time.perf_counter()
+                    llm.generate([prompt], params, use_tqdm=False)
+                    seconds[c].append(time.perf_counter() - t0)
+            base = statistics.median(seconds[shipped]) if shipped in seconds else None
+            cells = []
+            for c in args.cutovers:
+                med = statistics.median(seconds[c])
+                results["points"].append({"prompt_tokens": n, "cutover": c, "seconds": seconds[c], "median_s": med})
+                cells.append(f"{med:.2f}" + (f" ({base / med:.2f}x)" if base else ""))
+            rows.append(f"| {n} | " + " | ".join(cells) + " |")
+            print(rows[-1], flush=True)
+    finally:
+        torch_plan._KERNEL_MAX_PREFILL_CONTEXT[isa] = shipped
+
+    head = " | ".join(f"cut-over {c}{' (shipped)' if c == shipped else ''}, median s" for c in args.cutovers)
+    table = "\n".join([f"| prompt tokens | {head} |", "|---:|" + "---:|" * len(args.cutovers), *rows])
+    setup = (f"Model: the default SmolLM2-135M-Instruct (dtype auto: {str(llm.engine.dtype)[6:]}, quantization auto); "
+             f"one request of random prompt tokens at a time, max_tokens 1, chunks of {args.max_num_batched_tokens} "
+             f"tokens, prefix caching off; {args.rounds} rounds, the cut-overs taking turns on the same prompt. "
+             f"Time to the first token (the whole prefill); in brackets the speed against the shipped cut-over "
+             f"({shipped}).")
+    report(args.name, "Prefill time by the kernel/SDPA cut-over", args, setup, table, results, isa=isa)
+
+
+if __name__ == "__main__":
+    main()
