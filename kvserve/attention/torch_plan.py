@@ -26,8 +26,8 @@ _GROUP_STRIDE = 4  # candidate group boundaries every this many rows, which keep
 # sequence's K/V for each of its rows. Measured per layer (benchmarks/results/prefill_attention_*.md):
 # AVX-512 1.34x SDPA's speed at 4k tokens of context, 0.86x at 8k; AVX2 1.13x at 1k, 0.93x at 2k. That was
 # against bfloat16 SDPA on the Zen 5; SDPA now computes in float32, 1.5x faster, and on an Intel Xeon a lower
-# AVX-512 cut-over prefilled faster (benchmarks/README.md, session 37): to re-measure on both before moving it,
-# since past it a long prompt's output depends on its batch.
+# AVX-512 cut-over prefilled faster (benchmarks/prefill_cutover.py; benchmarks/README.md, session 37): to
+# re-measure on both before moving it, since past it a long prompt's output depends on its batch.
 _KERNEL_MAX_PREFILL_CONTEXT = {"avx512": 4096, "avx2": 1024}
 # Prefill chunks this short stay on the kernel at any context. Verification rows (a decode token and its drafts)
 # always do, however many drafts: each position must round as a plain decode's does, or speculation would change
