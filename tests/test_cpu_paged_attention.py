@@ -28,6 +28,40 @@ def reference(q, k_cache, v_cache, tables, row_seq, row_len, scale, window):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.bfloat16, torch.float8_e4m3fn)], ids=["f32", "bf16", "bf16_fp8cache"])
+@pytest.mark.parametrize("D,H,Hkv,window", [(64, 9, 3, 0), (64, 9, 3, 530), (256, 4, 1, 0)])
+def test_long_chunk_rows_computed_together_give_each_rows_own_bits(isa, dtype, cache_dtype, D, H, Hkv, window):
+    """A long prompt chunk's rows (a run of 32 or more with 512 keys or more in view) are taken in groups that
+    share each block of keys: every row must still compute what it computes alone, bit for bit (the engine's
+    outputs must not depend on which rows share a step), and match float64 attention. Another sequence's rows
+    sit between two runs of the first."""
+    ops = native_ops(isa)
+    g = torch.Generator().manual_seed(5)
+    bs, NB, prefix, new = 16, 96, 560, 40
+    k_cache = torch.randn(Hkv, NB, bs, D, generator=g).to(cache_dtype or dtype)
+    v_cache = torch.randn(Hkv, NB, bs, D, generator=g).to(cache_dtype or dtype)
+    perm = torch.randperm(NB, generator=g).tolist()
+    tables = [perm[:40], perm[40:80]]  # two sequences of up to 640 tokens, blocks scattered
+    row_seq = [0] * new + [1] * 3 + [0] * new
+    row_len = list(range(prefix + 1, prefix + new + 1)) + [100, 101, 102] + [prefix + new] * new
+    T = len(row_seq)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    tokens = torch.arange(T)
+    args = (torch.tensor(row_seq), torch.tensor(row_len), torch.tensor(tables), 0.125, window)
+    together = torch.empty_like(q)
+    ops.paged_attention_(q, together, k_cache, v_cache, tokens, *args)
+    alone = torch.empty_like(q)
+    for r in range(T):
+        ops.paged_attention_(q, alone, k_cache, v_cache, tokens[r:r + 1], torch.tensor(row_seq[r:r + 1]),
+                             torch.tensor(row_len[r:r + 1]), *args[2:])
+    assert torch.equal(together, alone)
+    expected = reference(q, k_cache, v_cache, tables, row_seq, row_len, 0.125, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(together.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
                                                (torch.float32, torch.float8_e4m3fn),
                                                (torch.bfloat16, torch.float8_e4m3fn),
                                                (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],

@@ -9,9 +9,9 @@
 // matmuls over it (~45% of a decode step at batch 64), and torch's CPU flash attention ran prefill at
 // ~35 GFLOP/s. Here each (row, KV head) reads its K and V once, with no copy and no padding, and the G
 // query heads sharing the KV head reuse each converted K/V row from registers. A prefill sequence's
-// K/V is re-read by each of its rows, but from cache (64 KB per head for 256 bfloat16 tokens).
-// (Taking a sequence's adjacent rows together, to share those reads, measured slower for a verification
-// step's 5 rows: 3 items on 2 threads instead of 15; the kernel is bound by multiply-adds per query.)
+// K/V is re-read by each of its rows: from cache for short contexts (64 KB per head for 256 bfloat16
+// tokens); past that, a long chunk's rows share each block of keys (attend_rows). (Taking a verification
+// step's 5 rows together measured slower: 3 items on 2 threads instead of 15, and their K/V were in cache.)
 //
 // Registered as torch.ops.<KVSERVE_NS>.paged_attention_ (in place on `out`). Scores and softmax are float32
 // whatever the cache dtype (bfloat16 or float32).
@@ -35,6 +35,15 @@ using namespace kvserve_cpu;
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 constexpr int64_t kChunk = 16;     // keys scored together (one vector of scores)
+// A long prompt chunk's rows that see at least kGroupMinKeys keys are taken up to kGroupRows at a time,
+// kKeyBlock keys at a time (attend_rows): 1.5-1.7x the speed for a 2048-token chunk after 2048-6144 cached
+// tokens (Intel Xeon, AVX-512, benchmarks/prefill_attention.py; 8 or 32 rows a group measured slower). Rows
+// with fewer keys are taken one by one (their K/V stay in cache anyway), and so are runs of fewer than
+// kMinRunRows rows of a sequence: a verification step's rows would make too few work items for the threads.
+constexpr int64_t kGroupRows = 16;
+constexpr int64_t kGroupMinKeys = 512;
+constexpr int64_t kKeyBlock = 256;  // a multiple of kChunk
+constexpr int64_t kMinRunRows = 32;
 
 template <typename T, int64_t D>
 inline void prefetch_row(const T* row) {
@@ -71,10 +80,10 @@ struct RowCursor {
 };
 
 // s[h][t] = q_h . k_(first + t) for kN heads (q: their kC vectors each, already scaled) over the keys
-// [first, first + n), sixteen keys at a time; s holds their kN rows of n scores.
+// [first, first + n), sixteen keys at a time; s holds their kN rows of scores, ld apart.
 template <typename C, int kC, int kN>
 void score_keys(const Vec16 (*q)[kC], const C* k_cache, const int64_t* table, int64_t head_base, int64_t bs,
-                int64_t first, int64_t n, int64_t last_at, float* s) {
+                int64_t first, int64_t n, int64_t last_at, float* s, int64_t ld) {
   constexpr int64_t D = kC * 16;
   Vec16 qr[kN][kC];  // copied in so that they live in registers
   for (int h = 0; h < kN; ++h)
@@ -95,7 +104,7 @@ void score_keys(const Vec16 (*q)[kC], const C* k_cache, const int64_t* table, in
     }
     for (int h = 0; h < kN; ++h) {
       for (int64_t j = m; j < kChunk; ++j) part[h][j] = zero();
-      store(s + h * n + t0, sum_each16(part[h]), m);
+      store(s + h * ld + t0, sum_each16(part[h]), m);
     }
   }
 }
@@ -111,77 +120,130 @@ template <int kC> constexpr int kPvWidth = kC;
 #else
 template <int kC> constexpr int kPvWidth = kC < 4 ? kC : 4;
 #endif
-template <typename T, typename C, int kC, int kN>
+template <typename C, int kC, int kN>
 void accumulate_pv(const C* v_cache, const int64_t* table, int64_t head_base, int64_t bs, int64_t first, int64_t n,
-                   int64_t last_at, const float* p, T* out, const float* inv_sum) {
+                   int64_t last_at, const float* p, int64_t ld, float* acc_io) {
+  // acc_io[h][D] += sum_t p[h][t] v_(first + t), in key order: the same multiply-adds on the same values
+  // whether the keys come in one call or in consecutive ranges (attend_rows), so the same bits.
   constexpr int64_t D = kC * 16;
   constexpr int kW = kPvWidth<kC>;
   for (int c0 = 0; c0 < kC; c0 += kW) {
     Vec16 acc[kN][kW];
     for (int h = 0; h < kN; ++h)
-      for (int c = 0; c < kW; ++c) acc[h][c] = zero();
+      for (int c = 0; c < kW; ++c) acc[h][c] = load16(acc_io + h * D + (c0 + c) * 16);
     RowCursor<C, D> v(v_cache, table, head_base, bs, first, first + n, last_at);
     for (int64_t t = 0; t < n; ++t, v.advance()) {
       if (c0 == 0) v.prefetch_next_block();  // later passes find the rows in cache
       Vec16 vv[kW];
       for (int c = 0; c < kW; ++c) vv[c] = load16(v.row + (c0 + c) * 16);
       for (int h = 0; h < kN; ++h) {
-        const Vec16 w = broadcast(p[h * n + t]);
+        const Vec16 w = broadcast(p[h * ld + t]);
         for (int c = 0; c < kW; ++c) acc[h][c] = fmadd(w, vv[c], acc[h][c]);
       }
     }
     for (int h = 0; h < kN; ++h)
-      for (int c = 0; c < kW; ++c) store(out + h * D + (c0 + c) * 16, acc[h][c] * broadcast(inv_sum[h]), 16);
+      for (int c = 0; c < kW; ++c) store(acc_io + h * D + (c0 + c) * 16, acc[h][c], 16);
   }
 }
 
-// One (row, KV head): scores for the G query heads over the visible keys [first, len), softmax, then P @ V.
+// out[g] = inv_sum[g] * acc[g] for G heads of D values.
+template <typename T>
+void scale_out(const float* acc, const float* inv_sum, int64_t G, int64_t D, T* out) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; d += 16) store(out + g * D + d, load16(acc + g * D + d) * broadcast(inv_sum[g]), 16);
+}
+
+// Softmax over each head's n scores (rows ld apart), in place: exp(s - max); inv_sum[g] = v_scale / sum.
+inline void softmax_rows(float* s, int64_t ld, int64_t n, int64_t G, float v_scale, float* inv_sum) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = s + g * ld;
+    Vec16 mx = broadcast(-3.0e38f);
+    for (int64_t i = 0; i < n; i += 16) mx = max_first(mx, load(row + i, n - i), n - i);
+    const Vec16 mv = broadcast(reduce_max(mx));
+    Vec16 sum = zero();
+    for (int64_t i = 0; i < n; i += 16) {
+      const Vec16 e = keep_first(exp_ps(load(row + i, n - i) - mv), n - i);
+      store(row + i, e, n - i);
+      sum = sum + e;
+    }
+    inv_sum[g] = v_scale / reduce_add(sum);
+  }
+}
+
+template <typename T>
+struct RowRef {
+  const T* q;
+  T* out;
+  int64_t first, len, last_at;  // visible keys [first, len); key len - 1 stored at last_at
+};
+
+// Rows of one sequence, one KV head: for each row, scores for the G query heads over its visible keys,
+// softmax, then P @ V. A single row takes its keys in one range; several rows take them kKeyBlock at a time,
+// each row in turn over the same block, so that a long context's K and V come from L1/L2 once per block and
+// rows instead of from L3 or DRAM once per row. Every row's arithmetic is the same either way (blocks are
+// multiples of score_keys' 16 keys, and accumulate_pv adds in key order), so its bits do not depend on
+// which rows share its call.
 // Heads are taken kBlock at a time, a count known at compile time: indexed by a run-time count, queries
 // and accumulators stayed in memory, a load (and in pass 2 a store) around every multiply-add.
 // kC = D / 16 vectors per K/V row, fixed at compile time so a row lives in registers.
 // The cache (C) holds q's dtype, or float8 e4m3 holding K / k_scale and V / v_scale.
 template <typename T, typename C, int kC>
-void attend_row(const T* q, T* out, const C* k_cache, const C* v_cache, const int64_t* table, int64_t first,
-                int64_t len, int64_t last_at, int64_t head_base, int64_t bs, int64_t G, float scale, float v_scale,
-                std::vector<float>& scores) {
+void attend_rows(const RowRef<T>* rows, int64_t R, const C* k_cache, const C* v_cache, const int64_t* table,
+                 int64_t head_base, int64_t bs, int64_t G, float scale, float v_scale, std::vector<float>& scores,
+                 std::vector<float>& accs) {
   constexpr int64_t D = kC * 16;
   constexpr int64_t kBlock = kC <= 4 ? 12 / kC : 1;
-  const int64_t n = len - first;
-  scores.resize(static_cast<size_t>(G * n));
-  Vec16 qv[kMaxGroup][kC];
-  for (int64_t g = 0; g < G; ++g)
-    for (int c = 0; c < kC; ++c) qv[g][c] = load16(q + g * D + c * 16) * broadcast(scale);
+  int64_t ld = 0;  // the longest row's visible keys: each row's scores are G rows this far apart
+  for (int64_t r = 0; r < R; ++r) ld = std::max(ld, rows[r].len - rows[r].first);
+  const int64_t step = R == 1 ? ld : kKeyBlock;
+  scores.resize(static_cast<size_t>(R * G * ld));
+  accs.assign(static_cast<size_t>(R * G * D), 0.f);
+  // Where row r reads keys [first + b0, first + b0 + m): its last one is stored in place unless it is len - 1.
+  auto last_key = [&](const RowRef<T>& row, int64_t b0, int64_t m) {
+    return row.first + b0 + m == row.len ? row.last_at : row.first + b0 + m - 1;
+  };
 
-  // Pass 1: scores[g][t - first] = q_g . k_t.
-  int64_t g0 = 0;
-  for (; g0 + kBlock <= G; g0 += kBlock)
-    score_keys<C, kC, kBlock>(qv + g0, k_cache, table, head_base, bs, first, n, last_at, scores.data() + g0 * n);
-  for (; g0 < G; ++g0)
-    score_keys<C, kC, 1>(qv + g0, k_cache, table, head_base, bs, first, n, last_at, scores.data() + g0 * n);
-
-  // Softmax over each head's scores, in place; inv_sum[g] is applied to the output at the end.
-  float inv_sum[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores.data() + g * n;
-    Vec16 mx = broadcast(-3.0e38f);
-    for (int64_t i = 0; i < n; i += 16) mx = max_first(mx, load(s + i, n - i), n - i);
-    const Vec16 mv = broadcast(reduce_max(mx));
-    Vec16 sum = zero();
-    for (int64_t i = 0; i < n; i += 16) {
-      const Vec16 e = keep_first(exp_ps(load(s + i, n - i) - mv), n - i);
-      store(s + i, e, n - i);
-      sum = sum + e;
+  // Pass 1: scores[r][g][t - first] = q_g . k_t.
+  for (int64_t b0 = 0; b0 < ld; b0 += step)
+    for (int64_t r = 0; r < R; ++r) {
+      const RowRef<T>& row = rows[r];
+      const int64_t n = row.len - row.first;
+      if (b0 >= n) continue;
+      const int64_t m = std::min(step, n - b0), last_at = last_key(row, b0, m);
+      Vec16 qv[kMaxGroup][kC];
+      for (int64_t g = 0; g < G; ++g)
+        for (int c = 0; c < kC; ++c) qv[g][c] = load16(row.q + g * D + c * 16) * broadcast(scale);
+      float* s = scores.data() + r * G * ld + b0;
+      int64_t g0 = 0;
+      for (; g0 + kBlock <= G; g0 += kBlock)
+        score_keys<C, kC, kBlock>(qv + g0, k_cache, table, head_base, bs, row.first + b0, m, last_at, s + g0 * ld, ld);
+      for (; g0 < G; ++g0)
+        score_keys<C, kC, 1>(qv + g0, k_cache, table, head_base, bs, row.first + b0, m, last_at, s + g0 * ld, ld);
     }
-    inv_sum[g] = v_scale / reduce_add(sum);
-  }
+
+  // Softmax over each head's scores, in place; inv_sum is applied to the output at the end.
+  float inv_sum[kGroupRows][kMaxGroup];
+  for (int64_t r = 0; r < R; ++r)
+    softmax_rows(scores.data() + r * G * ld, ld, rows[r].len - rows[r].first, G, v_scale, inv_sum[r]);
 
   // Pass 2: out_g = inv_sum[g] * sum_t p[g][t] v_t.
-  for (g0 = 0; g0 + kBlock <= G; g0 += kBlock)
-    accumulate_pv<T, C, kC, kBlock>(v_cache, table, head_base, bs, first, n, last_at, scores.data() + g0 * n,
-                                    out + g0 * D, inv_sum + g0);
-  for (; g0 < G; ++g0)
-    accumulate_pv<T, C, kC, 1>(v_cache, table, head_base, bs, first, n, last_at, scores.data() + g0 * n, out + g0 * D,
-                               inv_sum + g0);
+  for (int64_t b0 = 0; b0 < ld; b0 += step)
+    for (int64_t r = 0; r < R; ++r) {
+      const RowRef<T>& row = rows[r];
+      const int64_t n = row.len - row.first;
+      if (b0 >= n) continue;
+      const int64_t m = std::min(step, n - b0), last_at = last_key(row, b0, m);
+      const float* p = scores.data() + r * G * ld + b0;
+      float* acc = accs.data() + r * G * D;
+      int64_t g0 = 0;
+      for (; g0 + kBlock <= G; g0 += kBlock)
+        accumulate_pv<C, kC, kBlock>(v_cache, table, head_base, bs, row.first + b0, m, last_at, p + g0 * ld, ld,
+                                     acc + g0 * D);
+      for (; g0 < G; ++g0)
+        accumulate_pv<C, kC, 1>(v_cache, table, head_base, bs, row.first + b0, m, last_at, p + g0 * ld, ld,
+                                acc + g0 * D);
+    }
+  for (int64_t r = 0; r < R; ++r) scale_out(accs.data() + r * G * D, inv_sum[r], G, D, rows[r].out);
 }
 
 struct Rows {
@@ -204,8 +266,25 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
   const C* vp = static_cast<const C*>(v_cache.data_ptr());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   constexpr int64_t D = kC * 16;
-  const int64_t items = rows.count * Hkv;
-  // Items are (row, KV head) pairs of very different cost (a prefill's rows grow along its prompt), so
+  // Row groups: in a run of at least kMinRunRows consecutive rows of one sequence (a prompt chunk, not a
+  // verification step), rows that see kGroupMinKeys keys or more, up to kGroupRows a group.
+  auto visible = [&](int64_t r) {
+    return window > 0 ? std::min<int64_t>(rows.len[r], window) : rows.len[r];
+  };
+  std::vector<int64_t> group_start;
+  for (int64_t run = 0, end = 0; run < rows.count; run = end) {
+    for (end = run + 1; end < rows.count && rows.seq[end] == rows.seq[run]; ++end) {
+    }
+    for (int64_t r = run; r < end; ++r) {
+      const int64_t g = group_start.empty() ? -1 : group_start.back();
+      const bool joins = end - run >= kMinRunRows && g >= run && r - g < kGroupRows &&
+                         visible(r) >= kGroupMinKeys && visible(g) >= kGroupMinKeys;
+      if (!joins) group_start.push_back(r);
+    }
+  }
+  group_start.push_back(rows.count);
+  const int64_t groups = static_cast<int64_t>(group_start.size()) - 1, items = groups * Hkv;
+  // Items are (row group, KV head) pairs of very different cost (a prefill's rows grow along its prompt), so
   // threads take them dynamically rather than in the equal contiguous ranges of at::parallel_for. Chunks
   // of 4 keep the hand-out cheap in big steps; a step of a few rows takes items one at a time, else the
   // first thread takes a whole decode row's 3-4 heads and the others wait.
@@ -213,15 +292,19 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
   const int chunk = items >= 16 * threads ? 4 : 1;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scores;
+    std::vector<float> scores, accs;
+    RowRef<T> refs[kGroupRows];
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t i = 0; i < items; ++i) {
-      const int64_t r = i / Hkv, h = i % Hkv, len = rows.len[r];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t last_at = rows.last != nullptr ? rows.last[r] : len - 1;
-      const int64_t q_base = rows.token[r] * q_stride + h * G * D, out_base = (rows.token[r] * H + h * G) * D;
-      attend_row<T, C, kC>(qp + q_base, op + out_base, kp, vp, tables + rows.seq[r] * W, first, len, last_at, h * NB, bs,
-                           G, static_cast<float>(scale * k_scale), static_cast<float>(v_scale), scores);
+      const int64_t g = i / Hkv, h = i % Hkv, r0 = group_start[g], R = group_start[g + 1] - r0;
+      for (int64_t j = 0; j < R; ++j) {
+        const int64_t r = r0 + j, len = rows.len[r];
+        refs[j] = {qp + rows.token[r] * q_stride + h * G * D, op + (rows.token[r] * H + h * G) * D,
+                   window > 0 ? std::max<int64_t>(0, len - window) : 0, len,
+                   rows.last != nullptr ? rows.last[r] : len - 1};
+      }
+      attend_rows<T, C, kC>(refs, R, kp, vp, tables + rows.seq[r0] * W, h * NB, bs, G,
+                            static_cast<float>(scale * k_scale), static_cast<float>(v_scale), scores, accs);
     }
   }
 }
