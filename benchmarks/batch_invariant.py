@@ -72,7 +72,8 @@ def main() -> None:
              f"auto); one request of random prompt tokens at a time, max_tokens 1, chunks of "
              f"{args.max_num_batched_tokens} tokens, prefix caching on but never hit (a fresh prompt each round); "
              f"{args.rounds} rounds, the two engines taking turns. Time to the first token, i.e. the whole prefill.")
-    report(args.name, "Prefill time with --batch-invariant", args, setup, table, results, isa=isa)
+    report(args.name, "Prefill time with --batch-invariant", args, setup, table, results, isa=isa,
+           script="batch_invariant")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--name", default="prefill_attention", help="results/<name>_<isa>.{json,md}")
     args = ap.parse_args()
     assert cpu_kernels.available(), "the native kernel did not build on this machine"
     dtype = getattr(torch, args.dtype)
@@ -74,10 +75,10 @@ def main() -> None:
             name = f"{nseq} x {new} ({prefix})"
             rows[name] = {"native_kernel_ms": t_k * 1e3, "torch_sdpa_ms": t_t * 1e3}
             lines.append(f"| {name} | {t_k * 1e3:.2f} | {t_t * 1e3:.2f} | {t_t / t_k:.2f}x |")
-    report("prefill_attention", "Prefill attention, one layer", args,
+    report(args.name, "Prefill attention, one layer", args,
            f"Geometry of SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64), block size {BS}, {args.dtype}, "
            f"blocks scattered through the pool; median of {args.repeat} calls, each including the KV write.",
-           "\n".join(lines), rows, isa=cpu_kernels.isa())
+           "\n".join(lines), rows, isa=cpu_kernels.isa(), script="prefill_attention")
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def main() -> None:
              f"tokens, prefix caching off; {args.rounds} rounds, the cut-overs taking turns on the same prompt. "
              f"Time to the first token (the whole prefill); in brackets the speed against the shipped cut-over "
              f"({shipped}).")
-    report(args.name, "Prefill time by the kernel/SDPA cut-over", args, setup, table, results, isa=isa)
+    report(args.name, "Prefill time by the kernel/SDPA cut-over", args, setup, table, results, isa=isa,
+           script="prefill_cutover")
 
 
 if __name__ == "__main__":

@@ -120,17 +120,19 @@ template <int kC> constexpr int kPvWidth = kC;
 #else
 template <int kC> constexpr int kPvWidth = kC < 4 ? kC : 4;
 #endif
-template <typename C, int kC, int kN>
+template <typename T, typename C, int kC, int kN>
 void accumulate_pv(const C* v_cache, const int64_t* table, int64_t head_base, int64_t bs, int64_t first, int64_t n,
-                   int64_t last_at, const float* p, int64_t ld, float* acc_io) {
-  // acc_io[h][D] += sum_t p[h][t] v_(first + t), in key order: the same multiply-adds on the same values
-  // whether the keys come in one call or in consecutive ranges (attend_rows), so the same bits.
+                   int64_t last_at, const float* p, int64_t ld, float* acc_io, bool fresh, T* out,
+                   const float* inv_sum) {
+  // Adds p[h][t] v_(first + t) in key order to the accumulators: zero if fresh, else acc_io's. Then, given out,
+  // out[h] = inv_sum[h] * acc[h]; else acc_io keeps them for the next keys. The same multiply-adds on the same
+  // values whether a row's keys come in one call or in consecutive ranges (attend_rows), so the same bits.
   constexpr int64_t D = kC * 16;
   constexpr int kW = kPvWidth<kC>;
   for (int c0 = 0; c0 < kC; c0 += kW) {
     Vec16 acc[kN][kW];
     for (int h = 0; h < kN; ++h)
-      for (int c = 0; c < kW; ++c) acc[h][c] = load16(acc_io + h * D + (c0 + c) * 16);
+      for (int c = 0; c < kW; ++c) acc[h][c] = fresh ? zero() : load16(acc_io + h * D + (c0 + c) * 16);
     RowCursor<C, D> v(v_cache, table, head_base, bs, first, first + n, last_at);
     for (int64_t t = 0; t < n; ++t, v.advance()) {
       if (c0 == 0) v.prefetch_next_block();  // later passes find the rows in cache
@@ -142,15 +144,11 @@ void accumulate_pv(const C* v_cache, const int64_t* table, int64_t head_base, in
       }
     }
     for (int h = 0; h < kN; ++h)
-      for (int c = 0; c < kW; ++c) store(acc_io + h * D + (c0 + c) * 16, acc[h][c], 16);
+      for (int c = 0; c < kW; ++c) {
+        if (out != nullptr) store(out + h * D + (c0 + c) * 16, acc[h][c] * broadcast(inv_sum[h]), 16);
+        else store(acc_io + h * D + (c0 + c) * 16, acc[h][c], 16);
+      }
   }
-}
-
-// out[g] = inv_sum[g] * acc[g] for G heads of D values.
-template <typename T>
-void scale_out(const float* acc, const float* inv_sum, int64_t G, int64_t D, T* out) {
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; d += 16) store(out + g * D + d, load16(acc + g * D + d) * broadcast(inv_sum[g]), 16);
 }
 
 // Softmax over each head's n scores (rows ld apart), in place: exp(s - max); inv_sum[g] = v_scale / sum.
@@ -197,7 +195,6 @@ void attend_rows(const RowRef<T>* rows, int64_t R, const C* k_cache, const C* v_
   for (int64_t r = 0; r < R; ++r) ld = std::max(ld, rows[r].len - rows[r].first);
   const int64_t step = R == 1 ? ld : kKeyBlock;
   scores.resize(static_cast<size_t>(R * G * ld));
-  accs.assign(static_cast<size_t>(R * G * D), 0.f);
   // Where row r reads keys [first + b0, first + b0 + m): its last one is stored in place unless it is len - 1.
   auto last_key = [&](const RowRef<T>& row, int64_t b0, int64_t m) {
     return row.first + b0 + m == row.len ? row.last_at : row.first + b0 + m - 1;
@@ -226,7 +223,8 @@ void attend_rows(const RowRef<T>* rows, int64_t R, const C* k_cache, const C* v_
   for (int64_t r = 0; r < R; ++r)
     softmax_rows(scores.data() + r * G * ld, ld, rows[r].len - rows[r].first, G, v_scale, inv_sum[r]);
 
-  // Pass 2: out_g = inv_sum[g] * sum_t p[g][t] v_t.
+  // Pass 2: out_g = inv_sum[g] * sum_t p[g][t] v_t (a single row keeps its accumulators in registers).
+  if (R > 1) accs.resize(static_cast<size_t>(R * G * D));
   for (int64_t b0 = 0; b0 < ld; b0 += step)
     for (int64_t r = 0; r < R; ++r) {
       const RowRef<T>& row = rows[r];
@@ -234,16 +232,17 @@ void attend_rows(const RowRef<T>* rows, int64_t R, const C* k_cache, const C* v_
       if (b0 >= n) continue;
       const int64_t m = std::min(step, n - b0), last_at = last_key(row, b0, m);
       const float* p = scores.data() + r * G * ld + b0;
-      float* acc = accs.data() + r * G * D;
+      float* acc = R > 1 ? accs.data() + r * G * D : nullptr;
+      T* out = b0 + m == n ? row.out : nullptr;  // its last keys: the output
       int64_t g0 = 0;
       for (; g0 + kBlock <= G; g0 += kBlock)
-        accumulate_pv<C, kC, kBlock>(v_cache, table, head_base, bs, row.first + b0, m, last_at, p + g0 * ld, ld,
-                                     acc + g0 * D);
+        accumulate_pv<T, C, kC, kBlock>(v_cache, table, head_base, bs, row.first + b0, m, last_at, p + g0 * ld, ld,
+                                        acc ? acc + g0 * D : nullptr, b0 == 0, out ? out + g0 * D : nullptr,
+                                        inv_sum[r] + g0);
       for (; g0 < G; ++g0)
-        accumulate_pv<C, kC, 1>(v_cache, table, head_base, bs, row.first + b0, m, last_at, p + g0 * ld, ld,
-                                acc + g0 * D);
+        accumulate_pv<T, C, kC, 1>(v_cache, table, head_base, bs, row.first + b0, m, last_at, p + g0 * ld, ld,
+                                   acc ? acc + g0 * D : nullptr, b0 == 0, out ? out + g0 * D : nullptr, inv_sum[r] + g0);
     }
-  for (int64_t r = 0; r < R; ++r) scale_out(accs.data() + r * G * D, inv_sum[r], G, D, rows[r].out);
 }
 
 struct Rows {
