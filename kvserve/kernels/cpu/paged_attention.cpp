@@ -195,28 +195,32 @@ void attend_rows(const RowRef<T>* rows, int64_t R, const C* k_cache, const C* v_
   for (int64_t r = 0; r < R; ++r) ld = std::max(ld, rows[r].len - rows[r].first);
   const int64_t step = R == 1 ? ld : kKeyBlock;
   scores.resize(static_cast<size_t>(R * G * ld));
-  // Where row r reads keys [first + b0, first + b0 + m): its last one is stored in place unless it is len - 1.
-  auto last_key = [&](const RowRef<T>& row, int64_t b0, int64_t m) {
-    return row.first + b0 + m == row.len ? row.last_at : row.first + b0 + m - 1;
+  // Calls f(r, b0, m, last_at, last_range) for each row's keys [first + b0, first + b0 + m), a block of keys at a
+  // time, each row in turn. The last of them is stored in place (last_at), unless it is the row's key len - 1.
+  auto for_each_range = [&](auto&& f) {
+    for (int64_t b0 = 0; b0 < ld; b0 += step)
+      for (int64_t r = 0; r < R; ++r) {
+        const RowRef<T>& row = rows[r];
+        const int64_t n = row.len - row.first;
+        if (b0 >= n) continue;
+        const int64_t m = std::min(step, n - b0);
+        f(r, b0, m, b0 + m == n ? row.last_at : row.first + b0 + m - 1, b0 + m == n);
+      }
   };
 
   // Pass 1: scores[r][g][t - first] = q_g . k_t.
-  for (int64_t b0 = 0; b0 < ld; b0 += step)
-    for (int64_t r = 0; r < R; ++r) {
-      const RowRef<T>& row = rows[r];
-      const int64_t n = row.len - row.first;
-      if (b0 >= n) continue;
-      const int64_t m = std::min(step, n - b0), last_at = last_key(row, b0, m);
-      Vec16 qv[kMaxGroup][kC];
-      for (int64_t g = 0; g < G; ++g)
-        for (int c = 0; c < kC; ++c) qv[g][c] = load16(row.q + g * D + c * 16) * broadcast(scale);
-      float* s = scores.data() + r * G * ld + b0;
-      int64_t g0 = 0;
-      for (; g0 + kBlock <= G; g0 += kBlock)
-        score_keys<C, kC, kBlock>(qv + g0, k_cache, table, head_base, bs, row.first + b0, m, last_at, s + g0 * ld, ld);
-      for (; g0 < G; ++g0)
-        score_keys<C, kC, 1>(qv + g0, k_cache, table, head_base, bs, row.first + b0, m, last_at, s + g0 * ld, ld);
-    }
+  for_each_range([&](int64_t r, int64_t b0, int64_t m, int64_t last_at, bool) {
+    const RowRef<T>& row = rows[r];
+    Vec16 qv[kMaxGroup][kC];
+    for (int64_t g = 0; g < G; ++g)
+      for (int c = 0; c < kC; ++c) qv[g][c] = load16(row.q + g * D + c * 16) * broadcast(scale);
+    float* s = scores.data() + r * G * ld + b0;
+    int64_t g0 = 0;
+    for (; g0 + kBlock <= G; g0 += kBlock)
+      score_keys<C, kC, kBlock>(qv + g0, k_cache, table, head_base, bs, row.first + b0, m, last_at, s + g0 * ld, ld);
+    for (; g0 < G; ++g0)
+      score_keys<C, kC, 1>(qv + g0, k_cache, table, head_base, bs, row.first + b0, m, last_at, s + g0 * ld, ld);
+  });
 
   // Softmax over each head's scores, in place; inv_sum is applied to the output at the end.
   float inv_sum[kGroupRows][kMaxGroup];
@@ -225,24 +229,20 @@ void attend_rows(const RowRef<T>* rows, int64_t R, const C* k_cache, const C* v_
 
   // Pass 2: out_g = inv_sum[g] * sum_t p[g][t] v_t (a single row keeps its accumulators in registers).
   if (R > 1) accs.resize(static_cast<size_t>(R * G * D));
-  for (int64_t b0 = 0; b0 < ld; b0 += step)
-    for (int64_t r = 0; r < R; ++r) {
-      const RowRef<T>& row = rows[r];
-      const int64_t n = row.len - row.first;
-      if (b0 >= n) continue;
-      const int64_t m = std::min(step, n - b0), last_at = last_key(row, b0, m);
-      const float* p = scores.data() + r * G * ld + b0;
-      float* acc = R > 1 ? accs.data() + r * G * D : nullptr;
-      T* out = b0 + m == n ? row.out : nullptr;  // its last keys: the output
-      int64_t g0 = 0;
-      for (; g0 + kBlock <= G; g0 += kBlock)
-        accumulate_pv<T, C, kC, kBlock>(v_cache, table, head_base, bs, row.first + b0, m, last_at, p + g0 * ld, ld,
-                                        acc ? acc + g0 * D : nullptr, b0 == 0, out ? out + g0 * D : nullptr,
-                                        inv_sum[r] + g0);
-      for (; g0 < G; ++g0)
-        accumulate_pv<T, C, kC, 1>(v_cache, table, head_base, bs, row.first + b0, m, last_at, p + g0 * ld, ld,
-                                   acc ? acc + g0 * D : nullptr, b0 == 0, out ? out + g0 * D : nullptr, inv_sum[r] + g0);
-    }
+  for_each_range([&](int64_t r, int64_t b0, int64_t m, int64_t last_at, bool last_range) {
+    const int64_t first = rows[r].first + b0;
+    const float* p = scores.data() + r * G * ld + b0;
+    float* acc = R > 1 ? accs.data() + r * G * D : nullptr;
+    T* out = last_range ? rows[r].out : nullptr;
+    int64_t g0 = 0;
+    for (; g0 + kBlock <= G; g0 += kBlock)
+      accumulate_pv<T, C, kC, kBlock>(v_cache, table, head_base, bs, first, m, last_at, p + g0 * ld, ld,
+                                      acc ? acc + g0 * D : nullptr, b0 == 0, out ? out + g0 * D : nullptr,
+                                      inv_sum[r] + g0);
+    for (; g0 < G; ++g0)
+      accumulate_pv<T, C, kC, 1>(v_cache, table, head_base, bs, first, m, last_at, p + g0 * ld, ld,
+                                 acc ? acc + g0 * D : nullptr, b0 == 0, out ? out + g0 * D : nullptr, inv_sum[r] + g0);
+  });
 }
 
 struct Rows {
