@@ -36,8 +36,9 @@ using namespace kvserve_cpu;
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 constexpr int64_t kChunk = 16;     // keys scored together (one vector of scores)
 // A long prompt chunk's rows that see at least kGroupMinKeys keys are taken up to kGroupRows at a time,
-// kKeyBlock keys at a time (attend_rows): 1.5-1.7x the speed for a 2048-token chunk after 2048-6144 cached
-// tokens (Intel Xeon, AVX-512, benchmarks/prefill_attention.py; 8 or 32 rows a group measured slower). Rows
+// kKeyBlock keys at a time (attend_rows): 1.3-1.7x the speed for a 2048-token chunk after 2048-6144 cached
+// tokens with the blocks scattered through the pool (Intel Xeon, AVX-512, benchmarks/prefill_attention.py;
+// 8 or 32 rows a group measured slower), ~1.04x end to end where a fresh prompt's blocks lie in order. Rows
 // with fewer keys are taken one by one (their K/V stay in cache anyway), and so are runs of fewer than
 // kMinRunRows rows of a sequence: a verification step's rows would make too few work items for the threads.
 constexpr int64_t kGroupRows = 16;
