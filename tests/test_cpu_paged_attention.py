@@ -28,7 +28,8 @@ def reference(q, k_cache, v_cache, tables, row_seq, row_len, scale, window):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
-                                               (torch.bfloat16, torch.float8_e4m3fn)], ids=["f32", "bf16", "bf16_fp8cache"])
+                                               (torch.bfloat16, torch.float8_e4m3fn)],
+                         ids=["f32", "bf16", "bf16_fp8cache"])
 @pytest.mark.parametrize("D,H,Hkv,window", [(64, 9, 3, 0), (64, 9, 3, 530), (256, 4, 1, 0)])
 def test_long_chunk_rows_computed_together_give_each_rows_own_bits(isa, dtype, cache_dtype, D, H, Hkv, window):
     """A long prompt chunk's rows (a run of 32 or more with 512 keys or more in view) are taken in groups that
