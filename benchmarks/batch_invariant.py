@@ -15,18 +15,10 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 
-from common import report
-from kvserve import LLM, SamplingParams
+from common import prefill_seconds, report
+from kvserve import LLM
 from kvserve.kernels import cpu as cpu_kernels
-
-
-def prefill_s(llm: LLM, prompt: list[int]) -> tuple[float, int]:
-    """Seconds to the first token of one request alone, and that token."""
-    t0 = time.perf_counter()
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
-    return time.perf_counter() - t0, out.outputs[0].token_ids[0]
 
 
 def main() -> None:
@@ -41,7 +33,7 @@ def main() -> None:
     llms = {False: LLM(**common), True: LLM(batch_invariant=True, **common)}
     rng = random.Random(0)
     for llm in llms.values():  # warm-up: first calls pay for allocation and kernel set-up
-        prefill_s(llm, [rng.randrange(100, 40000) for _ in range(256)])
+        prefill_seconds(llm, [rng.randrange(100, 40000) for _ in range(256)])
 
     results: dict = {"points": []}
     rows = []
@@ -52,7 +44,7 @@ def main() -> None:
             prompt = [rng.randrange(100, 40000) for _ in range(n)]
             tokens = {}
             for inv in ((False, True) if k % 2 == 0 else (True, False)):
-                s, tokens[inv] = prefill_s(llms[inv], prompt)
+                s, tokens[inv] = prefill_seconds(llms[inv], prompt)
                 seconds[inv].append(s)
             same = same and tokens[False] == tokens[True]
         ratios = [b / x for b, x in zip(seconds[False], seconds[True])]

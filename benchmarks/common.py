@@ -44,6 +44,15 @@ def median_seconds(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
+def prefill_seconds(llm, prompt: list[int]) -> tuple[float, int]:
+    """Seconds to the first token of one greedy request alone (its whole prefill), and that token."""
+    from kvserve import SamplingParams
+
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    return time.perf_counter() - t0, out.outputs[0].token_ids[0]
+
+
 def machine_info() -> dict:
     cpu = platform.processor()
     try:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 
-from common import report
-from kvserve import LLM, SamplingParams
+from common import prefill_seconds, report
+from kvserve import LLM
 from kvserve.attention import torch_plan
 from kvserve.kernels import cpu as cpu_kernels
 
@@ -33,9 +32,8 @@ def main() -> None:
     shipped = torch_plan._KERNEL_MAX_PREFILL_CONTEXT[isa]
     llm = LLM(max_num_seqs=4, kv_cache_memory=1 << 30, enable_prefix_caching=False,
               max_num_batched_tokens=args.max_num_batched_tokens)
-    params = SamplingParams(temperature=0, max_tokens=1)
     rng = random.Random(0)
-    llm.generate([[rng.randrange(100, 40000) for _ in range(256)]], params, use_tqdm=False)  # warm-up
+    prefill_seconds(llm, [rng.randrange(100, 40000) for _ in range(256)])  # warm-up
 
     results: dict = {"shipped_cutover": shipped, "points": []}
     rows = []
@@ -46,9 +44,7 @@ def main() -> None:
                 prompt = [rng.randrange(100, 40000) for _ in range(n)]
                 for c in (args.cutovers if k % 2 == 0 else args.cutovers[::-1]):
                     torch_plan._KERNEL_MAX_PREFILL_CONTEXT[isa] = c
-                    t0 = time.perf_counter()
-                    llm.generate([prompt], params, use_tqdm=False)
-                    seconds[c].append(time.perf_counter() - t0)
+                    seconds[c].append(prefill_seconds(llm, prompt)[0])
             base = statistics.median(seconds[shipped]) if shipped in seconds else None
             cells = []
             for c in args.cutovers:
