@@ -272,6 +272,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
     return window > 0 ? std::min<int64_t>(rows.len[r], window) : rows.len[r];
   };
   std::vector<int64_t> group_start;
+  group_start.reserve(static_cast<size_t>(rows.count) + 1);  // one allocation per call (every layer, every step)
   for (int64_t run = 0, end = 0; run < rows.count; run = end) {
     for (end = run + 1; end < rows.count && rows.seq[end] == rows.seq[run]; ++end) {
     }
