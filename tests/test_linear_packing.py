@@ -1,10 +1,12 @@
-"""Float linears packed for oneDNN (bf16 on CPU) compute what F.linear computes."""
+"""Float linears packed for oneDNN (bf16 on CPU, where kvserve's dense kernel is not built) compute what F.linear
+computes. Where the kernel runs, float layers take it and pack nothing (tests/test_cpu_dense_linear.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.linear import ColumnLinear, VocabEmbedding, pack_float_weights
 from kvserve.layers.quantization import FloatMethod
 from kvserve.layers.quantization.methods import can_pack
@@ -13,6 +15,12 @@ pytestmark = pytest.mark.skipif(not can_pack(torch.empty(0, dtype=torch.bfloat16
                                 reason="no oneDNN bf16 on this CPU")
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def without_the_dense_kernel(monkeypatch):
+    """The path of a CPU without kvserve's kernels (or KVSERVE_CPU_ISA=none)."""
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
 
 
 def float_linear(w: torch.Tensor, cls=ColumnLinear):

@@ -355,7 +355,7 @@ def test_hidden_states_only_where_the_head_may_draft(tiny_model_dirs, heads):
         seen.append((len(engine.scheduler.running), engine.runner.keep_hidden))
         return execute(sched)
     engine.runner.execute = spy
-    assert_same(run(engine, wave, check=True), ref)
+    assert_same(run(engine, wave, check=True), ref, engine)
     assert any(n > 2 for n, _ in seen) and any(n <= 2 for n, _ in seen)
     assert all(keep == (n <= 2) for n, keep in seen)
     assert_acceptance(engine, "all")
@@ -370,7 +370,7 @@ def test_greedy_identical_with_preemption_and_n(kind, kv_cache_dtype, tiny_model
     path, _ = tiny_model_dirs["llama"]
     wave, ref = preempting_wave(path, kv_cache_dtype=kv_cache_dtype)
     engine = make_engine(path, spec(heads[kind]), kv_cache_dtype=kv_cache_dtype, **PREEMPTING)
-    assert_same(run(engine, wave, check=True), ref)
+    assert_same(run(engine, wave, check=True), ref, engine)
     assert engine.get_stats().num_preemptions > 0
     assert_acceptance(engine, {"right": "all", "partial": "some", "wrong": "none"}[kind])
 
@@ -382,7 +382,7 @@ def test_greedy_identical_with_prefix_hits(tiny_model_dirs, heads):
     waves, ref = prefix_hit_waves(path)
     engine = make_engine(path, spec(heads["right"]))
     got = run(engine, waves, check=True)
-    assert_same(got, ref)
+    assert_same(got, ref, engine)
     assert all(got[f"b{i}"].num_cached_tokens > len(prompt) for i, (_, prompt, _) in enumerate(waves[0]))
     assert_acceptance(engine, "some")  # the second wave's continuations after [7, 8] are new to the head
 
@@ -399,7 +399,7 @@ def test_prompt_lookup_in_front_of_the_head(tiny_model_dirs, heads):
     kinds = count_draft_kinds(engine)
     checks: list[int] = []  # sequences whose head input was checked, per step
     got = run_waves(engine, wave, check=True, after_step=lambda e: checks.append(check_head_inputs(e, hf)))
-    assert_same(got, ref)
+    assert_same(got, ref, engine)
     checked = sum(checks)
     assert kinds["lookup"]["drafts"] > 10 and kinds["model"]["drafts"] > 10 and checked > 50, (kinds, checked)
     assert engine.get_stats().num_preemptions > 0
@@ -677,7 +677,7 @@ def test_tree_drafts_greedy_identical_with_preemption_and_n(kind, tree, kv_cache
                          kv_cache_dtype=kv_cache_dtype, **PREEMPTING)
     if kind == "swapped":
         second_choice_first(engine, monkeypatch)
-    assert_same(run(engine, wave, check=True), ref)
+    assert_same(run(engine, wave, check=True), ref, engine)
     assert engine.get_stats().num_preemptions > 0
     if kind == "wrong":
         assert counts["trees"] == 0
@@ -697,7 +697,7 @@ def test_tree_drafts_identical_with_prefix_hits(tiny_model_dirs, heads, monkeypa
     engine = make_engine(path, tree_spec(heads["right"]))
     second_choice_first(engine, monkeypatch)
     got = run(engine, waves, check=True)
-    assert_same(got, ref)
+    assert_same(got, ref, engine)
     assert all(got[f"b{i}"].num_cached_tokens > len(prompt) for i, (_, prompt, _) in enumerate(waves[0]))
     assert counts["kept"] > 0, counts
 
@@ -725,7 +725,7 @@ def test_tree_drafts_leave_sampled_requests_a_chain(tiny_model_dirs, heads, monk
     engine.runner.execute = watched
     got = run(engine, wave, check=True)
     check_seeded(got, ref, engine, len(ps))
-    assert_same(got, {k: v for k, v in ref.items() if k.startswith("g")})
+    assert_same(got, {k: v for k, v in ref.items() if k.startswith("g")}, engine)
     assert all(alternatives_of[str(i)] == 0 for i in range(len(ps)))
     assert all(alternatives_of[f"g{i}"] > 0 for i in range(len(ps))) and counts["kept"] > 0, counts
 
@@ -820,7 +820,7 @@ def test_trees_sized_by_confidence_greedy_identical_with_preemption_and_n(kind, 
     modelled_step_times(engine, 0.02)
     if kind != "right":
         head_unsure(engine, monkeypatch, kind)
-    assert_same(run(engine, wave, check=True), ref)
+    assert_same(run(engine, wave, check=True), ref, engine)
     s = engine.get_stats()
     assert s.num_preemptions > 0
     if kind == "right":

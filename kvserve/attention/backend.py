@@ -136,6 +136,11 @@ class AttentionBackend(ABC):
         siblings, moves to its position)."""
         raise NotImplementedError(f"the {self.name} attention backend takes no tree drafts")
 
+    def rows_alike(self) -> bool:
+        """Whether every layer computes a decode or verification row's attention the same whatever else its step
+        carries (so that speculation and batching leave its bits alone); False unless a backend knows."""
+        return False
+
     def kernel_only_plan(self, meta: AttentionMetadata) -> AttentionPlan | None:
         """The step's native-kernel plan when a native decoder stack (kvserve/models/native_stack.py) may
         run every layer's attention itself; None (the default): the layers call forward."""

@@ -62,6 +62,10 @@ class TorchPagedBackend(AttentionBackend):
                            sum(not k for k in self._kernel.values()), len(self._kernel))
         self._plan_keys = sorted({self._plan_key(layer) for layer in self.layers}, key=repr)
 
+    def rows_alike(self) -> bool:
+        """The native kernel computes each row alone; torch's batched matmuls and SDPA round by shape."""
+        return all(self._kernel.values())
+
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         spec = self.kv_spec
         return (spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)

@@ -121,14 +121,16 @@ class LLMEngine:
                 draft.model.capture_graphs(verify_seqs)
         self.speculator = None
         if spec is not None:
-            if self.dtype != torch.float32 and rounds_by_step_shape(loaded.model):
-                # Measured with --quantization none in bfloat16 on AVX-512: 52 of 156 requests' logprobs moved,
-                # by up to 0.24 nats, and some greedy and seeded outputs changed; in float32 by up to 3e-5.
-                logger.warning("speculative decoding: the model's linear layers run torch's %s matmuls, which round "
-                               "a verification step's rows differently from a decode step's, so outputs can differ "
-                               "from decoding without speculation (as a different batch can). Quantized weights "
-                               "on the CPU (--quantization int8 or int4, or a GGUF file) give the same bits; "
-                               "--dtype float32 moves logprobs by ~1e-5 at most",
+            if self.dtype != torch.float32 and (rounds_by_step_shape(loaded.model)
+                                                or not self.runner.attn_backend.rows_alike()):
+                # Measured with --quantization none in bfloat16 on AVX-512 before float weights had a CPU kernel:
+                # 52 of 156 requests' logprobs moved, by up to 0.24 nats, and some greedy and seeded outputs
+                # changed; in float32 by up to 3e-5.
+                logger.warning("speculative decoding: the model's linear layers or attention run torch's %s "
+                               "matmuls, which round a verification step's rows differently from a decode step's, "
+                               "so outputs can differ from decoding without speculation (as a different batch "
+                               "can). kvserve's CPU kernels (x86 with AVX2 or AVX-512; attention heads of 16, 32, "
+                               "64, 128 or 256) give the same bits; --dtype float32 moves logprobs by ~1e-5 at most",
                                str(self.dtype).removeprefix("torch."))
             classes = indents = None
             if spec.uses_lookup:  # method ngram, or prompt lookup in front of a draft model or eagle head

@@ -65,8 +65,10 @@ class LinearBase(nn.Module):
         self.method.finalize(self, self._shards)
         self._shards = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.method.apply(self, x)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W^T (+ bias) in x's dtype, or out_dtype (an LM head's float32 logits: a method that sums in
+        float32 then rounds once, not to x's bfloat16 first)."""
+        y = self.method.apply(self, x, out_dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:

@@ -130,7 +130,7 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden, out_dtype=torch.float32)
         cap = self.config.final_logit_softcapping
         return logits if not cap else torch.tanh(logits / cap) * cap
 

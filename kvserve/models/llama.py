@@ -135,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden, out_dtype=torch.float32)
 
     def linear_layers(self) -> list[LinearBase]:
         return linear_layers(self)

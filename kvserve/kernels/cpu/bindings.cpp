@@ -16,6 +16,8 @@ TORCH_LIBRARY(KVSERVE_NS, m) {
         "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor cos_sin, Tensor slots, Tensor row_token, "
         "Tensor row_seq, Tensor row_len, Tensor block_tables, int num_heads, float eps, float scale, "
         "int[] windows, float[] k_scales, float[] v_scales, Tensor? row_last=None) -> ()");
+  // dense_linear.cpp
+  m.def("dense_linear(Tensor x, Tensor weight, ScalarType? out_dtype=None) -> Tensor");
   // eagle_head.cpp
   m.def("eagle_step(Tensor feature, Tensor embedding, Tensor?[] weights, float eps) -> (Tensor, Tensor)");
   m.def("eagle_greedy_step(Tensor feature, Tensor embedding, Tensor?[] weights, Tensor vocab_ids, float eps) "
@@ -48,6 +50,7 @@ TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
   using namespace kvserve_cpu;
   m.impl("argmax_rows", &argmax_rows);
   m.impl("decoder_stack_", &decoder_stack_);
+  m.impl("dense_linear", &dense_linear);
   m.impl("eagle_step", &eagle_step);
   m.impl("eagle_greedy_step", &eagle_greedy_step);
   m.impl("eagle_top_step", &eagle_top_step);

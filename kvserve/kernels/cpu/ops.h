@@ -30,6 +30,9 @@ void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::T
                     at::IntArrayRef windows, at::ArrayRef<double> k_scales, at::ArrayRef<double> v_scales,
                     const std::optional<at::Tensor>& row_last);
 
+// dense_linear.cpp
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, std::optional<at::ScalarType> out_dtype);
+
 // eagle_head.cpp
 std::tuple<at::Tensor, at::Tensor> eagle_step(const at::Tensor& feature, const at::Tensor& embedding,
                                               const c10::List<std::optional<at::Tensor>>& weights, double eps);

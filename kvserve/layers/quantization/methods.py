@@ -45,18 +45,29 @@ class LinearMethod(Protocol):
 
     def finalize(self, layer: nn.Module, shards: list) -> None: ...
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+    def apply(self, layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor: ...
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor: ...
 
 
 class FloatMethod:
-    """Weights in the compute dtype. bf16 on CPU is re-laid once for oneDNN: torch's dense bf16 F.linear
-    re-packs the weight inside every call, and packing at load measured 1.1-2x faster per GEMM on an
-    AVX-512 machine (benchmarks/results/linear_packing.md)."""
+    """Weights in the compute dtype.
+
+    On a CPU with kvserve's kernels, x @ W^T is dense_linear (kvserve/kernels/cpu/dense_linear.cpp), which
+    rounds every row alike whatever else the step carries, as the quantized kernels do: speculative decoding
+    and batching then give the bits of decoding alone. torch's matmuls choose their blocking by shape, so a
+    row's logprobs moved by ~1e-5 in float32 (more in bfloat16) with the rows beside it. Measured against
+    torch's calls below (benchmarks/results/dense_linear_<isa>.md): as fast or faster for decode and
+    verification steps; bfloat16 on par (AVX-512) or several times faster (AVX2, where torch emulates it);
+    float32 prompt chunks of hundreds of rows ~0.8x.
+    Elsewhere, bf16 on CPU is re-laid once for oneDNN: torch's dense bf16 F.linear re-packs the weight inside
+    every call, and packing at load measured 1.1-2x faster per GEMM on an AVX-512 machine
+    (benchmarks/results/linear_packing.md)."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype, self.device = dtype, device
+        self.use_kernel = device.type == "cpu" and kernel_available(dtype)
+        self.kernel = cpu_kernels.ops().dense_linear if self.use_kernel else None  # None: torch's matmuls
 
     def convert(self, tensor: Loaded) -> torch.Tensor:
         return as_float(tensor).to(self.dtype)
@@ -69,24 +80,29 @@ class FloatMethod:
     def pack(self, layer: nn.Module) -> None:
         """After tying (an LM head shares the embedding's unpacked weight), pack for oneDNN where it pays."""
         w = layer.weight
-        if can_pack(w):
+        if not self.use_kernel and can_pack(w):
             layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self.kernel is not None:  # float32 sums, rounded once to out_dtype
+            return self.kernel(x, layer.weight, out_dtype)
         if layer.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
-        return F.linear(x, layer.weight)
+            y = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
+        else:
+            y = F.linear(x, layer.weight)
+        return y if out_dtype is None else y.to(out_dtype)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, layer.weight)
 
 
 def rounds_by_step_shape(model: nn.Module) -> bool:
-    """Whether some linear layer of model multiplies with torch's matmuls (FloatMethod, or blocks without the
-    kernel), whose rounding of a row depends on how many rows its step has (the BLAS picks its kernel and
-    blocking by shape). kvserve's quantized CPU kernels compute every row alike, whatever else is in the step."""
+    """Whether some linear layer of model multiplies with torch's matmuls (float or block weights without
+    kvserve's kernels: on a GPU, or under KVSERVE_CPU_ISA=none), whose rounding of a row depends on how many
+    rows its step has (the BLAS picks its kernel and blocking by shape). kvserve's CPU kernels, quantized and
+    dense, compute every row alike, whatever else is in the step."""
     methods = (getattr(m, "method", None) for m in model.modules())
-    return any(isinstance(x, FloatMethod) or (isinstance(x, BlockMethod) and not x.use_kernel) for x in methods)
+    return any(isinstance(x, (FloatMethod, BlockMethod)) and not x.use_kernel for x in methods)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -129,7 +145,11 @@ class BlockMethod:
             if seg.mins is not None:
                 layer.register_buffer(f"qmins{i}", seg.mins, persistent=False)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        y = self._apply(layer, x)
+        return y if out_dtype is None else y.to(out_dtype)
+
+    def _apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # kvserve's kernel at every row count: torch's packed kernels (aten._weight_int4pack_mm_for_cpu,
         # _weight_int8pack_mm) ran 11-160x slower on AVX2 and AVX-512, and dequantize + F.linear lost up to
         # 256 rows (benchmarks/results/torch_packed_avx2.md, torch_packed_avx512.md).
