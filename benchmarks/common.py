@@ -112,7 +112,8 @@ def report(name: str, title: str, args, setup: str, table: str, results: dict, i
     print(table)
     info = machine_info()
     # The switches that force a narrower ISA than the CPU's are part of the command.
-    forced = "".join(f"{k}={os.environ[k]} " for k in ("KVSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY") if os.environ.get(k))
+    switches = ("KVSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+    forced = "".join(f"{k}={os.environ[k]} " for k in switches if os.environ.get(k))
     cmd = f"{forced}python benchmarks/{script or name}.py" + command_options(vars(args))
     kernels = f" CPU kernels: {isa.upper()}." if isa else ""
     md = (f"# {title}\n\nCommand: `{cmd}` (git {git_rev()})\n\nMachine: {info['cpu']}, {info['cores']} cores, "

@@ -56,18 +56,23 @@ class FloatMethod:
     On a CPU with kvserve's kernels, x @ W^T is dense_linear (kvserve/kernels/cpu/dense_linear.cpp), which
     rounds every row alike whatever else the step carries, as the quantized kernels do: speculative decoding
     and batching then give the bits of decoding alone. torch's matmuls choose their blocking by shape, so a
-    row's logprobs moved by ~1e-5 in float32 (more in bfloat16) with the rows beside it. Measured against
-    torch's calls below (benchmarks/results/dense_linear_<isa>.md): as fast or faster for decode and
-    verification steps; bfloat16 on par (AVX-512) or several times faster (AVX2, where torch emulates it);
-    float32 prompt chunks of hundreds of rows ~0.8x.
+    row's logprobs moved by ~1e-5 in float32 (more in bfloat16) with the rows beside it. Against torch's calls
+    (benchmarks/results/dense_linear_avx512.md, dense_linear_forced_avx2.md): faster for decode and
+    verification steps in both dtypes and for bfloat16 prompts (several times on AVX2, where torch emulates
+    bfloat16), but float32 prompt chunks of hundreds of rows ran ~0.8x. So float32 steps of FLOAT32_TORCH_ROWS
+    rows or more go to torch unless rows_alike is set (the engine sets it where speculation or batch
+    invariance needs every row alike: set_rows_alike).
     Elsewhere, bf16 on CPU is re-laid once for oneDNN: torch's dense bf16 F.linear re-packs the weight inside
     every call, and packing at load measured 1.1-2x faster per GEMM on an AVX-512 machine
     (benchmarks/results/linear_packing.md)."""
+
+    FLOAT32_TORCH_ROWS = 64  # float32, Intel Xeon: kernel/torch 1.3x at 9 rows, 0.98x at 64, 0.76x at 512
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype, self.device = dtype, device
         self.use_kernel = device.type == "cpu" and kernel_available(dtype)
         self.kernel = cpu_kernels.ops().dense_linear if self.use_kernel else None  # None: torch's matmuls
+        self.rows_alike = dtype != torch.float32  # bfloat16 takes the kernel at every row count
 
     def convert(self, tensor: Loaded) -> torch.Tensor:
         return as_float(tensor).to(self.dtype)
@@ -84,8 +89,8 @@ class FloatMethod:
             layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        if self.kernel is not None:  # float32 sums, rounded once to out_dtype
-            return self.kernel(x, layer.weight, out_dtype)
+        if self.kernel is not None and (self.rows_alike or x.numel() < self.FLOAT32_TORCH_ROWS * x.shape[-1]):
+            return self.kernel(x, layer.weight, out_dtype)  # float32 sums, rounded once to out_dtype
         if layer.packed_weight is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
         else:
@@ -102,7 +107,16 @@ def rounds_by_step_shape(model: nn.Module) -> bool:
     rows its step has (the BLAS picks its kernel and blocking by shape). kvserve's CPU kernels, quantized and
     dense, compute every row alike, whatever else is in the step."""
     methods = (getattr(m, "method", None) for m in model.modules())
-    return any(isinstance(x, (FloatMethod, BlockMethod)) and not x.use_kernel for x in methods)
+    return any((isinstance(x, (FloatMethod, BlockMethod)) and not x.use_kernel)
+               or (isinstance(x, FloatMethod) and not x.rows_alike) for x in methods)
+
+
+def set_rows_alike(model: nn.Module) -> None:
+    """Every float layer of model on the dense kernel at every row count (where it has the kernel): for
+    speculative decoding and batch invariance, which need each row's bits independent of its step."""
+    for m in model.modules():
+        if isinstance(getattr(m, "method", None), FloatMethod):
+            m.method.rows_alike = True
 
 
 def can_pack(weight: torch.Tensor) -> bool:
