@@ -7,9 +7,8 @@ layers its own weights (so that they stream from memory as in a step), and the L
 and dtype, the time of one pass over the 30 layers' projections and of the LM head.
 
 engine: the default model unquantized (--quantization none) in one engine per dtype, its float layers switched
-between torch, the engine's default (the kernel, except float32 steps of 64 rows or more) and the kernel at
-every row count (what speculation and --batch-invariant run): a --prompt-tokens prompt's prefill alone, and
-greedy decoding of --max-tokens tokens for 1 and --streams requests of a short prompt (output tok/s).
+between the kernel and torch: a --prompt-tokens prompt's prefill alone, and greedy decoding of --max-tokens
+tokens for 1 and --streams requests of a short prompt (output tok/s).
 
 Each measurement takes the methods in turn within each of --rounds rounds; the tables give the median round.
 
@@ -81,25 +80,19 @@ def parts(args, ops) -> tuple[list[str], dict]:
     return lines, results
 
 
-def switch_float_layers(model, mode: str, kernel) -> None:
-    """The model's float layers on torch's matmuls ("torch": a bfloat16 weight packed for oneDNN, as FloatMethod
-    does without the kernel), on the engine's default ("kernel": float32 steps of 64 rows or more on torch), or
-    on the kernel at every row count ("kernel, all rows": as under speculation or --batch-invariant)."""
+def switch_float_layers(model, to_torch: bool, kernel) -> None:
+    """The model's float layers on torch's matmuls (a bfloat16 weight packed for oneDNN, as FloatMethod does
+    without the kernel) or on the kernel."""
     for layer in model.modules():
         method = getattr(layer, "method", None)
         if isinstance(method, FloatMethod):
-            method.kernel = None if mode == "torch" else kernel
-            method.rows_alike = mode == "kernel, all rows" or method.dtype != torch.float32
-            if mode == "torch" and layer.packed_weight is None and can_pack(layer.weight):
+            method.kernel = None if to_torch else kernel
+            if to_torch and layer.packed_weight is None and can_pack(layer.weight):
                 layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
 
 
-MODES = ("torch", "kernel", "kernel, all rows")
-
-
 def engine(args, ops) -> tuple[list[str], dict]:
-    lines = ["| dtype | measure | torch | kernel (default) | x torch | kernel, all rows (speculation) | x torch |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| dtype | measure | torch | kernel | kernel x torch |", "|---|---|---:|---:|---:|"]
     results: dict = {}
     g = torch.Generator().manual_seed(1)
     long_prompt = torch.randint(1000, 20000, (args.prompt_tokens,), generator=g).tolist()
@@ -117,20 +110,17 @@ def engine(args, ops) -> tuple[list[str], dict]:
         measures = {f"prefill {args.prompt_tokens} tokens, s": lambda: prefill_seconds(llm, long_prompt)[0],
                     "decode, 1 stream, tok/s": lambda: decode(1),
                     f"decode, {args.streams} streams, tok/s": lambda: decode(args.streams)}
-        times = {mode: {m: [] for m in measures} for mode in MODES}
+        times = {meth: {m: [] for m in measures} for meth in ("torch", "kernel")}
         with torch.inference_mode():
             for _ in range(args.rounds):
-                for mode in MODES:
-                    switch_float_layers(model, mode, ops.dense_linear)
+                for meth in times:
+                    switch_float_layers(model, meth == "torch", ops.dense_linear)
                     for m, fn in measures.items():
-                        times[mode][m].append(fn())
+                        times[meth][m].append(fn())
         for m in measures:
-            med = {mode: statistics.median(times[mode][m]) for mode in MODES}
-            t = med["torch"]
-            # > 1: the kernel is faster (a prefill's seconds, a decode's tokens per second)
-            ratio = {mode: (t / v if m.startswith("prefill") else v / t) for mode, v in med.items()}
-            lines.append(f"| {name} | {m} | {t:.3g} | {med['kernel']:.3g} | {ratio['kernel']:.2f} | "
-                         f"{med['kernel, all rows']:.3g} | {ratio['kernel, all rows']:.2f} |")
+            t, k = statistics.median(times["torch"][m]), statistics.median(times["kernel"][m])
+            ratio = t / k if m.startswith("prefill") else k / t  # > 1: the kernel is faster
+            lines.append(f"| {name} | {m} | {t:.3g} | {k:.3g} | {ratio:.2f} |")
             print(lines[-1], flush=True)
         results[name] = times
     return lines, results
@@ -161,8 +151,7 @@ def main() -> None:
     setup = ("parts: the default model's float projections at random (30 layers, each its own), and its LM head. "
              "'torch' is FloatMethod's call without the kernel (float32: F.linear; bfloat16: oneDNN's linear on a "
              "weight packed at load where oneDNN supports bfloat16, else F.linear); 'kernel' is dense_linear, whose "
-             "rows round alike whatever the row count. engine: SmolLM2-135M-Instruct with --quantization none "
-             "(the engine's default: float32 steps of 64 rows or more on torch; 'all rows': none), "
+             "rows round alike whatever the row count. engine: SmolLM2-135M-Instruct with --quantization none, "
              f"prefix caching off; prefill of a {args.prompt_tokens}-token random prompt alone; decoding "
              f"{args.max_tokens} tokens (ignore_eos) for 1 and {args.streams} requests of 16-token prompts, output "
              f"tok/s. Median of {args.rounds} rounds, the methods in turn within each (parts: each timing after one "

@@ -102,36 +102,3 @@ def test_float_layers_run_on_it_in_the_engine() -> None:
     assert methods and all(m.use_kernel for m in methods)
     assert all(getattr(m, "packed_weight", None) is None for m in model.modules())
 
-
-def test_float32_prompt_chunks_go_to_torch_unless_rows_must_be_alike() -> None:
-    """float32 steps of FLOAT32_TORCH_ROWS rows or more run torch's GEMM (faster there), unless the engine needs
-    every row alike: with speculation or --batch-invariant every float layer stays on the kernel."""
-    from kvserve import LLM
-    from kvserve.kernels import cpu as cpu_kernels
-    from kvserve.layers.linear import ColumnLinear
-    from kvserve.layers.quantization.methods import set_rows_alike
-
-    if not cpu_kernels.available():
-        pytest.skip("no CPU kernels built here")
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(40, 32, generator=g)
-    layer = ColumnLinear(32, 40, FloatMethod(torch.float32, torch.device("cpu")), "w")
-    layer.weight_loader(0, w)
-    layer.finalize()
-    calls = []
-    kernel = layer.method.kernel
-    layer.method.kernel = lambda *a: calls.append(a[0].shape[0]) or kernel(*a)
-    rows = FloatMethod.FLOAT32_TORCH_ROWS
-    x = torch.randn(rows, 32, generator=g)
-    assert torch.equal(layer(x[:-1]), kernel(x[:-1], w, None)) and calls == [rows - 1]
-    torch.testing.assert_close(layer(x), x @ w.T)
-    assert calls == [rows - 1]
-    set_rows_alike(layer)
-    assert torch.equal(layer(x), kernel(x, w, None)) and calls == [rows - 1, rows]
-
-    def alike(**kw) -> list[bool]:
-        model = LLM(quantization="none", dtype="float32", **kw).engine.runner.model
-        return [m.method.rows_alike for m in model.modules() if isinstance(getattr(m, "method", None), FloatMethod)]
-    assert not any(alike())
-    assert all(alike(speculative_config={"method": "ngram", "num_speculative_tokens": 2}))
-    assert all(alike(batch_invariant=True))

@@ -149,6 +149,29 @@ def test_quant_linear_kernel_matches_dequantized_reference(isa: str, name: str, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+@pytest.mark.parametrize("name", list(block_weights()))
+@pytest.mark.parametrize("tile", [0, 8, 16], ids=["rows", "x8", "x16"])
+def test_float32_output_is_the_sum_before_its_rounding(isa: str, name: str, tile: int) -> None:
+    """out_dtype float32 (an LM head's logits under bfloat16 activations) gives the float32 sums that a bfloat16
+    output rounds once."""
+    ops = native_ops(isa)
+    bw = block_weights()[name]
+    x = (torch.randn(5, bw.shape[1]) * 2).to(torch.bfloat16)
+    if tile:
+        if not bw.can_interleave(tile):
+            pytest.skip("groups of 16 stay row-major")
+        bw = bw.interleave(tile)
+        op = ops.quant_linear_x16 if tile == 16 else ops.quant_linear_x8
+        run = lambda out=None: op(x, bw.qs, bw.scales, bw.mins, out)  # noqa: E731
+    else:
+        run = lambda out=None: ops.quant_linear(x, bw.qs, bw.scales, bw.mins, bw.group, out)  # noqa: E731
+    y32 = run(torch.float32)
+    assert y32.dtype == torch.float32 and not torch.equal(y32, y32.to(torch.bfloat16).float())
+    assert torch.equal(y32.to(torch.bfloat16), run())
+
+
+@needs_kernel
 @pytest.mark.parametrize("name", ["q4_f16", "q4_f32", "q8_g32"])
 def test_avx2_tile_layouts_give_the_same_bits(name: str) -> None:
     """The AVX2 build's two tiled kernels do the same float work in the same order, so the loader's move

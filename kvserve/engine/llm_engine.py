@@ -29,7 +29,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import Sequence
 from kvserve.engine.stats import EngineStats
 from kvserve.kernels import cpu as cpu_kernels
-from kvserve.layers.quantization.methods import rounds_by_step_shape, set_rows_alike
+from kvserve.layers.quantization.methods import rounds_by_step_shape
 from kvserve.models.kv_cache import kv_cache_spec
 from kvserve.models.loader import load_model
 from kvserve.outputs import PositionLogprobs, RequestDelta, RequestMetrics, RequestOutput, RequestOutputAccumulator
@@ -98,8 +98,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         if config.batch_invariant and self.device.type != "cpu":
             raise ValueError("batch_invariant applies to the CPU's attention kernels; on CUDA it is not available")
-        if spec is not None or config.batch_invariant:
-            set_rows_alike(loaded.model)  # float32 prompt chunks stay on the dense kernel too
         self.runner = ModelRunner(loaded.model, kv_spec, num_blocks, self.device, self.eos_token_ids, self.dtype,
                                   config.attention_backend, config.batch_invariant)
         if spec is not None and spec.num_alternatives and not self.runner.attn_backend.supports_tree_drafts:

@@ -37,10 +37,10 @@ TORCH_LIBRARY(KVSERVE_NS, m) {
         "float v_scale=1.0) -> ()");
   m.def("copy_slots_(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] src, int[] dst) -> ()");
   // quant_linear.cpp, quant_linear_x8.cpp, quant_linear_x16.cpp
-  m.def("quant_linear(Tensor x, Tensor wq, Tensor scales, Tensor? mins, int group) -> Tensor");
-  m.def("quant_linear_x8(Tensor x, Tensor wq, Tensor scales, Tensor? mins) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor wq, Tensor scales, Tensor? mins, int group, ScalarType? out_dtype=None) -> Tensor");
+  m.def("quant_linear_x8(Tensor x, Tensor wq, Tensor scales, Tensor? mins, ScalarType? out_dtype=None) -> Tensor");
   m.def("quant_embedding_x8(Tensor ids, Tensor wq, Tensor scales, Tensor? mins, ScalarType dtype) -> Tensor");
-  m.def("quant_linear_x16(Tensor x, Tensor wq, Tensor scales, Tensor? mins) -> Tensor");
+  m.def("quant_linear_x16(Tensor x, Tensor wq, Tensor scales, Tensor? mins, ScalarType? out_dtype=None) -> Tensor");
   m.def("quant_embedding_x16(Tensor ids, Tensor wq, Tensor scales, Tensor? mins, ScalarType dtype) -> Tensor");
   // uniform.cpp
   m.def("mt19937_uniform_(Tensor(a!) out, Generator? generator) -> ()");

@@ -61,24 +61,25 @@ void copy_slots_(at::TensorList k_caches, at::TensorList v_caches, at::IntArrayR
 
 // quant_linear.cpp
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
-                        const std::optional<at::Tensor>& mins, int64_t group);
+                        const std::optional<at::Tensor>& mins, int64_t group,
+                        std::optional<at::ScalarType> out_dtype = std::nullopt);
 
 // quant_linear_x8.cpp
 at::Tensor quant_linear_x8(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
-                           const std::optional<at::Tensor>& mins);
+                           const std::optional<at::Tensor>& mins, std::optional<at::ScalarType> out_dtype = std::nullopt);
 at::Tensor quant_embedding_x8(const at::Tensor& ids, const at::Tensor& wq, const at::Tensor& scales,
                               const std::optional<at::Tensor>& mins, at::ScalarType dtype);
 
 // quant_linear_x16.cpp
 at::Tensor quant_linear_x16(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
-                            const std::optional<at::Tensor>& mins);
+                            const std::optional<at::Tensor>& mins, std::optional<at::ScalarType> out_dtype = std::nullopt);
 at::Tensor quant_embedding_x16(const at::Tensor& ids, const at::Tensor& wq, const at::Tensor& scales,
                                const std::optional<at::Tensor>& mins, at::ScalarType dtype);
 
 // uniform.cpp
 void mt19937_uniform_(const at::Tensor& out, const std::optional<at::Generator>& generator);
 
-// A weight in either tiled layout: x16's qs has four dimensions, x8's five (q4) or six (q8).
+// A weight in either tiled layout: x16's qs has four dimensions, x8's five (q4) or six (q8); y in x's dtype.
 inline at::Tensor quant_linear_tiled(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
                                      const std::optional<at::Tensor>& mins) {
   if (wq.dim() == 4) return quant_linear_x16(x, wq, scales, mins);

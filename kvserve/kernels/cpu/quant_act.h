@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #ifndef KVSERVE_NS
@@ -143,19 +144,22 @@ inline void prefetch_ahead(const uint8_t* w, const S* st, const S* mt, int64_t b
   if constexpr (kMins) _mm_prefetch(reinterpret_cast<const char*>(mt + (b + kAhead) * kScales), _MM_HINT_T0);
 }
 
-// What every quantized linear op shares once its weights are checked: y [.., N] of x's dtype, x quantized
-// once, then gemm(act, M, y, scale_tag) with y a float* or c10::BFloat16* and scale_tag a float or at::Half.
+// What every quantized linear op shares once its weights are checked: y [.., N] of out_dtype (default x's:
+// float32 for an LM head's logits, which the kernels sum in float32 anyway), x quantized once, then
+// gemm(act, M, y, scale_tag) with y a float* or c10::BFloat16* and scale_tag a float or at::Half.
 template <typename Gemm>
-at::Tensor quantized_linear(const at::Tensor& x, int64_t N, at::ScalarType scale_type, Gemm&& gemm) {
+at::Tensor quantized_linear(const at::Tensor& x, int64_t N, at::ScalarType scale_type, Gemm&& gemm,
+                            std::optional<at::ScalarType> out_dtype = std::nullopt) {
   const int64_t K = x.size(-1);
   const at::Tensor xc = x.contiguous();
   const int64_t M = K ? xc.numel() / K : 0;
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = N;
-  at::Tensor y = at::empty(out_sizes, x.options());
+  const at::ScalarType yt = out_dtype.value_or(x.scalar_type());
+  at::Tensor y = at::empty(out_sizes, x.options().dtype(yt));
   if (M == 0 || N == 0) return y;
   const QuantAct act = quantize_activations(xc, M, K);
-  dispatch_act(x.scalar_type(), [&](auto act_tag) {
+  dispatch_act(yt, [&](auto act_tag) {
     using T = decltype(act_tag);
     dispatch_scale(scale_type, [&](auto scale_tag) { gemm(act, M, y.data_ptr<T>(), scale_tag); });
   });

@@ -148,7 +148,7 @@ inline namespace KVSERVE_NS {
 // x [.., K] float32/bfloat16 -> y [.., N] of x's dtype. wq: q8 int8 [N, K] / q4 uint8 [N, K / 2];
 // scales [N, K / group]; mins [N, K / 32] (q4) or undefined (q8).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
-                        const std::optional<at::Tensor>& mins, int64_t group) {
+                        const std::optional<at::Tensor>& mins, int64_t group, std::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK(x.device().is_cpu() && wq.is_contiguous() && scales.is_contiguous(), "quant_linear: CPU, contiguous");
   const int64_t K = x.size(-1), N = wq.size(0);
   TORCH_CHECK(K % QK == 0, "quant_linear: in_features must be a multiple of 32, got ", K);
@@ -168,7 +168,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& wq, const at::Ten
     if (q4) gemm<Layout::kQ4, S, T>(act, M, N, w, sp, mins->data_ptr<S>(), y);
     else if (group == 16) gemm<Layout::kQ8G16, S, T>(act, M, N, w, sp, nullptr, y);
     else gemm<Layout::kQ8G32, S, T>(act, M, N, w, sp, nullptr, y);
-  });
+  }, out_dtype);
 }
 
 }  // namespace KVSERVE_NS

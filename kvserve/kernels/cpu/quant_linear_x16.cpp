@@ -233,7 +233,7 @@ inline namespace KVSERVE_NS {
 
 // x [.., K] float32/bfloat16 -> y [.., N] of x's dtype, weights in the layout above (group 32).
 at::Tensor quant_linear_x16(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scales,
-                            const std::optional<at::Tensor>& mins) {
+                            const std::optional<at::Tensor>& mins, std::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK(x.device().is_cpu(), "quant_linear_x16: CPU tensors");
   const int64_t K = x.size(-1), N = wq.size(0) * kRows;
   check_x16(wq, scales, mins, K, "quant_linear_x16");
@@ -244,7 +244,7 @@ at::Tensor quant_linear_x16(const at::Tensor& x, const at::Tensor& wq, const at:
     using T = std::remove_pointer_t<decltype(y)>;
     if (q4) gemm<true, S, T>(act, M, N, w, scales.data_ptr<S>(), mins->data_ptr<S>(), y);
     else gemm<false, S, T>(act, M, N, w, scales.data_ptr<S>(), nullptr, y);
-  });
+  }, out_dtype);
 }
 
 // Rows ids of the weight, dequantized (an embedding lookup; see quant_embedding_x8).

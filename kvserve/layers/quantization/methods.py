@@ -59,20 +59,18 @@ class FloatMethod:
     row's logprobs moved by ~1e-5 in float32 (more in bfloat16) with the rows beside it. Against torch's calls
     (benchmarks/results/dense_linear_avx512.md, dense_linear_forced_avx2.md): faster for decode and
     verification steps in both dtypes and for bfloat16 prompts (several times on AVX2, where torch emulates
-    bfloat16), but float32 prompt chunks of hundreds of rows ran ~0.8x. So float32 steps of FLOAT32_TORCH_ROWS
-    rows or more go to torch unless rows_alike is set (the engine sets it where speculation or batch
-    invariance needs every row alike: set_rows_alike).
+    bfloat16), but float32 prompt chunks of hundreds of rows ran ~0.8x. Those stay on the kernel all the same:
+    a step's rows depend on what else it carries, so a row taken by torch in one engine and by the kernel in
+    another (speculating, or batched otherwise) would round differently (tried: routing float32 steps of 64+
+    rows to torch moved the speculation tests' logprobs through the fp8 KV calibration's prefill).
     Elsewhere, bf16 on CPU is re-laid once for oneDNN: torch's dense bf16 F.linear re-packs the weight inside
     every call, and packing at load measured 1.1-2x faster per GEMM on an AVX-512 machine
     (benchmarks/results/linear_packing.md)."""
-
-    FLOAT32_TORCH_ROWS = 64  # float32, Intel Xeon: kernel/torch 1.3x at 9 rows, 0.98x at 64, 0.76x at 512
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype, self.device = dtype, device
         self.use_kernel = device.type == "cpu" and kernel_available(dtype)
         self.kernel = cpu_kernels.ops().dense_linear if self.use_kernel else None  # None: torch's matmuls
-        self.rows_alike = dtype != torch.float32  # bfloat16 takes the kernel at every row count
 
     def convert(self, tensor: Loaded) -> torch.Tensor:
         return as_float(tensor).to(self.dtype)
@@ -89,7 +87,7 @@ class FloatMethod:
             layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        if self.kernel is not None and (self.rows_alike or x.numel() < self.FLOAT32_TORCH_ROWS * x.shape[-1]):
+        if self.kernel is not None:
             return self.kernel(x, layer.weight, out_dtype)  # float32 sums, rounded once to out_dtype
         if layer.packed_weight is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
@@ -107,16 +105,7 @@ def rounds_by_step_shape(model: nn.Module) -> bool:
     rows its step has (the BLAS picks its kernel and blocking by shape). kvserve's CPU kernels, quantized and
     dense, compute every row alike, whatever else is in the step."""
     methods = (getattr(m, "method", None) for m in model.modules())
-    return any((isinstance(x, (FloatMethod, BlockMethod)) and not x.use_kernel)
-               or (isinstance(x, FloatMethod) and not x.rows_alike) for x in methods)
-
-
-def set_rows_alike(model: nn.Module) -> None:
-    """Every float layer of model on the dense kernel at every row count (where it has the kernel): for
-    speculative decoding and batch invariance, which need each row's bits independent of its step."""
-    for m in model.modules():
-        if isinstance(getattr(m, "method", None), FloatMethod):
-            m.method.rows_alike = True
+    return any(isinstance(x, (FloatMethod, BlockMethod)) and not x.use_kernel for x in methods)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -160,19 +149,17 @@ class BlockMethod:
                 layer.register_buffer(f"qmins{i}", seg.mins, persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        y = self._apply(layer, x)
-        return y if out_dtype is None else y.to(out_dtype)
-
-    def _apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # kvserve's kernel at every row count: torch's packed kernels (aten._weight_int4pack_mm_for_cpu,
         # _weight_int8pack_mm) ran 11-160x slower on AVX2 and AVX-512, and dequantize + F.linear lost up to
-        # 256 rows (benchmarks/results/torch_packed_avx2.md, torch_packed_avx512.md).
+        # 256 rows (benchmarks/results/torch_packed_avx2.md, torch_packed_avx512.md). The kernel's sums are
+        # float32: out_dtype float32 (logits) keeps them so.
         if not self.use_kernel:
-            return torch.cat([F.linear(x, s.dequantize(dtype=x.dtype)) for s in layer.segments], dim=-1)
+            y = torch.cat([F.linear(x, s.dequantize(dtype=x.dtype)) for s in layer.segments], dim=-1)
+            return y if out_dtype is None else y.to(out_dtype)
         ops = cpu_kernels.ops()
         if len(layer.segments) == 1:
-            return _matmul(ops, x, layer.segments[0])
-        return torch.cat([_matmul(ops, x, s) for s in layer.segments], dim=-1)
+            return _matmul(ops, x, layer.segments[0], out_dtype)
+        return torch.cat([_matmul(ops, x, s, out_dtype) for s in layer.segments], dim=-1)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         (seg,) = layer.segments
@@ -184,12 +171,13 @@ class BlockMethod:
         return rows.view(*ids.shape, -1)
 
 
-def _matmul(ops: torch._ops._OpNamespace, x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
+def _matmul(ops: torch._ops._OpNamespace, x: torch.Tensor, w: BlockWeight,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     if w.tile == 16:
-        return ops.quant_linear_x16(x, w.qs, w.scales, w.mins)
+        return ops.quant_linear_x16(x, w.qs, w.scales, w.mins, out_dtype)
     if w.tile == 8:
-        return ops.quant_linear_x8(x, w.qs, w.scales, w.mins)
-    return ops.quant_linear(x, w.qs, w.scales, w.mins, w.group)
+        return ops.quant_linear_x8(x, w.qs, w.scales, w.mins, out_dtype)
+    return ops.quant_linear(x, w.qs, w.scales, w.mins, w.group, out_dtype)
 
 
 def _tiled(w: BlockWeight) -> BlockWeight:
