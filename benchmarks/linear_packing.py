@@ -1,5 +1,6 @@
 """bf16 GEMMs of the default model's shapes on CPU: torch's F.linear against kvserve's float linear layer
-with its weight packed once for oneDNN (FloatMethod.pack), side by side in one run.
+with its weight packed once for oneDNN (FloatMethod.pack, the path where kvserve's kernels are not built),
+side by side in one run.
 
     python benchmarks/linear_packing.py
 """
@@ -31,7 +32,11 @@ def main() -> None:
             tot_plain = tot_packed = 0.0
             for name, (n, k) in SHAPES.items():
                 lin = nn.Linear(k, n, bias=False).to(torch.bfloat16)
-                packed = ColumnLinear(k, n, FloatMethod(torch.bfloat16, torch.device("cpu")), name)
+                method = FloatMethod(torch.bfloat16, torch.device("cpu"))
+                # FloatMethod's oneDNN path, as on a CPU without kvserve's kernels (with them it runs dense_linear:
+                # benchmarks/dense_linear.py).
+                method.use_kernel, method.kernel = False, None
+                packed = ColumnLinear(k, n, method, name)
                 packed.weight_loader(0, lin.weight.detach())
                 packed.finalize()
                 pack_float_weights(packed)
