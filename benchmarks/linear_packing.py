@@ -35,7 +35,7 @@ def main() -> None:
                 method = FloatMethod(torch.bfloat16, torch.device("cpu"))
                 # FloatMethod's oneDNN path, as on a CPU without kvserve's kernels (with them it runs dense_linear:
                 # benchmarks/dense_linear.py).
-                method.use_kernel, method.kernel = False, None
+                method.kernel = None
                 packed = ColumnLinear(k, n, method, name)
                 packed.weight_loader(0, lin.weight.detach())
                 packed.finalize()

@@ -7,7 +7,6 @@ import random
 from kvserve.config import EngineConfig
 from kvserve.engine.block_hash import block_hashes
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.layers.quantization.methods import rounds_by_step_shape
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.draft_length import MODEL_CLASS
 from tiny_models import TINY_KV
@@ -18,8 +17,7 @@ def logprob_tolerance(engine: LLMEngine) -> float:
     CPU kernels compute every linear layer (quantized or float) and every layer's attention, each rounding a row
     alike whatever the other rows of its step; ~1e-5 where torch's matmuls do (KVSERVE_CPU_ISA=none, attention
     heads the kernel lacks), which choose their blocking by the step's shape."""
-    exact = not rounds_by_step_shape(engine.runner.model) and engine.runner.attn_backend.rows_alike()
-    return 0.0 if exact else 1e-5
+    return 0.0 if engine.runner.rows_alike() else 1e-5
 
 
 class ScriptedProposer:

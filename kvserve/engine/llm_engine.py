@@ -29,7 +29,6 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import Sequence
 from kvserve.engine.stats import EngineStats
 from kvserve.kernels import cpu as cpu_kernels
-from kvserve.layers.quantization.methods import rounds_by_step_shape
 from kvserve.models.kv_cache import kv_cache_spec
 from kvserve.models.loader import load_model
 from kvserve.outputs import PositionLogprobs, RequestDelta, RequestMetrics, RequestOutput, RequestOutputAccumulator
@@ -121,8 +120,7 @@ class LLMEngine:
                 draft.model.capture_graphs(verify_seqs)
         self.speculator = None
         if spec is not None:
-            if self.dtype != torch.float32 and (rounds_by_step_shape(loaded.model)
-                                                or not self.runner.attn_backend.rows_alike()):
+            if self.dtype != torch.float32 and not self.runner.rows_alike():
                 # Measured with --quantization none in bfloat16 on AVX-512 before float weights had a CPU kernel:
                 # 52 of 156 requests' logprobs moved, by up to 0.24 nats, and some greedy and seeded outputs
                 # changed; in float32 by up to 3e-5.

@@ -19,6 +19,7 @@ from kvserve.attention.selector import make_attention_backend
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.kernels import cpu as cpu_kernels
+from kvserve.layers.quantization.methods import rounds_by_step_shape
 from kvserve.outputs import PositionLogprobs
 from kvserve.models.kv_cache import KVCacheSpec
 from kvserve.sampling.logprobs import compute_prompt_logprobs
@@ -75,6 +76,11 @@ class ModelRunner:
         libraries = ", ".join(f"{name} {n}" for name, n in Counter(self.graphs.blas.values()).most_common())
         logger.info("CUDA graphs: %d step shapes captured in %.1f s (BLAS library kept, by shapes: %s)",
                     len(self.graphs.graphs), time.perf_counter() - start, libraries)
+
+    def rows_alike(self) -> bool:
+        """Whether every row of a step computes as it would alone: every linear layer and every attention layer on
+        kvserve's CPU kernels, so that speculation and batching leave a row's bits as they are."""
+        return not rounds_by_step_shape(self.model) and self.attn_backend.rows_alike()
 
     def step_tokens(self, num_seqs: int, num_tokens: int, num_drafts: int) -> int:
         """The tokens a step of num_seqs sequences, num_tokens without drafts and num_drafts draft tokens, will

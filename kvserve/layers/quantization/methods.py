@@ -69,8 +69,12 @@ class FloatMethod:
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype, self.device = dtype, device
-        self.use_kernel = device.type == "cpu" and kernel_available(dtype)
-        self.kernel = cpu_kernels.ops().dense_linear if self.use_kernel else None  # None: torch's matmuls
+        use_kernel = device.type == "cpu" and kernel_available(dtype)
+        self.kernel = cpu_kernels.ops().dense_linear if use_kernel else None  # None: torch's matmuls
+
+    @property
+    def use_kernel(self) -> bool:
+        return self.kernel is not None
 
     def convert(self, tensor: Loaded) -> torch.Tensor:
         return as_float(tensor).to(self.dtype)
