@@ -187,6 +187,7 @@ def closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
     in_flight: set[str] = set()
     outputs = {}
     clock = 0.0
+    added: dict[str, float] = {}
     first_token: dict[str, float] = {}
     last_token: dict[str, float] = {}
     while pending or in_flight:
@@ -195,6 +196,7 @@ def closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
             i, p = pending.pop(0)
             engine.add_request(f"r{i}", p, params[i])
             in_flight.add(f"r{i}")
+            added[f"r{i}"] = clock
         step_outputs = engine.step()
         now = clock + time.perf_counter() - t0
         for out in step_outputs:
@@ -211,6 +213,7 @@ def closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
     steps = after.num_steps - before.num_steps
     tokens = [len(outputs[i].outputs[0].token_ids) for i in range(len(prompts))]
     tpots = [(last_token[f"r{i}"] - first_token[f"r{i}"]) / (n - 1) for i, n in enumerate(tokens) if n > 1]
+    decode_seconds = sum(last_token[f"r{i}"] - first_token[f"r{i}"] for i in range(len(prompts)))
     drafts = after.spec_num_drafts - before.spec_num_drafts
     drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
     accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
@@ -222,9 +225,11 @@ def closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
         "outside_model_ms_per_step": 1000 * (clock - in_model) / max(1, steps) if timer.enabled else None,
         "output_tok_s": sum(tokens) / clock,
         "tpot_median_ms": 1000 * statistics.median(tpots) if tpots else None,
+        "decode_seconds": decode_seconds, "decode_tokens": sum(tokens) - len(tokens),
         **acceptance_fields(drafts, drafted, accepted, per_pos),
         "token_ids": [outputs[i].outputs[0].token_ids for i in range(len(prompts))],
         "tpots_ms": [1000 * t for t in tpots],
+        "ttfts_ms": [1000 * (first_token[f"r{i}"] - added[f"r{i}"]) for i in range(len(prompts))],
     }
 
 
@@ -292,9 +297,12 @@ def merged_run(parts: list[dict]) -> dict:
                                       else sum(o * p["steps"] for o, p in zip(outside, parts)) / max(1, steps)),
         "output_tok_s": tokens / seconds,
         "tpot_median_ms": statistics.median(tpots) if tpots else None,
+        "decode_seconds": sum(p["decode_seconds"] for p in parts),
+        "decode_tokens": sum(p["decode_tokens"] for p in parts),
         **pooled_acceptance(parts),
         "token_ids": [t for p in parts for t in p["token_ids"]],
         "tpots_ms": tpots,
+        "ttfts_ms": [t for p in parts for t in p["ttfts_ms"]],
     }
 
 
@@ -366,9 +374,10 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
     """The table and results/<name>.{json,md} for the workloads measured so far (written after each one, so
     that a run cut short, as on a GPU lease, keeps what it finished)."""
     lines = ["| workload | concurrency | method | output tokens per request | output tok/s | x none | x none per round | "
-             "TPOT median ms | TPOT x none | steps | rejected rows | outside the model, ms per step | "
-             "acceptance rate | mean acceptance length | acceptance by position | same |",
-             "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+             "TPOT median ms | TPOT x none | decode x none | first token median ms | steps | rejected rows | "
+             "outside the model, ms per step | acceptance rate | mean acceptance length | acceptance by position | "
+             "same |",
+             "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for workload, by_c in results.items():
         for c, by_m in by_c.items():
             for method, r in by_m.items():
@@ -380,14 +389,18 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
                 pos = " / ".join(f"{100 * a:.0f}%" for a in r["acceptance_per_position"])
                 tpot = "" if r["tpot_median_ms"] is None else f"{r['tpot_median_ms']:.1f}"
                 tpot_x = "" if r.get("tpot_x_none") is None else f"{r['tpot_x_none']:.2f}"
+                decode_x = "" if r.get("decode_x_none") is None else f"{r['decode_x_none']:.2f}"
+                ttft = "" if r.get("ttft_median_ms") is None else f"{r['ttft_median_ms']:.0f}"
                 outside = "n/a" if r["outside_model_ms_per_step"] is None else f"{r['outside_model_ms_per_step']:.2f}"
                 per_round = " / ".join(f"{x:.2f}" for x in r["x_none_rounds"])
                 lines.append(f"| {workload} | {c} | {method} | {r['output_tokens'] / r['num_requests']:.0f} | "
                              f"{r['output_tok_s']:.1f} | {r['x_none']:.2f} | "
-                             f"{per_round} | {tpot} | {tpot_x} | {r['steps']:g} | {r['rejected_rows']:g} | "
+                             f"{per_round} | {tpot} | {tpot_x} | {decode_x} | {ttft} | {r['steps']:g} | "
+                             f"{r['rejected_rows']:g} | "
                              f"{outside} | {rate} | {length} | "
                              f"{pos} | {same} |")
-    saved = {w: {c: {m: {k: v for k, v in r.items() if k not in ("token_ids", "tpots_ms")} for m, r in by_m.items()}
+    per_request = ("token_ids", "tpots_ms", "ttfts_ms")
+    saved = {w: {c: {m: {k: v for k, v in r.items() if k not in per_request} for m, r in by_m.items()}
                  for c, by_m in by_c.items()} for w, by_c in results.items()}
     ngram = f"n-gram k={args.num_speculative_tokens}, lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}"
     if any(m.startswith("ngram-long") for m in args.methods):
@@ -411,8 +424,10 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
                 "run": ", taking turns run by run"}[args.take_turns]
              + " (medians; "
              "\"x none\" is the median of the per-round ratios of output tok/s, \"TPOT x none\" of none's median "
-             "TPOT to the method's (decode alone, without the first token's wait); acceptance counts every round's "
-             "drafts). "
+             "TPOT to the method's (decode alone, without the first token's wait), \"decode x none\" the same for "
+             "the mean TPOT weighted by tokens (every request's tokens after its first over the time between its "
+             "first and last, all requests together); \"first token\" is the wait from a request's arrival to its "
+             "first token, over all rounds' requests; acceptance counts every round's drafts). "
              "Load average (1 min) "
              f"{load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (above the core count the "
              "machine was shared and the figures are noisy).")
@@ -545,6 +560,15 @@ def main() -> None:
                 tpot_ratios = [b["tpot_median_ms"] / x["tpot_median_ms"] for x, b in zip(runs, rounds["none"])
                                if x["tpot_median_ms"] and b["tpot_median_ms"]]
                 r["tpot_x_none"] = statistics.median(tpot_ratios) if tpot_ratios else None
+                # Decode alone weighted by tokens: every token after a request's first, over the time between its
+                # first and last token. A copy that drafts well and one that drafts nothing count by their length,
+                # as in output tok/s, where the median TPOT counts them alike.
+                mean_tpot = [1000 * x["decode_seconds"] / x["decode_tokens"] for x in runs if x["decode_tokens"]]
+                r["tpot_mean_ms"] = statistics.median(mean_tpot) if mean_tpot else None
+                decode_ratios = [(b["decode_seconds"] / b["decode_tokens"]) / (x["decode_seconds"] / x["decode_tokens"])
+                                 for x, b in zip(runs, rounds["none"]) if x["decode_seconds"] and b["decode_tokens"]]
+                r["decode_x_none"] = statistics.median(decode_ratios) if decode_ratios else None
+                r["ttft_median_ms"] = statistics.median(t for x in runs for t in x["ttfts_ms"])
                 r["steps"] = statistics.median(x["steps"] for x in runs)
                 r["rejected_rows"] = statistics.median(x["rejected_rows"] for x in runs)
                 outside = [x["outside_model_ms_per_step"] for x in runs if x["outside_model_ms_per_step"] is not None]
