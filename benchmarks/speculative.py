@@ -31,9 +31,6 @@ earlier one) for two heads side by side in one run, and eagle-b-fixed, eagle-b-a
 with alternatives to its first draft token (--eagle-tree, vLLM's speculative_token_tree), and its variants;
 eagle-tree2, a second tree beside it (--eagle-tree2); eagle-tree-lookup, prompt lookup in front of a tree
 (--eagle-tree-lookup, whose chain also bounds lookup's drafts; lookup --prompt-lookup-min..max).
-Any of ngram, ngram-long, draft, eagle, eagle-lookup and eagle-tree-lookup with "-every16" appended: the method
-with the draft-length rule's probes every 16 decisions whatever the probed length's estimate (draft_length.py's
-rule before session 39), beside the method as it is.
 
 Each (workload, concurrency) runs a closed loop: `concurrency` requests in flight, a new one added when one
 finishes, until --num-requests (at least `concurrency`) are done; --rounds times, the methods taking turns,
@@ -56,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import math
 import os
 import random
 import statistics
@@ -119,12 +115,7 @@ LOOKUP_WITHOUT = {"ngram-plain": ("token_classes",), "ngram-no-indents": ("inden
                   "ngram-long-no-indents": ("indents",), "eagle-lookup-plain": ("token_classes", "indents")}
 
 
-EVERY16 = "-every16"  # the method with the draft-length rule's probes as before session 39 (main)
-EVERY16_METHODS = [m + EVERY16 for m in ("ngram", "ngram-long", "draft", "eagle", "eagle-lookup", "eagle-tree-lookup")]
-
-
 def method_config(method: str, args) -> dict | None:
-    method = method.removesuffix(EVERY16)
     if method in ("none", "none-control"):
         return None
     if method.startswith("draft"):
@@ -458,7 +449,7 @@ def main() -> None:
                              "ngram-long", "ngram-no-indents", "ngram-long-no-indents", "eagle-lookup",
                              "eagle-lookup-plain", "eagle-tree-lookup",
                              *(m + v for m in ("ngram", "draft", "eagle", "eagle-b", "eagle-tree", "eagle-tree2")
-                               for v in ("", "-fixed", "-always", "-unlimited")), *EVERY16_METHODS])
+                               for v in ("", "-fixed", "-always", "-unlimited"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
     ap.add_argument("--max-tokens", type=int, default=128, help="per request of summarise and chat")
     ap.add_argument("--repeat-max-tokens", default="text",
@@ -518,9 +509,6 @@ def main() -> None:
                         speculative_config=method_config(method, args), max_num_seqs=max(args.concurrency),
                         kv_cache_memory=args.kv_cache_memory)
             for method in args.methods}
-    for method in EVERY16_METHODS:
-        if method in llms:
-            llms[method].engine.speculator.length.probe_loss = math.inf
     for method, parts in LOOKUP_WITHOUT.items():
         if method in llms:
             for part in parts:

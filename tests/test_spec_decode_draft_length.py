@@ -9,8 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.draft_length import (MAX_AGE, PROBE_EVERY, PROBE_LOSS, PROBE_MIN_RATE, PROBE_RUN, TREE_CLASS,
-                                             DraftLength, StepTimes, probe_interval)
+from kvserve.spec_decode.draft_length import MAX_AGE, PROBE_EVERY, PROBE_RUN, TREE_CLASS, DraftLength, StepTimes
 from engine_helpers import assert_no_leaks, drain
 from spec_helpers import ScriptedProposer, make_engine
 
@@ -183,40 +182,11 @@ def test_a_tree_is_judged_as_its_chain_and_its_kept_alternatives_count_as_accept
     assert p.acceptance == pytest.approx(0.25, abs=0.02)  # 1 of 2 drafted, every other step
 
 
-def probe_starts(lengths: list[int], interval: int) -> list[int]:
-    """The lengths a run of decisions should choose (0 without drafts) where a probe starts every interval-th."""
-    starts = range(interval - 1, len(lengths), interval)  # the interval-th decision, then every interval-th after
-    return [int(any(s <= i < s + PROBE_RUN for s in starts)) for i in range(len(lengths))]
-
-
-def test_a_length_nearly_as_good_as_the_best_is_probed_every_probe_every_decisions():
-    # One draft token rates (1 + 0.045) / 1.05 = 0.995 of the best (none): probing it costs next to nothing.
-    # (Probes whose drafts are never recorded lower the calibration `gain_scale`, not below PROBE_EVERY here.)
-    p = policy({1: 1.0, 5: 1.2}, [0.045, 0.01, 0.0, 0.0])
-    assert probe_interval(1.045 / 1.05) == probe_interval(1.0315 / 1.05) == PROBE_EVERY  # gain scaled by 1 .. 0.7
-    lengths = [p.choose(1, [(4, 1.0, 0)])[0] for _ in range(3 * PROBE_EVERY)]
-    assert lengths == probe_starts(lengths, PROBE_EVERY)  # the 16th, 32nd and 48th decisions start a run
-
-
-def test_a_length_further_below_the_best_is_probed_more_seldom():
-    # (1 + 0.2) / 1.25 = 0.96 of the best: a probe run every ceil(3 * 0.04 / PROBE_LOSS) decisions.
-    # (The probes' drafts are never recorded here, which lowers the calibration `gain_scale`, so the length's
-    # share, and the next start is later still: only the first start is exact.)
+def test_every_probe_th_decision_starts_a_run_of_one_position_more():
     p = policy({1: 1.0, 5: 2.0}, [0.2, 0.1, 0.05, 0.0])
-    interval = probe_interval(1.2 / 1.25)
-    assert PROBE_EVERY < interval < MAX_AGE
-    lengths = [p.choose(1, [(4, 1.0, 0)])[0] for _ in range(2 * interval - 1)]
-    assert lengths == probe_starts(lengths, interval)
-
-
-def test_probing_is_expected_to_cost_about_probe_loss_of_the_rate():
-    shares = [1.0, 0.99, 0.95, 0.9, 0.8, 0.7, 0.6, PROBE_MIN_RATE, PROBE_MIN_RATE - 0.01, 0.1]
-    intervals = [probe_interval(share) for share in shares]
-    assert intervals == sorted(intervals) and intervals[0] == PROBE_EVERY and intervals[-1] == MAX_AGE
-    for share, interval in zip(shares, intervals):
-        if PROBE_EVERY < interval < MAX_AGE:  # neither bound holds it: the expected loss is PROBE_LOSS
-            assert PROBE_RUN * (1 - share) / interval == pytest.approx(PROBE_LOSS, rel=0.05)
-    assert probe_interval(PROBE_MIN_RATE - 0.01) == MAX_AGE  # a lone decision every MAX_AGE (next test)
+    lengths = [p.choose(1, [(4, 1.0, 0)])[0] for _ in range(3 * PROBE_EVERY)]
+    starts = [k * PROBE_EVERY - 1 for k in (1, 2, 3)]  # the 16th, 32nd and 48th decisions
+    assert lengths == [int(any(s <= i < s + PROBE_RUN for s in starts)) for i in range(3 * PROBE_EVERY)]
 
 
 def test_a_model_whose_drafting_time_tips_it_below_no_drafts_is_still_probed():
@@ -224,9 +194,9 @@ def test_a_model_whose_drafting_time_tips_it_below_no_drafts_is_still_probed():
     best step keeps none of the model's tokens; a probe must still try one (the token is only in the list
     that allows the model), or a few slow steps turn the model off until its times are forgotten."""
     p = policy({1: 1.0, 2: 1.2}, [0.3], draft_seconds=0.2)
-    interval = probe_interval(1.3 / 1.4)
-    lengths = [p.choose(1, [(1, 1.0, 0)])[0] for _ in range(2 * interval - 1)]
-    assert lengths == probe_starts(lengths, interval)  # the first start (see the test before)
+    lengths = [p.choose(1, [(1, 1.0, 0)])[0] for _ in range(2 * PROBE_EVERY)]
+    starts = [k * PROBE_EVERY - 1 for k in (1, 2)]
+    assert lengths == [int(any(s <= i < s + PROBE_RUN for s in starts)) for i in range(2 * PROBE_EVERY)]
 
 
 def test_a_length_far_worse_than_the_best_is_probed_rarely():

@@ -36,14 +36,13 @@ accepted half the time would keep all later tokens whenever it kept the first.
 
 A step whose size without drafts was never measured goes without drafts, to measure it; unmeasured sizes
 with drafts are estimated from the nearest measured ones (optimistically flat above the largest when only
-one is known), so drafting is tried and then measured. Probes keep the estimates for the next length
-current: a probe is a run of PROBE_RUN decisions that keep one draft token more than the best, started
-every PROBE_EVERY decisions where that length is estimated at nearly the best rate, and more seldom the
-further below it it is, so that probing costs at most about PROBE_LOSS of the rate (one decision every
-MAX_AGE where it is estimated at under half the best rate); and a step size not seen for MAX_AGE steps is
-forgotten, so a length that stopped paying is estimated afresh and tried again. A probe is a run, not one
-step, so that it times the length as it runs, not only the step that switches to it (StepTimes). Where the
-best keeps none of a model's tokens, a probe adds the model's first one.
+one is known), so drafting is tried and then measured. Every PROBE_EVERY-th decision starts a probe: the
+next PROBE_RUN decisions keep one draft token more than the best, to keep the estimates for the next
+length current (one decision every MAX_AGE-th where that length is estimated at under half the best
+rate), and a step size not seen for MAX_AGE steps is forgotten, so a length that stopped paying is
+estimated afresh and tried again. A probe is a run, not one step, so that it times the length as it runs,
+not only the step that switches to it (StepTimes). Where the best keeps none of a model's tokens, a probe
+adds the model's first one.
 
 A greedy request's eagle draft of more than one token (TREE_CLASS: a chain, with alternatives to its first
 token where the config has a token tree) is judged here like a chain, which says whether the head should draft
@@ -53,7 +52,6 @@ at all; which of its rows a step keeps is decided once they are drafted, by the 
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Callable
 
 _TIME_WEIGHT = 0.2        # moving-average weight of a new step time
@@ -62,17 +60,9 @@ MODEL_CLASS = 0           # the class of a draft model's (or eagle head's) draft
 # A greedy request's eagle draft as a token tree: with alternatives to its first token where the config has them,
 # or with the rule a chain of k > 1, the rows sized by the head's confidence (speculator.py).
 TREE_CLASS = -1
-PROBE_EVERY = 16           # decisions from one probe to the next, at the least
+PROBE_EVERY = 16
 PROBE_RUN = 3              # decisions a probe lasts: its first step follows another size, the others time it as it runs
 PROBE_MIN_RATE = 0.5       # below this share of the best rate, a length is probed every MAX_AGE decisions
-# Above it, a probe starts PROBE_RUN * (1 - share) / PROBE_LOSS decisions after the last (PROBE_EVERY at least),
-# share being the length's estimated rate against the best: what probing is expected to lose stays near
-# PROBE_LOSS of the rate. Probing every PROBE_EVERY decisions whatever the share, the shipped draft model ran
-# at 0.93x of no speculation at one stream of chat on an Intel Xeon (AVX-512): its one-token drafts rated
-# ~0.87 of none, and a probe that runs the draft after a pause first catches it up on the whole sequence.
-# With this, 0.98x; the eagle head there 1.12 -> 1.15-1.17x, copies with prompt lookup 1.65 -> 1.72-1.74x
-# (same-process A/Bs, benchmarks/README.md, session 39). At 0.002 both of those lost again.
-PROBE_LOSS = 0.005
 MAX_AGE = 256              # steps
 _CALIBRATION_WEIGHT = 1 / 64  # per decision, of the expected and accepted tokens behind `gain_scale`
 _CALIBRATION_PRIOR = 4.0      # tokens added to each side: scale 1 before any draft, and never 0 after
@@ -168,9 +158,7 @@ class DraftLength:
         self.continue_rate: dict[int, list[float | None]] = {}
         self.acceptance = 1.0         # accepted / drafted, a moving average over all sequences
         self.draft_seconds = 0.0      # the proposer's time per draft position
-        self.probe_loss = PROBE_LOSS  # (an attribute so that a benchmark can set another beside it)
         self._decisions = 0
-        self._last_probe = 0          # the decision that started the last probe
         self._probe_left = 0          # decisions left in the probe under way
         # Tokens the kept drafts were expected to bring and those they brought, decayed per decision; their
         # ratio scales every expectation (see `gain_scale`).
@@ -316,20 +304,11 @@ class DraftLength:
         elif self._probe_left > 0:
             self._probe_left -= 1
             return best + 1
-        # A length estimated at under half the best rate is probed for one decision every MAX_AGE, not for a
-        # run: where a step with drafts costs many times one without (on an H200 before verification steps had
-        # CUDA graphs: 13.4 ms eager against a 1.86 ms decode graph), probing often would cost more than
-        # speculation gains.
-        if self._decisions - self._last_probe >= probe_interval(ahead[best + 1] / rates[best], self.probe_loss):
-            self._last_probe = self._decisions
+        # A length estimated at under half the best rate is probed for one decision every MAX_AGE-th, not
+        # for a run every PROBE_EVERY-th: where a step with drafts costs many times one without (on an H200
+        # before verification steps had CUDA graphs: 13.4 ms eager against a 1.86 ms decode graph), probing
+        # that often would cost more than speculation gains.
+        if self._decisions % (PROBE_EVERY if near else MAX_AGE) == 0:
             self._probe_left = PROBE_RUN - 1 if near else 0
             best += 1
         return best
-
-
-def probe_interval(share: float, loss: float = PROBE_LOSS) -> int:
-    """Decisions from one probe's start to the next for a length estimated at this share of the best rate, where
-    probing may cost about `loss` of the rate (inf: every PROBE_EVERY decisions, the rule before session 39)."""
-    if share < PROBE_MIN_RATE:
-        return MAX_AGE
-    return min(MAX_AGE, max(PROBE_EVERY, math.ceil(PROBE_RUN * (1.0 - share) / loss)))
