@@ -40,7 +40,10 @@ more streams every method's closed loop runs at once, the engines taking turns s
 clock counting only its own engine's steps (before session 32 they took turns run by run, and a run of 32
 streams moved by up to 15% between identical engines). TPOT per request is (last token time - first token
 time) / (output tokens - 1), a token's time being when the step that made it returned; the table gives the
-median.
+median, and "decode x none" the ratio of the token-weighted means (all requests' tokens after their first over
+the time from their first token to their last), which weighs requests by length as output tok/s does but
+leaves out the prefill that speculation cannot shorten ("first token", the median wait from a request's
+arrival to its first token).
 "same" says whether every output equals that of `none`, greedy or (with --temperature) sampled with one seed
 for every request (it must; a "no" is a bug). "steps" and
 "rejected rows" (draft tokens the target computed and rejected) say how much forward work a run did beside
