@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -83,15 +82,6 @@ inline void dot_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64
 }
 
 #else
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) { return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-template <typename V>
-inline __m256 load8(const V* p, int64_t n) {  // the first n (< 8) values, the rest 0
-  V buf[8] = {};
-  std::memcpy(buf, p, static_cast<size_t>(std::max<int64_t>(n, 0)) * sizeof(V));
-  return load8(buf);
-}
-
 // As the AVX-512 dot_tile, lanes 0-7 of each block of 16 in a first pass and lanes 8-15 in a second.
 template <typename W, int R, int NR, bool kPrefetch>
 inline void dot_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float (*out)[kOneRowCols]) {
@@ -111,12 +101,12 @@ inline void dot_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64
         for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
       }
     }
-    if (k < K) {
-      const int64_t n = K - k - 8 * h;  // values of this half in the tail (may be <= 0: all lanes 0)
+    if (k < K) {  // this half of the tail's block: vec.h's load leaves the lanes past K at 0
+      auto half = [h](Vec16 v) { return h == 0 ? v.lo : v.hi; };
       __m256 wv[NR];
-      for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * ldw + k + 8 * h, std::min<int64_t>(n, 8));
+      for (int j = 0; j < NR; ++j) wv[j] = half(load(w + j * ldw + k, K - k));
       for (int r = 0; r < R; ++r) {
-        const __m256 xv = load8(x + r * ldx + k + 8 * h, std::min<int64_t>(n, 8));
+        const __m256 xv = half(load(x + r * ldx + k, K - k));
         for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
       }
     }

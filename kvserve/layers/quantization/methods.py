@@ -247,5 +247,6 @@ class QuantConfig:
 
 
 def kernel_available(dtype: torch.dtype) -> bool:
-    """Whether block weights can be multiplied in place (kvserve/kernels/cpu/quant_linear.cpp)."""
+    """Whether kvserve's CPU kernels can multiply this dtype's activations: block weights in place
+    (kvserve/kernels/cpu/quant_linear.cpp) and float weights as loaded (dense_linear.cpp)."""
     return dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
