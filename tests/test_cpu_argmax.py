@@ -1,6 +1,7 @@
 """The CPU argmax kernel (kvserve/kernels/cpu/argmax.cpp) against torch.argmax(x, -1): the first of equal
 maxima (ties across vector lanes and in the tail), rows of -inf, +inf, NaN anywhere (torch returns the first
-NaN), widths that leave tails of 0 to 7 values, rows that sit apart in memory, and the sampler's use of it
+NaN), widths that leave tails of 0 to 7 values after whole turns of the kernel's chains or after vectors
+taken by one chain, rows that sit apart in memory, and the sampler's use of it
 (greedy and sampled rows give what they gave with torch's argmax). Every kernel test runs once per ISA
 variant this CPU can run (the others skip)."""
 from __future__ import annotations
@@ -34,11 +35,13 @@ def rows_with_edge_cases(V: int, g: torch.Generator) -> torch.Tensor:
     x[9, V - 1] = -1e30                               # one finite value among -inf
     x[10, 1::8] = m                                   # ties in every vector's lane 1
     x[11, 7::8] = m                                   # ... and lane 7
+    if V >= 64:  # the kernel's four chains take eight values each in turn: a tie between the last chain's
+        x[0, 29] = x[0, 37] = m                       # lane and a later lane of the first chain
     return x
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("V", [1, 7, 8, 9, 10, 14, 15, 16, 17, 21, 100, 49152, 262144 + 3])
+@pytest.mark.parametrize("V", [1, 7, 8, 9, 10, 14, 15, 16, 17, 21, 31, 32, 33, 40, 63, 64, 71, 100, 49152, 262144 + 3])
 def test_argmax_rows_matches_torch(isa: str, V: int) -> None:
     ops = native_ops(isa)
     g = torch.Generator().manual_seed(V)
