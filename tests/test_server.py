@@ -271,6 +271,27 @@ def test_disconnect_non_streaming(server, http):
     assert metrics(http)["kvserve:kv_cache_usage_perc"] == before["kvserve:kv_cache_usage_perc"]
 
 
+def test_request_id_reused_right_after_a_disconnect(server, http):
+    """A client leaves a stream after its first chunk and at once retries with the same request_id and another
+    prompt: the answer is the new prompt's own (none of the steps the engine made for the first before it saw
+    the abort), and both requests leave the engine."""
+    before = wait_idle(http)
+    retry = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    expected = http.post("/v1/completions", json=retry).json()["choices"][0]["text"]
+    for trial in range(4):
+        rid = f"reused-{trial}"
+        first = {"model": MODEL, "prompt": "Count from one to two hundred: one, two, three,", "max_tokens": 200,
+                 "temperature": 0, "ignore_eos": True, "stream": True, "request_id": rid}
+        with http.stream("POST", "/v1/completions", json=first) as r:
+            assert r.status_code == 200
+            next(line for line in r.iter_lines() if line)   # the first chunk, then leave
+        body = http.post("/v1/completions", json={**retry, "request_id": rid}).json()
+        assert body["choices"][0]["text"] == expected, trial
+        assert body["usage"]["completion_tokens"] == 12
+    after = wait_idle(http)
+    assert after["kvserve:kv_cache_usage_perc"] == before["kvserve:kv_cache_usage_perc"]
+
+
 # ---------------------------------------------------------------- errors
 
 COMPLETION = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}

@@ -44,6 +44,8 @@ def test_model_methods_look_up_only_where_bounds_are_given(method):
 
 @pytest.mark.parametrize("value,message", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of 'ngram', 'draft', 'eagle'"),
+    ({"method": ["ngram"], "num_speculative_tokens": 2}, "method must be one of 'ngram', 'draft', 'eagle'"),
+    ({"method": {"name": "ngram"}, "num_speculative_tokens": 2}, "method must be one of 'ngram', 'draft', 'eagle'"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"num_speculative_tokens": 2}, "method is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),

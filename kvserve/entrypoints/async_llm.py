@@ -12,6 +12,7 @@ Two transports behind one class (see benchmarks/server_design.py for why "proces
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import queue
@@ -101,12 +102,15 @@ class AsyncLLM:
         self.engine_pid: int | None = None
         self.stats = EngineStats()
         self.step_listeners: list[StepListener] = []
-        self.end_listeners: list[Callable[[str], None]] = []   # called with the request id when its stream ends
+        # Called with the engine's id of the request (see generate) when its stream ends.
+        self.end_listeners: list[Callable[[str], None]] = []
         self.restart_listeners: list[Callable[[], None]] = []  # called when a replacement engine is started
         self.dead: str | None = None          # why no engine is serving (gone, or being replaced), if so
         self.num_restarts = 0                 # engine processes started to replace one that died
         self.quarantine = CrashQuarantine()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}          # by the engine's request id
+        self._client_ids: set[str] = set()               # the callers' request ids of those streams
+        self._submissions = itertools.count()
         # Step outputs not yet handed to their streams, in arrival order (see _DELIVERY_SLICE).
         self._outbox: deque[tuple[_Stream, RequestDelta | Exception]] = deque()
         self._delivering = False
@@ -286,13 +290,19 @@ class AsyncLLM:
         if max_waiting is not None and self.num_waiting + 1 > max_waiting:
             raise EngineOverloadedError(f"too many requests waiting (max_waiting={max_waiting}); retry later")
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
+        if request_id in self._client_ids:
             raise EngineRequestError(f"request_id {request_id!r} is already in use", client_error=True)
+        # The engine knows each submission by an id of its own. A client may reuse its request_id as soon as its
+        # stream ends (a retry after a timeout), while steps the engine made before it saw the abort are still
+        # on their way here: keyed by the caller's id, they reached the new stream (its text began with the old
+        # one's tail, and its end could come from the old one, leaving the new request running for nobody).
+        engine_id = f"{request_id}#{next(self._submissions)}"
         stream = _Stream(fingerprint)
-        self._streams[request_id] = stream
+        self._streams[engine_id] = stream
+        self._client_ids.add(request_id)
         finished = False
         try:
-            self._send(AddRequest(request_id, list(prompt_token_ids), params, priority,
+            self._send(AddRequest(engine_id, list(prompt_token_ids), params, priority,
                                   time.monotonic() if arrival_time is None else arrival_time, cache_salt))
             self._num_sent += 1
             while True:
@@ -305,12 +315,13 @@ class AsyncLLM:
                     finished = True
                     return
         finally:
-            if self._streams.get(request_id) is stream:
-                del self._streams[request_id]
+            if self._streams.get(engine_id) is stream:
+                del self._streams[engine_id]
+            self._client_ids.discard(request_id)
             if not finished and self.dead is None:
-                self._send(AbortRequest([request_id]))
+                self._send(AbortRequest([engine_id]))
             for listener in self.end_listeners:
-                listener(request_id)
+                listener(engine_id)
 
     def _deliver(self, count: int) -> None:
         for _ in range(min(count, len(self._outbox))):

@@ -88,7 +88,8 @@ class SpeculativeConfig:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"speculative_config: {name} {why}")
 
-        self.method = METHOD_ALIASES.get(self.method, self.method)
+        if isinstance(self.method, str):  # a list or object would not hash: the message below says what is wanted
+            self.method = METHOD_ALIASES.get(self.method, self.method)
         if self.method not in METHODS:
             raise bad("method", f"must be one of {', '.join(map(repr, METHODS))} ('draft_model' is taken for "
                                 f"'draft'), got {self.method!r}")
