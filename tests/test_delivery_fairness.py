@@ -1,8 +1,9 @@
 """A step that touches hundreds of streams must not hold the server's event loop for all of them at once:
 AsyncLLM wakes them a slice per loop turn, so /health and new connections get a turn in between, and each
 stream still receives its deltas in order. And each delta reaches the stream of the submission it belongs to,
-also when a client reuses a request_id right after leaving its first stream. No engine: step results are fed to AsyncLLM as the engine's
-receiver would, and the streams are consumed by real AsyncLLM.generate iterators."""
+also when a client reuses a request_id right after leaving its first stream. No engine: step results are fed
+to AsyncLLM as the engine's receiver would, and the streams are consumed by real AsyncLLM.generate
+iterators."""
 from __future__ import annotations
 
 import asyncio
@@ -63,7 +64,8 @@ def test_a_big_step_is_delivered_a_slice_per_loop_turn_in_order():
         # Two steps arrive back to back, the second before the first is delivered; one stream fails.
         llm._on_step(_step([eid[r] for r in ids], 10, finished=False))
         asyncio.get_running_loop().call_soon(other)
-        llm._on_step(_step([eid[r] for r in ids[1:]], 11, finished=True, errors=[RequestError(eid["r0"], "bad", False)]))
+        llm._on_step(_step([eid[r] for r in ids[1:]], 11, finished=True,
+                           errors=[RequestError(eid["r0"], "bad", False)]))
         await asyncio.wait_for(asyncio.gather(*tasks), 10)
 
         # The loop ran other work after at most a slice of streams had been woken, not after all of them.
