@@ -94,3 +94,23 @@ def test_prefix_caching_disabled_never_matches():
     bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
     compute(bm, make_seq(list(range(9))))
     assert bm.match_prefix(make_seq(list(range(9)))) == 0
+
+
+def test_reset_keeps_the_entry_of_a_copy_still_in_use():
+    """Two sequences computed the same block at once (neither found the other's): the cache names the first
+    copy. With the second copy freed and the first still in use, reset_prefix_cache forgets only what is not
+    in use, so the prefix still hits."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a, b = make_seq(list(range(5))), make_seq(list(range(5)))
+    for seq in (a, b):                                # both allocate before either commits
+        assert bm.allocate(seq, 5)
+    for seq in (b, a):                                # b commits first: its copy is the entry
+        seq.num_computed_tokens = 5
+        bm.commit_full_blocks(seq)
+    bm.free(a)                                        # a's copy is free and cached, b's in use
+    bm.reset_prefix_cache()
+    c = make_seq(list(range(5)))
+    assert bm.match_prefix(c) == 4 and c.block_table == b.block_table[:1]
+    bm.free(b)
+    bm.free(c)
+    assert bm.num_free_blocks == 8

@@ -150,7 +150,10 @@ class BlockManager:
         """Forget every cache entry not in use (e.g. to benchmark without warm caches)."""
         for block_id in self.free_cached:
             block = self.blocks[block_id]
-            self.hash_to_block.pop(block.hash, None)
+            # Two sequences that computed the same block at once each hold a copy; the entry may name the
+            # other copy, still in use, and stays.
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
             block.hash = None
             self.free_empty.append(block_id)
         self.free_cached = {}
