@@ -53,6 +53,9 @@ def test_profile_run_writes_the_worst_case_step(tiny_model_dirs) -> None:
     runner = ModelRunner(loaded.model, spec, dummy.num_blocks, torch.device("cpu"), [1], torch.float32, "torch")
     tokens = runner.profile_run(40, 6)
     assert tokens.shape == (6,) and ((0 <= tokens) & (tokens < loaded.config.vocab_size)).all()
+    # With speculative decoding, draft rows' logits and samples too, up to the step's tokens.
+    assert runner.profile_run(40, 6, num_draft_rows=12).shape == (18,)
+    assert runner.profile_run(40, 6, num_draft_rows=100).shape == (40,)
     k_cache = runner.kv_caches[0][0]                      # torch layout: [Hkv, NB, bs, D]
     written = k_cache.flatten(1, 2).abs().sum((0, 2)) != 0
     assert written.tolist() == [s in set(dummy.slots) for s in range(dummy.num_blocks * 4)]

@@ -78,6 +78,10 @@ class LLMEngine:
             draft_model = load_draft(spec.model, loaded, self.dtype, self.device, config.quantization)
             draft_kv_spec = kv_cache_spec(draft_model.config, config.block_size, self.kv_cache_dtype)
             block_bytes += draft_kv_spec.bytes_per_block
+        eagle_head = None
+        if spec is not None and spec.method == "eagle":  # before the KV sizing, which counts what is loaded
+            eagle_head = load_eagle_head(spec.model, loaded, self.dtype, self.device,
+                                         head_quantization(config.quantization, self.device))
         if config.num_kv_blocks:
             num_blocks = config.num_kv_blocks
         elif config.kv_cache_memory is None and self.device.type == "cuda":
@@ -105,10 +109,8 @@ class LLMEngine:
                              f"{self.runner.attn_backend.name!r}. Use a chain (no speculative_token_tree)")
         draft = (DraftProposer(draft_model, draft_kv_spec, num_blocks, self.device, self.eos_token_ids, self.dtype,
                                config.attention_backend) if draft_model is not None else None)
-        if spec is not None and spec.method == "eagle":
-            head = load_eagle_head(spec.model, loaded, self.dtype, self.device,
-                                   head_quantization(config.quantization, self.device))
-            draft = EagleProposer(head, self.device, self.eos_token_ids)
+        if eagle_head is not None:
+            draft = EagleProposer(eagle_head, self.device, self.eos_token_ids)
         if self.kv_cache_dtype == FP8:  # before graph capture: the graphs take the scales as constants
             # An eagle head keeps no K/V (its state is one vector per sequence): a draft model's pool only.
             self._calibrate_kv_scales(self.runner, draft if isinstance(draft, DraftProposer) else None)
@@ -163,11 +165,14 @@ class LLMEngine:
         (kvserve/worker/memory_profile.py), on a throwaway runner with just the blocks that step needs."""
         cfg = self.config
         probe_blocks = worst_case_batch(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.block_size).num_blocks
+        spec = cfg.speculative_config
+        draft_rows = 0 if spec is None else (min(cfg.max_num_seqs, spec.max_drafting_seqs or cfg.max_num_seqs)
+                                             * spec.num_speculative_tokens)
 
         def worst_case_step() -> None:
             probe = ModelRunner(model, kv_spec, probe_blocks, self.device, self.eos_token_ids, self.dtype,
                                 cfg.attention_backend)
-            probe.profile_run(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+            probe.profile_run(cfg.max_num_batched_tokens, cfg.max_num_seqs, draft_rows)
 
         kv_bytes, p = profile_kv_budget(worst_case_step, self.device, cfg.gpu_memory_utilization,
                                         probe_blocks * kv_spec.bytes_per_block)

@@ -90,10 +90,12 @@ class ModelRunner:
         return num_tokens + num_drafts if padded is None else padded
 
     @torch.inference_mode()
-    def profile_run(self, num_tokens: int, num_seqs: int) -> torch.Tensor:
+    def profile_run(self, num_tokens: int, num_seqs: int, num_draft_rows: int = 0) -> torch.Tensor:
         """One worst-case step with made-up tokens (worst_case_batch: it needs that many KV blocks), every
-        sequence sampled with default parameters: what the KV sizing measures the activation peak on.
-        Returns the sampled token ids."""
+        sequence sampled with default parameters: what the KV sizing measures the activation peak on. With
+        speculative decoding a step also takes logits for its draft tokens (num_draft_rows, up to the step's
+        tokens): [sequences + drafts, vocabulary] float32, which at a large vocabulary outweighs the rest.
+        Returns the sampled token ids, one per row."""
         dummy = worst_case_batch(num_tokens, num_seqs, self.block_size)
         dev, bs = self.device, self.block_size
         starts = [0]
@@ -104,8 +106,12 @@ class ModelRunner:
         positions = [p for n in dummy.query_lens for p in range(n)]
         hidden = self.model(torch.zeros(len(positions), dtype=torch.int64, device=dev),
                             torch.tensor(positions, dtype=torch.int64, device=dev), meta, self.kv_caches)
-        logits = self.model.compute_logits(hidden[[e - 1 for e in starts[1:]]])
-        n = len(dummy.query_lens)
+        last = [e - 1 for e in starts[1:]]
+        # Which other positions stand in for the drafts does not matter here: their rows' memory does.
+        is_last = set(last)
+        others = [i for i in range(len(positions)) if i not in is_last][:max(0, num_draft_rows)]
+        logits = self.model.compute_logits(hidden[sorted(last + others)])
+        n = logits.shape[0]
         inputs = SamplingInputs([SamplingParams()] * n, [None] * n, [[0]] * n, [[]] * n, self.eos_token_ids)
         return torch.tensor(self.sampler(logits, inputs).token_ids)
 
