@@ -121,7 +121,7 @@ def quantized_reference(x: torch.Tensor, bw: BlockWeight) -> torch.Tensor:
 @needs_kernel
 @pytest.mark.parametrize("isa", cpu_kernels.ISAS)
 @pytest.mark.parametrize("name", list(block_weights()))
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 64, 65, 130])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 9, 64, 65, 130])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("tile", [0, 8, 16], ids=["rows", "x8", "x16"])
 def test_quant_linear_kernel_matches_dequantized_reference(isa: str, name: str, rows: int, dtype: torch.dtype,
@@ -169,6 +169,23 @@ def test_float32_output_is_the_sum_before_its_rounding(isa: str, name: str, tile
     y32 = run(torch.float32)
     assert y32.dtype == torch.float32 and not torch.equal(y32, y32.to(torch.bfloat16).float())
     assert torch.equal(y32.to(torch.bfloat16), run())
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+@pytest.mark.parametrize("name", ["q4_f16", "q4_f32", "q8_g32"])
+@pytest.mark.parametrize("tile", [8, 16])
+def test_a_row_gives_the_same_bits_whatever_rows_share_its_call(isa: str, name: str, tile: int) -> None:
+    """The tiled kernels take activation rows a few per pass over the weights (16-row tiles on AVX-512: four,
+    five for the last pass where one row would be left): each row's sums are its own, so a verification
+    step's rows round as decode rows do, which greedy speculation's identity rests on."""
+    ops = native_ops(isa)
+    bw = block_weights()[name].interleave(tile)
+    op = ops.quant_linear_x16 if tile == 16 else ops.quant_linear_x8
+    x = (torch.randn(13, bw.shape[1]) * 2).to(torch.bfloat16)
+    alone = torch.cat([op(x[i:i + 1], bw.qs, bw.scales, bw.mins) for i in range(13)])
+    for rows in (2, 3, 4, 5, 6, 9, 13):
+        assert torch.equal(op(x[:rows], bw.qs, bw.scales, bw.mins), alone[:rows]), rows
 
 
 @needs_kernel

@@ -40,8 +40,13 @@ using namespace kvserve_quant;
 constexpr int64_t kRows = 16;                // weight rows per tile
 #ifdef __AVX512VNNI__
 constexpr int64_t kMaxActRows = 4;           // activation rows per pass over a tile's block (measured: 6, 8 slower)
+// A last single row joins the pass before it: a pass of one row costs nearly what one of four does (the weights'
+// unpacking and reads are the same), so a 5-row verification step paid ~0.65 ms of matmuls for its fifth row
+// where a row within a pass costs ~0.25 (Intel Xeon, the default model).
+constexpr int64_t kLastPassRows = kMaxActRows + 1;
 #else
 constexpr int64_t kMaxActRows = 3;           // AVX2 (measured: 2 and 4 no better; 4 runs out of registers)
+constexpr int64_t kLastPassRows = kMaxActRows;
 #endif
 
 inline int32_t four_bytes(const int8_t* p) {
@@ -192,18 +197,22 @@ void gemm(const QuantAct& a, int64_t M, int64_t N, const uint8_t* wq, const S* w
   const int64_t tiles = N / kRows, tile_bytes = a.nb * block_bytes<Q4>(), tile_scales = a.nb * kRows;
   // As in quant_linear_x8.cpp: threads split the tiles, each reads its share of the weights once.
   at::parallel_for(0, tiles, 2, [&](int64_t t0, int64_t t1) {
-    float out[kMaxActRows][kRows];
+    float out[kLastPassRows][kRows];
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* wt = wq + t * tile_bytes;
       const S* st = ws + t * tile_scales;
       const S* mt = Q4 ? wm + t * tile_scales : nullptr;
-      for (int64_t m = 0; m < M; m += kMaxActRows) {
-        const int64_t rows = std::min(kMaxActRows, M - m);
-        switch (rows) {
-          case 1: tile<Q4, S, 1>(a, m, wt, st, mt, out); break;
-          case 2: tile<Q4, S, 2>(a, m, wt, st, mt, out); break;
-          case 3: tile<Q4, S, 3>(a, m, wt, st, mt, out); break;
-          default: tile<Q4, S, kMaxActRows>(a, m, wt, st, mt, out); break;  // out holds kMaxActRows rows
+      for (int64_t m = 0, rows = 0; m < M; m += rows) {
+        rows = M - m == kLastPassRows ? kLastPassRows : std::min(kMaxActRows, M - m);
+        if (rows == kLastPassRows) {
+          tile<Q4, S, kLastPassRows>(a, m, wt, st, mt, out);
+        } else {
+          switch (rows) {
+            case 1: tile<Q4, S, 1>(a, m, wt, st, mt, out); break;
+            case 2: tile<Q4, S, 2>(a, m, wt, st, mt, out); break;
+            case 3: tile<Q4, S, 3>(a, m, wt, st, mt, out); break;
+            default: tile<Q4, S, kMaxActRows>(a, m, wt, st, mt, out); break;
+          }
         }
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t l = 0; l < kRows; ++l) y[(m + r) * N + t * kRows + l] = static_cast<T>(out[r][l]);
