@@ -177,14 +177,14 @@ def test_float32_output_is_the_sum_before_its_rounding(isa: str, name: str, tile
 @pytest.mark.parametrize("tile", [8, 16])
 def test_a_row_gives_the_same_bits_whatever_rows_share_its_call(isa: str, name: str, tile: int) -> None:
     """The tiled kernels take activation rows a few per pass over the weights (16-row tiles on AVX-512: four,
-    five for the last pass where one row would be left): each row's sums are its own, so a verification
-    step's rows round as decode rows do, which greedy speculation's identity rests on."""
+    and a call's last rows up to eight in one pass): each row's sums are its own, so a verification step's
+    rows round as decode rows do, which greedy speculation's identity rests on."""
     ops = native_ops(isa)
     bw = block_weights()[name].interleave(tile)
     op = ops.quant_linear_x16 if tile == 16 else ops.quant_linear_x8
     x = (torch.randn(13, bw.shape[1]) * 2).to(torch.bfloat16)
     alone = torch.cat([op(x[i:i + 1], bw.qs, bw.scales, bw.mins) for i in range(13)])
-    for rows in (2, 3, 4, 5, 6, 9, 13):
+    for rows in (2, 3, 4, 5, 6, 7, 8, 9, 12, 13):
         assert torch.equal(op(x[:rows], bw.qs, bw.scales, bw.mins), alone[:rows]), rows
 
 

@@ -40,10 +40,11 @@ using namespace kvserve_quant;
 constexpr int64_t kRows = 16;                // weight rows per tile
 #ifdef __AVX512VNNI__
 constexpr int64_t kMaxActRows = 4;           // activation rows per pass over a tile's block (measured: 6, 8 slower)
-// A last single row joins the pass before it: a pass of one row costs nearly what one of four does (the weights'
-// unpacking and reads are the same), so a 5-row verification step paid ~0.65 ms of matmuls for its fifth row
-// where a row within a pass costs ~0.25 (Intel Xeon, the default model).
-constexpr int64_t kLastPassRows = kMaxActRows + 1;
+// A call's last rows, up to eight, go in one pass: a pass costs the weights' unpacking and reads whatever its
+// rows, so a verification step of 5-8 rows paid for a second pass. The default model's 120 projections on the
+// Intel Xeon, before / after (benchmarks/verify_rows.py): 5 rows 3.20 / 2.80-2.99 ms, 6 rows 3.78 / 3.42,
+// 7 rows 4.16 / 3.76, 8 rows 4.58 / 4.25 (4 rows ~2.5-2.6 either way).
+constexpr int64_t kLastPassRows = 8;
 #else
 constexpr int64_t kMaxActRows = 3;           // AVX2 (measured: 2 and 4 no better; 4 runs out of registers)
 constexpr int64_t kLastPassRows = kMaxActRows;
@@ -192,6 +193,16 @@ inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, 
 
 #endif
 
+// tile<Q4, S, rows> for a row count known at run time, 1 .. kLastPassRows.
+template <bool Q4, typename S, int R = 1>
+inline void tile_rows(int64_t rows, const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, const S* mt,
+                      float (*out)[kRows]) {
+  if constexpr (R < kLastPassRows) {
+    if (rows != R) return tile_rows<Q4, S, R + 1>(rows, a, m0, wt, st, mt, out);
+  }
+  tile<Q4, S, R>(a, m0, wt, st, mt, out);
+}
+
 template <bool Q4, typename S, typename T>
 void gemm(const QuantAct& a, int64_t M, int64_t N, const uint8_t* wq, const S* ws, const S* wm, T* y) {
   const int64_t tiles = N / kRows, tile_bytes = a.nb * block_bytes<Q4>(), tile_scales = a.nb * kRows;
@@ -203,17 +214,8 @@ void gemm(const QuantAct& a, int64_t M, int64_t N, const uint8_t* wq, const S* w
       const S* st = ws + t * tile_scales;
       const S* mt = Q4 ? wm + t * tile_scales : nullptr;
       for (int64_t m = 0, rows = 0; m < M; m += rows) {
-        rows = M - m == kLastPassRows ? kLastPassRows : std::min(kMaxActRows, M - m);
-        if (rows == kLastPassRows) {
-          tile<Q4, S, kLastPassRows>(a, m, wt, st, mt, out);
-        } else {
-          switch (rows) {
-            case 1: tile<Q4, S, 1>(a, m, wt, st, mt, out); break;
-            case 2: tile<Q4, S, 2>(a, m, wt, st, mt, out); break;
-            case 3: tile<Q4, S, 3>(a, m, wt, st, mt, out); break;
-            default: tile<Q4, S, kMaxActRows>(a, m, wt, st, mt, out); break;
-          }
-        }
+        rows = M - m <= kLastPassRows ? M - m : kMaxActRows;
+        tile_rows<Q4, S>(rows, a, m, wt, st, mt, out);
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t l = 0; l < kRows; ++l) y[(m + r) * N + t * kRows + l] = static_cast<T>(out[r][l]);
       }
