@@ -15,9 +15,7 @@
 #include <optional>
 #include <vector>
 
-#ifndef KVSERVE_NS
-#error "KVSERVE_NS (the torch.ops namespace of this build, e.g. kvserve_avx2) must be defined"
-#endif
+#include "vec.h"  // also checks KVSERVE_NS
 
 namespace kvserve_quant {
 // Each build's own copies (see vec.h): the other build's would run its instruction set's code.
@@ -31,11 +29,7 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
+using kvserve_cpu::load8;  // float32 or bfloat16 -> 8 float32 lanes (vec.h)
 
 // Eight weight scales (or mins) of a tiled layout, stored as float32 or float16.
 inline __m256 load_scales8(const float* p) { return _mm256_loadu_ps(p); }

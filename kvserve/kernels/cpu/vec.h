@@ -31,6 +31,14 @@ namespace kvserve_cpu {
 // symbol names, so one library's calls can never bind to the other's (AVX-512) code.
 inline namespace KVSERVE_NS {
 
+// Eight float32 lanes, in both builds (AVX2 instructions): half a Vec16 on AVX2 (dense_linear.cpp runs a
+// Vec16's halves in two passes), and the quantized kernels' activation loads (quant_act.h).
+inline __m256 widen_bf16(__m128i raw) {  // 8 bfloat16 -> 8 float32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) { return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 #ifdef KVSERVE_VEC_AVX512
 
 struct Vec16 {
@@ -157,12 +165,6 @@ inline float reduce_max(Vec16 a) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-inline __m256 widen_bf16(__m128i raw) {  // 8 bfloat16 -> 8 float32
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-// Eight lanes: half a Vec16 (dense_linear.cpp runs a Vec16's halves in two passes).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) { return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline Vec16 load16(const float* p) { return {load8(p), load8(p + 8)}; }
 inline Vec16 load16(const c10::BFloat16* p) { return {load8(p), load8(p + 8)}; }
 // float8 e4m3 (KV cache) through float16, as in the AVX-512 branch: bits into f16's places, then x 2^8.
