@@ -216,6 +216,41 @@ def sampled_acceptance_and_chisquare(engine, hf, samples: int = 1800) -> float:
     return s.spec_num_accepted_tokens / s.spec_num_draft_tokens
 
 
+def test_a_backlog_longer_than_a_step_is_caught_up_in_chunks(tiny_model_dirs, drafts, monkeypatch):
+    """Prompts longer than max_num_batched_tokens (16 here): the draft runs what it has not seen in passes of at
+    most that many tokens, a chunk a step, not the whole prompt in the first decode step's pass; a short prompt
+    beside them drafts meanwhile; the target as its own draft is then right every time (a chunk skipped or
+    run at the wrong positions would show as a rejection), and the output is the non-speculative one."""
+    path, _ = tiny_model_dirs["llama"]
+    passes: list[int] = []
+    fills: list[tuple[int, int]] = []  # per drafting step: (sequences drafting, sequences catching up)
+    forward, fill = DraftProposer._forward, DraftProposer.fill
+
+    def counted(self, rows):
+        passes.append(sum(len(tokens) for _, _, tokens in rows))
+        return forward(self, rows)
+
+    def seen(self, sched, to_draft, catch_up=None):
+        fills.append((len(to_draft), len(catch_up or {})))
+        return fill(self, sched, to_draft, catch_up)
+
+    monkeypatch.setattr(DraftProposer, "_forward", counted)
+    monkeypatch.setattr(DraftProposer, "fill", seen)
+    ps = prompts(6, [70, 9, 45])
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    wave = [[(str(i), p, params) for i, p in enumerate(ps)]]
+    ref = run(make_engine(path), wave)
+    engine = make_engine(path, spec(drafts["self"]))
+    got = run(engine, wave, check=True)
+    for i in range(len(ps)):
+        assert got[str(i)].outputs[0].token_ids == ref[str(i)].outputs[0].token_ids
+    s = engine.get_stats()
+    assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens > 0
+    assert max(passes) <= 16, passes
+    assert any(d and c for d, c in fills), fills  # the short prompt drafted while a long one caught up
+    assert sum(passes) >= sum(map(len, ps)), passes  # every prompt token went through the draft
+
+
 def test_abort_mid_speculation_frees_everything(tiny_model_dirs, drafts):
     path, _ = tiny_model_dirs["llama"]
     engine = make_engine(path, spec(drafts["self"]))

@@ -71,7 +71,8 @@ def save_with_config(path: str | Path, key: str, cfg: Any, tensors: dict[str, to
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
 
 
-def read_with_config(path: str | Path, key: str, cls: type, what: str) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
+def read_with_config(path: str | Path, key: str, cls: type, what: str
+                     ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
     """(cls from the metadata, tensors, training record); what names the file kind in the error."""
     with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}

@@ -72,8 +72,8 @@ def draft_model_config(target: ModelConfig, f: DraftFileConfig) -> ModelConfig:
     return dataclasses.replace(
         target, architecture="llama", num_hidden_layers=f.num_hidden_layers, intermediate_size=f.intermediate_size,
         num_attention_heads=f.num_attention_heads, num_key_value_heads=f.num_key_value_heads, head_dim=f.head_dim,
-        rms_norm_eps=f.rms_norm_eps, rope_theta=f.rope_theta, rope_scaling=None, tie_word_embeddings=False, attention_bias=False,
-        qk_norm=False, sliding_window=None, layer_types=None, final_logit_softcapping=None)
+        rms_norm_eps=f.rms_norm_eps, rope_theta=f.rope_theta, rope_scaling=None, tie_word_embeddings=False,
+        attention_bias=False, qk_norm=False, sliding_window=None, layer_types=None, final_logit_softcapping=None)
 
 
 def draft_quantization(engine_quantization: str, device: torch.device) -> str:

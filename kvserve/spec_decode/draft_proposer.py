@@ -11,6 +11,10 @@ tracked per sequence (SpecState.draft_computed): its K/V is valid for positions 
 - After a preemption (new blocks) or a prefix-cache hit (blocks another sequence filled, perhaps in steps
   where nobody drafted) the count restarts at 0 and the draft recomputes the prompt: cheap next to the
   target, and never wrong.
+- Those catch-ups share one budget a step, the engine's max_num_batched_tokens (the speculator keeps it): a
+  sequence further behind than the budget left does not draft, and runs a chunk of its backlog instead. In
+  one pass, a 4,000-token prompt's catch-up had stalled every sequence's step for ~0.44 s (default model,
+  the shipped draft, two cores), and a long prompt's would have been unbounded in time and memory.
 Nothing here can change an output: the target verifies every draft (verify.py), so stale draft K/V could
 only lower the acceptance rate.
 
@@ -61,20 +65,42 @@ class DraftProposer:
         runs its own tokens but the last, so its positions reach seq.num_tokens + num - 2."""
         return seq.num_tokens + num - 1 <= self.max_positions
 
+    def unseen(self, seq: Sequence) -> int:
+        """The tokens of seq whose K/V the draft's pool lacks, its last token included: what a drafting step
+        would run for it before its first draft."""
+        return seq.num_tokens - self._synced(seq).draft_computed
+
+    @staticmethod
+    def _synced(seq: Sequence) -> SpecState:
+        """seq's state, its draft count cut to what the draft's pool still holds."""
+        state = spec_state(seq)
+        if state.draft_preemptions != seq.num_preemptions:  # new blocks: nothing of the draft's is there
+            state.draft_computed, state.draft_preemptions = 0, seq.num_preemptions
+        state.draft_computed = min(state.draft_computed, seq.num_computed_tokens)
+        return state
+
     @torch.inference_mode()
-    def fill(self, sched: SchedulerOutput, to_draft: dict[int, int]) -> None:
+    def fill(self, sched: SchedulerOutput, to_draft: dict[int, int], catch_up: dict[int, int] | None = None) -> None:
         """Draft to_draft[seq_id] tokens for each of those sequences, into sched.spec_token_ids (replacing
-        their placeholders)."""
+        their placeholders); and run the next catch_up[seq_id] tokens the draft has not seen of those
+        sequences, which draft nothing this step (all of them scheduled in sched)."""
         seqs = {seq.seq_id: seq for seq, _ in sched.scheduled}
-        jobs: list[tuple[Sequence, SpecState, int]] = []
-        for seq_id, num in to_draft.items():
+        jobs = [(seqs[seq_id], self._synced(seqs[seq_id]), num) for seq_id, num in to_draft.items()]
+        chunks = []
+        for seq_id, num in (catch_up or {}).items():
             seq = seqs[seq_id]
-            state = spec_state(seq)
-            if state.draft_preemptions != seq.num_preemptions:  # new blocks: nothing of the draft's is there
-                state.draft_computed, state.draft_preemptions = 0, seq.num_preemptions
-            state.draft_computed = min(state.draft_computed, seq.num_computed_tokens)
-            jobs.append((seq, state, num))
-        if not jobs:
+            state = self._synced(seq)
+            # Short of the last token, which the step that drafts runs (so its logits are there).
+            end = min(state.draft_computed + num, seq.num_tokens - 1)
+            if end > state.draft_computed:
+                chunks.append((seq, state, end))
+        if not jobs and not chunks:
+            return
+        if not jobs:  # a pass of catch-up chunks alone; their logits are not needed
+            self._forward([(seq, state.draft_computed, seq.token_ids[state.draft_computed:end])
+                           for seq, state, end in chunks])
+            for _, state, end in chunks:
+                state.draft_computed = end
             return
         drafts: dict[int, list[int]] = {seq.seq_id: [] for seq, _, _ in jobs}
         generators = {seq.seq_id: clone_generator(seq.generator) for seq, _, _ in jobs
@@ -88,7 +114,12 @@ class DraftProposer:
                     rows.append((seq, start, seq.token_ids[start:]))
                 else:
                     rows.append((seq, seq.num_tokens + j - 1, [drafts[seq.seq_id][-1]]))
-            logits = self._forward(rows)
+            if j == 0 and chunks:  # the catch-up chunks ride along in the first pass, after the drafting rows
+                rows.extend((seq, state.draft_computed, seq.token_ids[state.draft_computed:end])
+                            for seq, state, end in chunks)
+                for _, state, end in chunks:
+                    state.draft_computed = end
+            logits = self._forward(rows)[:len(active)]
             inputs = draft_sampling_inputs([seq for seq, _ in active], drafts, generators, self.eos_token_ids,
                                            logits.shape[1], logits.device)
             for (seq, _), token in zip(active, self.sampler(logits, inputs).token_ids):

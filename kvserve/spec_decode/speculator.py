@@ -79,6 +79,10 @@ class Speculator:
         self.calibration = Calibration() if self.length is not None and sized else None
         self.extend_min_gain = EXTEND_MIN_GAIN
         self._step = 0
+        # A draft model's catch-ups this step (draft_proposer.py): seq_id -> tokens it runs without drafting, and
+        # what is left of the step's budget for them. Sequences that draft take theirs first (a few tokens each).
+        self._catch_up: dict[int, int] = {}
+        self._catch_up_left = 0
 
     def propose(self, running: list[Sequence]) -> None:
         """Set spec_token_ids of every running sequence: drafts for those that decode and may draft, [] else."""
@@ -89,9 +93,16 @@ class Speculator:
             return limit is None or len(running) <= limit
         lookup = self.proposer is not None and allowed(cfg.lookup_disable_by_batch_size)
         model = self.draft is not None and allowed(cfg.disable_by_batch_size)
+        self._catch_up, self._catch_up_left = {}, self.max_num_batched_tokens
         for seq in running:
             seq.spec_token_ids = self._propose_one(seq, lookup, model) if lookup or model else []
             seq.spec_alternatives = 0
+        for seq_id, unseen in list(self._catch_up.items()):  # what the drafting sequences left, in turn
+            if self._catch_up_left > 0:
+                self._catch_up[seq_id] = min(unseen, self._catch_up_left)
+                self._catch_up_left -= self._catch_up[seq_id]
+            else:
+                del self._catch_up[seq_id]
         # Trees (greedy requests' eagle drafts): the chain tokens each may draft, before the rule cuts them.
         trees = {seq.seq_id: len(seq.spec_token_ids) for seq in running
                  if seq.spec_token_ids and seq.spec_state.draft_class == TREE_CLASS} if model else None
@@ -185,6 +196,14 @@ class Speculator:
                 state.draft_class = match_length
                 return draft
         if model and self.draft.can_draft(seq, max_new):
+            if isinstance(self.draft, DraftProposer):
+                # The tokens the draft has not seen run before its first draft, within the step's budget; a
+                # sequence further behind runs a chunk of them instead of drafting.
+                unseen = self.draft.unseen(seq)
+                if unseen > self._catch_up_left:
+                    self._catch_up[seq.seq_id] = unseen  # given what the drafting sequences leave (propose)
+                    return []
+                self._catch_up_left -= unseen
             # The scheduler sizes the row; fill_drafts() runs the draft model. Trees for greedy requests: for
             # sampled ones, sampling the extra rows cost more than they brought (benchmarks/README.md).
             tree = seq.params.greedy and (self.num_alternatives > 0 or self.calibration is not None)
@@ -214,15 +233,22 @@ class Speculator:
         return self.draft is not None
 
     def fill_drafts(self, sched: SchedulerOutput) -> None:
-        """After the schedule: the draft model's tokens for the placeholder rows the scheduler kept."""
+        """After the schedule: the draft model's tokens for the placeholder rows the scheduler kept, and its
+        catch-ups of sequences that do not draft this step."""
         if self.draft is None:
             return
         jobs = {seq_id: len(d) for seq_id, d in sched.spec_token_ids.items() if d and d[0] == PLACEHOLDER}
-        if jobs:
-            start = time.perf_counter()
+        catch_up, self._catch_up = self._catch_up, {}
+        if catch_up:  # only for sequences the schedule kept (a preempted one's blocks are gone)
+            scheduled = {seq.seq_id for seq, _ in sched.scheduled}
+            catch_up = {seq_id: n for seq_id, n in catch_up.items() if seq_id in scheduled}
+        start = time.perf_counter()
+        if catch_up:  # a draft model's (DraftProposer's) only
+            self.draft.fill(sched, jobs, catch_up)
+        elif jobs:
             self.draft.fill(sched, jobs)
-            if self.length is not None:
-                self.length.observe_drafting(time.perf_counter() - start, max(jobs.values()))
+        if jobs and self.length is not None:
+            self.length.observe_drafting(time.perf_counter() - start, max(jobs.values()))
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """The target's forward step over num_tokens tokens (drafts and a graph's padding included) took this
