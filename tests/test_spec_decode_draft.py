@@ -15,6 +15,7 @@ from scipy.stats import chisquare
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.sequence import Sequence
+from kvserve.kernels import cpu as cpu_kernels
 from kvserve.models.kv_cache import kv_cache_spec
 from kvserve.models.loader import load_model
 from kvserve.sampling_params import SamplingParams
@@ -80,6 +81,36 @@ def test_draft_checkpoint_forward_matches_the_reference(tiny_model_dirs, drafts)
     for start, end in ((0, 10), (10, 11), (11, 15)):
         got = runner._forward([(seq, start, tokens[start:end])])[0]
         torch.testing.assert_close(got, want[end - 1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no native CPU kernels on this machine")
+def test_a_quantized_draft_checkpoint_runs_its_layers_in_one_native_call(tiny_model_dirs, drafts):
+    """As the target's: with int8 weights (what a draft checkpoint gets on a CPU) the draft's layers run in
+    one native call, which gives the layers' own logits bit for bit (a prefill, a decode, a chunk)."""
+    path, _ = tiny_model_dirs["llama"]
+    target_model = load_model(str(path), torch.float32, CPU)
+    draft = load_draft(str(drafts["checkpoint"]), target_model, torch.float32, CPU, quantization="auto")
+    stack = draft.native_stack
+    assert stack is not None
+    tokens = prompts(0, [15])[0]
+    seq = Sequence(seq_id=0, request_id="r", index=0, token_ids=tokens, num_prompt_tokens=15, params=SamplingParams())
+    seq.block_table = [5, 2, 7, 0]
+    native_calls = []
+
+    def counting(*args):
+        out = stack(*args)
+        native_calls.append(out is not None)
+        return out
+
+    def logits() -> list[torch.Tensor]:
+        runner = DraftProposer(draft, kv_cache_spec(draft.config, 4, torch.float32), 8, CPU, [257])
+        return [runner._forward([(seq, start, tokens[start:end])]) for start, end in ((0, 10), (10, 11), (11, 15))]
+
+    draft.native_stack = counting
+    native = logits()
+    assert native_calls == [True] * 3
+    draft.native_stack = None
+    assert all(torch.equal(a, b) for a, b in zip(native, logits()))
 
 
 def assert_same(got: dict, ref: dict, engine: LLMEngine) -> None:

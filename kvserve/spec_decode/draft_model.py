@@ -27,6 +27,7 @@ from kvserve.layers.quantization import QuantConfig
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.llama import DecoderLayer
 from kvserve.models.loader import LoadedModel, load_model
+from kvserve.models.native_stack import NativeDecoderStack
 from kvserve.models.weight_loading import load_named_weights
 from kvserve.spec_decode.draft_format import SHIPPED_DRAFT, DraftFileConfig, is_draft_file, read_draft
 
@@ -47,14 +48,20 @@ class DraftLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ColumnLinear(cfg.hidden_size, len(vocab_ids), quant.method(["lm_head.weight"]), "lm_head.weight")
         self.register_buffer("vocab_ids", vocab_ids.to(torch.int64), persistent=False)
+        # The layers in one native call where it covers them, as for the target (set with the weights).
+        self.native_stack: NativeDecoderStack | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         assert len(kv_caches) == len(self.layers)
         x, residual = self._embed[0].embed(input_ids).to(self.norm.weight.dtype), None
-        with forward_context(meta, kv_caches):
-            for layer in self.layers:
-                x, residual = layer(positions, x, residual)
+        native = self.native_stack(x, positions, meta, kv_caches) if self.native_stack is not None else None
+        if native is not None:
+            x, residual = native
+        else:
+            with forward_context(meta, kv_caches):
+                for layer in self.layers:
+                    x, residual = layer(positions, x, residual)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -66,6 +73,7 @@ class DraftLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self, weights, tie_word_embeddings=False)
+        self.native_stack = NativeDecoderStack.build(self)
 
 
 def draft_model_config(target: ModelConfig, f: DraftFileConfig) -> ModelConfig:
