@@ -31,6 +31,9 @@ earlier one) for two heads side by side in one run, and eagle-b-fixed, eagle-b-a
 with alternatives to its first draft token (--eagle-tree, vLLM's speculative_token_tree), and its variants;
 eagle-tree2, a second tree beside it (--eagle-tree2); eagle-tree-lookup, prompt lookup in front of a tree
 (--eagle-tree-lookup, whose chain also bounds lookup's drafts; lookup --prompt-lookup-min..max).
+<method>-dense-probes (ngram, ngram-long, draft, eagle, eagle-lookup, eagle-tree-lookup): the method probing one
+draft token more every PROBE_EVERY-th decision wherever that length is estimated at half the best rate or more,
+the draft-length rule before session 41 (now its probes are spaced to cost PROBE_COST: draft_length.py).
 
 Each (workload, concurrency) runs a closed loop: `concurrency` requests in flight, a new one added when one
 finishes, until --num-requests (at least `concurrency`) are done; --rounds times, the methods taking turns,
@@ -56,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import math
 import os
 import random
 import statistics
@@ -118,7 +122,11 @@ LOOKUP_WITHOUT = {"ngram-plain": ("token_classes",), "ngram-no-indents": ("inden
                   "ngram-long-no-indents": ("indents",), "eagle-lookup-plain": ("token_classes", "indents")}
 
 
+DENSE_PROBES = "-dense-probes"  # a method's variant that probes the next length every PROBE_EVERY-th decision
+
+
 def method_config(method: str, args) -> dict | None:
+    method = method.removesuffix(DENSE_PROBES)
     if method in ("none", "none-control"):
         return None
     if method.startswith("draft"):
@@ -452,7 +460,9 @@ def main() -> None:
                              "ngram-long", "ngram-no-indents", "ngram-long-no-indents", "eagle-lookup",
                              "eagle-lookup-plain", "eagle-tree-lookup",
                              *(m + v for m in ("ngram", "draft", "eagle", "eagle-b", "eagle-tree", "eagle-tree2")
-                               for v in ("", "-fixed", "-always", "-unlimited"))])
+                               for v in ("", "-fixed", "-always", "-unlimited")),
+                             *(m + DENSE_PROBES for m in ("ngram", "ngram-long", "draft", "eagle", "eagle-lookup",
+                                                          "eagle-tree-lookup"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
     ap.add_argument("--max-tokens", type=int, default=128, help="per request of summarise and chat")
     ap.add_argument("--repeat-max-tokens", default="text",
@@ -516,6 +526,9 @@ def main() -> None:
         if method in llms:
             for part in parts:
                 setattr(llms[method].engine.speculator.proposer, part, None)
+    for method, llm in llms.items():
+        if method.endswith(DENSE_PROBES):
+            llm.engine.speculator.length.probe_cost = math.inf
     if "ngram-one-class" in llms:
         speculator = llms["ngram-one-class"].engine.speculator
         speculator.proposer = OneClassProposer(speculator.proposer)

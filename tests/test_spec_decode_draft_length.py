@@ -183,7 +183,9 @@ def test_a_tree_is_judged_as_its_chain_and_its_kept_alternatives_count_as_accept
 
 
 def test_every_probe_th_decision_starts_a_run_of_one_position_more():
-    p = policy({1: 1.0, 5: 2.0}, [0.2, 0.1, 0.05, 0.0])
+    # One token more rates 1.2 / 1.2 against 1 / 1.0 (then a little less, as the probes' expectations go
+    # unmet): close enough to the best to be probed at the shortest spacing.
+    p = policy({1: 1.0, 2: 1.2}, [0.2, 0.1, 0.05, 0.0])
     lengths = [p.choose(1, [(4, 1.0, 0)])[0] for _ in range(3 * PROBE_EVERY)]
     starts = [k * PROBE_EVERY - 1 for k in (1, 2, 3)]  # the 16th, 32nd and 48th decisions
     assert lengths == [int(any(s <= i < s + PROBE_RUN for s in starts)) for i in range(3 * PROBE_EVERY)]
@@ -194,9 +196,18 @@ def test_a_model_whose_drafting_time_tips_it_below_no_drafts_is_still_probed():
     best step keeps none of the model's tokens; a probe must still try one (the token is only in the list
     that allows the model), or a few slow steps turn the model off until its times are forgotten."""
     p = policy({1: 1.0, 2: 1.2}, [0.3], draft_seconds=0.2)
-    lengths = [p.choose(1, [(1, 1.0, 0)])[0] for _ in range(2 * PROBE_EVERY)]
-    starts = [k * PROBE_EVERY - 1 for k in (1, 2)]
-    assert lengths == [int(any(s <= i < s + PROBE_RUN for s in starts)) for i in range(2 * PROBE_EVERY)]
+    lengths = [p.choose(1, [(1, 1.0, 0)])[0] for _ in range(30)]
+    # A run of 3 at 1 - 1.3 / 1.4 below the best costs 0.21 of a decision: every 22nd decision costs 1%.
+    assert lengths == [int(21 <= i < 21 + PROBE_RUN) for i in range(30)]
+
+
+def test_probes_of_a_length_well_below_the_best_are_spaced_to_cost_one_percent():
+    """A draft model right one time in three whose drafting costs 0.7 of a step rates 1.3 / 1.7 against 1 / 1.0:
+    a run of 3 decisions costs 0.71 of one, so runs go every 71st decision, not every PROBE_EVERY-th (a draft
+    model right one time in five, probed 3 decisions in every 16, made a run of copies at one stream 0.91x)."""
+    p = policy({1: 1.0, 2: 1.0}, [0.3], draft_seconds=0.7)
+    lengths = [p.choose(1, [(1, 1.0, 0)])[0] for _ in range(100)]
+    assert lengths == [int(70 <= i < 70 + PROBE_RUN) for i in range(100)]
 
 
 def test_a_length_far_worse_than_the_best_is_probed_rarely():

@@ -36,13 +36,14 @@ accepted half the time would keep all later tokens whenever it kept the first.
 
 A step whose size without drafts was never measured goes without drafts, to measure it; unmeasured sizes
 with drafts are estimated from the nearest measured ones (optimistically flat above the largest when only
-one is known), so drafting is tried and then measured. Every PROBE_EVERY-th decision starts a probe: the
+one is known), so drafting is tried and then measured. Every so often a decision starts a probe: the
 next PROBE_RUN decisions keep one draft token more than the best, to keep the estimates for the next
-length current (one decision every MAX_AGE-th where that length is estimated at under half the best
-rate), and a step size not seen for MAX_AGE steps is forgotten, so a length that stopped paying is
-estimated afresh and tried again. A probe is a run, not one step, so that it times the length as it runs,
-not only the step that switches to it (StepTimes). Where the best keeps none of a model's tokens, a probe
-adds the model's first one.
+length current. Probes are spaced so that they cost about PROBE_COST of the best rate (every PROBE_EVERY-th
+decision where that length is estimated close to the best, further apart below it; one decision every
+MAX_AGE-th where it is estimated at under half the best rate), and a step size not seen for MAX_AGE steps is
+forgotten, so a length that stopped paying is estimated afresh and tried again. A probe is a run, not one
+step, so that it times the length as it runs, not only the step that switches to it (StepTimes). Where the
+best keeps none of a model's tokens, a probe adds the model's first one.
 
 A greedy request's eagle draft of more than one token (TREE_CLASS: a chain, with alternatives to its first
 token where the config has a token tree) is judged here like a chain, which says whether the head should draft
@@ -52,6 +53,7 @@ at all; which of its rows a step keeps is decided once they are drafted, by the 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable
 
 _TIME_WEIGHT = 0.2        # moving-average weight of a new step time
@@ -63,6 +65,7 @@ TREE_CLASS = -1
 PROBE_EVERY = 16
 PROBE_RUN = 3              # decisions a probe lasts: its first step follows another size, the others time it as it runs
 PROBE_MIN_RATE = 0.5       # below this share of the best rate, a length is probed every MAX_AGE decisions
+PROBE_COST = 0.01          # above it, runs are spaced to cost this share of the best rate on average
 MAX_AGE = 256              # steps
 _CALIBRATION_WEIGHT = 1 / 64  # per decision, of the expected and accepted tokens behind `gain_scale`
 _CALIBRATION_PRIOR = 4.0      # tokens added to each side: scale 1 before any draft, and never 0 after
@@ -158,7 +161,8 @@ class DraftLength:
         self.continue_rate: dict[int, list[float | None]] = {}
         self.acceptance = 1.0         # accepted / drafted, a moving average over all sequences
         self.draft_seconds = 0.0      # the proposer's time per draft position
-        self._decisions = 0
+        self._since_probe = 0         # decisions since the last probe started
+        self.probe_cost = PROBE_COST  # (inf: every PROBE_EVERY-th decision near the best, the rule before)
         self._probe_left = 0          # decisions left in the probe under way
         # Tokens the kept drafts were expected to bring and those they brought, decayed per decision; their
         # ratio scales every expectation (see `gain_scale`).
@@ -293,22 +297,28 @@ class DraftLength:
         """The index of the highest rate (the lowest of equal ones), or one more on a probing decision;
         following: where rates ends at the best, a list whose entry one past it is the rate of one token more."""
         best = max(range(len(rates)), key=lambda t: (rates[t], -t))
-        self._decisions += 1
+        self._since_probe += 1
         ahead = rates if best + 1 < len(rates) else following
         if ahead is None or best + 1 >= len(ahead):
             self._probe_left = 0
             return best
-        near = ahead[best + 1] >= PROBE_MIN_RATE * rates[best]
+        ratio = ahead[best + 1] / rates[best] if rates[best] > 0 else 1.0
+        near = ratio >= PROBE_MIN_RATE
         if not near:
             self._probe_left = 0  # a run under way stops where its length fell far behind
         elif self._probe_left > 0:
             self._probe_left -= 1
             return best + 1
-        # A length estimated at under half the best rate is probed for one decision every MAX_AGE-th, not
-        # for a run every PROBE_EVERY-th: where a step with drafts costs many times one without (on an H200
+        # A run costs about PROBE_RUN * (1 - ratio) of a decision's rate, so runs are spaced to cost PROBE_COST
+        # of it on average: every PROBE_EVERY decisions for a length estimated close to the best, further apart
+        # for one estimated well below it (a draft model right one time in five, tried for 3 decisions in every
+        # 16, made a run of copies at one stream 0.91x). A length estimated at under half the best rate is probed for
+        # one decision every MAX_AGE-th: where a step with drafts costs many times one without (on an H200
         # before verification steps had CUDA graphs: 13.4 ms eager against a 1.86 ms decode graph), probing
         # that often would cost more than speculation gains.
-        if self._decisions % (PROBE_EVERY if near else MAX_AGE) == 0:
+        every = max(PROBE_EVERY, math.ceil(PROBE_RUN * (1 - ratio) / self.probe_cost)) if near else MAX_AGE
+        if self._since_probe >= every:
+            self._since_probe = 0
             self._probe_left = PROBE_RUN - 1 if near else 0
             best += 1
         return best
