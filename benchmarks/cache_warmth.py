@@ -13,7 +13,7 @@ one by one; --rounds rounds, the betweens taking turns, and the table gives the 
 those steps against the steady step (nothing between):
 
     nothing      the steady step
-    prefill N    a prompt of N tokens prefilled by another sequence (what a new request does)
+    prefill N    a prompt chunk of N tokens (what a new request's prefill does)
     sleep MS     time.sleep: the process idle
     spin MS      a Python busy loop: the core busy, no memory touched
     touch MB     a fresh buffer of MB megabytes written once
@@ -38,7 +38,8 @@ from kvserve.kernels import cpu as cpu_kernels
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=400, help="tokens the decoding sequence attends to")
-    ap.add_argument("--prefill", type=int, nargs="+", default=[64, 400], help="prompt tokens of the prefills")
+    ap.add_argument("--prefill", type=int, nargs="+", default=[64, 400],
+                    help="tokens of the prompt chunks (at most --context)")
     ap.add_argument("--sleep-ms", type=float, nargs="+", default=[5, 60])
     ap.add_argument("--spin-ms", type=float, nargs="+", default=[60])
     ap.add_argument("--touch-mb", type=int, nargs="+", default=[16, 64, 256])
@@ -54,6 +55,8 @@ def main() -> None:
                        SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()  # its prompt
     (seq,) = engine.scheduler.running
+    if not engine.block_manager.allocate(seq, 1):  # room for the decode position
+        raise SystemExit("no KV blocks for the decode step")
     decode = SchedulerOutput(scheduled=[(seq, 1)], spec_token_ids={}, num_batched_tokens=1)
 
     def step() -> float:
@@ -62,9 +65,15 @@ def main() -> None:
         return time.perf_counter() - t0
 
     def prefill(n: int):
+        # A prompt chunk of n tokens: the sequence's own last n prompt tokens computed again (their K/V
+        # rewritten as they were), so nothing else in the engine moves.
+        chunk = SchedulerOutput(scheduled=[(seq, n)], spec_token_ids={}, num_batched_tokens=n)
+
         def run() -> None:
-            prompt = torch.randint(1000, 20000, (n,)).tolist()
-            llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+            computed = seq.num_computed_tokens
+            seq.num_computed_tokens = args.context - n
+            engine.runner.execute(chunk)
+            seq.num_computed_tokens = computed
         return run
 
     def spin(ms: float):
