@@ -162,7 +162,7 @@ class DraftLength:
         self.acceptance = 1.0         # accepted / drafted, a moving average over all sequences
         self.draft_seconds = 0.0      # the proposer's time per draft position
         self._since_probe = 0         # decisions since the last probe started
-        self.probe_cost = PROBE_COST  # (inf: every PROBE_EVERY-th decision near the best, the rule before)
+        self.probe_cost = PROBE_COST  # > 0 (inf: every PROBE_EVERY-th decision near the best, the rule before)
         self._probe_left = 0          # decisions left in the probe under way
         # Tokens the kept drafts were expected to bring and those they brought, decayed per decision; their
         # ratio scales every expectation (see `gain_scale`).

@@ -11,10 +11,11 @@ tracked per sequence (SpecState.draft_computed): its K/V is valid for positions 
 - After a preemption (new blocks) or a prefix-cache hit (blocks another sequence filled, perhaps in steps
   where nobody drafted) the count restarts at 0 and the draft recomputes the prompt: cheap next to the
   target, and never wrong.
-- Those catch-ups share one budget a step, the engine's max_num_batched_tokens (the speculator keeps it): a
-  sequence further behind than the budget left does not draft, and runs a chunk of its backlog instead. In
-  one pass, a 4,000-token prompt's catch-up had stalled every sequence's step for ~0.44 s (default model,
-  the shipped draft, two cores), and a long prompt's would have been unbounded in time and memory.
+- Those catch-ups share one budget a step, the engine's max_num_batched_tokens (the speculator splits it):
+  a sequence further behind than the drafting sequences' half allows does not draft, and runs a chunk of its
+  backlog instead, in a pass of its own (`catch_up`). In one pass, a 4,000-token prompt's catch-up had
+  stalled every sequence's step for ~0.44 s (default model, the shipped draft, two cores), and a long
+  prompt's would have been unbounded in time and memory.
 Nothing here can change an output: the target verifies every draft (verify.py), so stale draft K/V could
 only lower the acceptance rate.
 
@@ -80,27 +81,28 @@ class DraftProposer:
         return state
 
     @torch.inference_mode()
-    def fill(self, sched: SchedulerOutput, to_draft: dict[int, int], catch_up: dict[int, int] | None = None) -> None:
+    def catch_up(self, chunks: list[tuple[Sequence, int]]) -> None:
+        """Run the next n tokens the draft has not seen of each (sequence, n), in one pass: sequences that draft
+        nothing this step. Short of a sequence's last token, which the step that drafts for it runs."""
+        rows, ends = [], []
+        for seq, n in chunks:
+            state = self._synced(seq)
+            end = min(state.draft_computed + n, seq.num_tokens - 1)
+            if end > state.draft_computed:
+                rows.append((seq, state.draft_computed, seq.token_ids[state.draft_computed:end]))
+                ends.append((state, end))
+        if rows:
+            self._forward(rows)  # only the K/V it writes is wanted
+            for state, end in ends:
+                state.draft_computed = end
+
+    @torch.inference_mode()
+    def fill(self, sched: SchedulerOutput, to_draft: dict[int, int]) -> None:
         """Draft to_draft[seq_id] tokens for each of those sequences, into sched.spec_token_ids (replacing
-        their placeholders); and run the next catch_up[seq_id] tokens the draft has not seen of those
-        sequences, which draft nothing this step (all of them scheduled in sched)."""
+        their placeholders)."""
         seqs = {seq.seq_id: seq for seq, _ in sched.scheduled}
         jobs = [(seqs[seq_id], self._synced(seqs[seq_id]), num) for seq_id, num in to_draft.items()]
-        chunks = []
-        for seq_id, num in (catch_up or {}).items():
-            seq = seqs[seq_id]
-            state = self._synced(seq)
-            # Short of the last token, which the step that drafts runs (so its logits are there).
-            end = min(state.draft_computed + num, seq.num_tokens - 1)
-            if end > state.draft_computed:
-                chunks.append((seq, state, end))
-        if not jobs and not chunks:
-            return
-        if not jobs:  # a pass of catch-up chunks alone; their logits are not needed
-            self._forward([(seq, state.draft_computed, seq.token_ids[state.draft_computed:end])
-                           for seq, state, end in chunks])
-            for _, state, end in chunks:
-                state.draft_computed = end
+        if not jobs:
             return
         drafts: dict[int, list[int]] = {seq.seq_id: [] for seq, _, _ in jobs}
         generators = {seq.seq_id: clone_generator(seq.generator) for seq, _, _ in jobs
@@ -114,12 +116,7 @@ class DraftProposer:
                     rows.append((seq, start, seq.token_ids[start:]))
                 else:
                     rows.append((seq, seq.num_tokens + j - 1, [drafts[seq.seq_id][-1]]))
-            if j == 0 and chunks:  # the catch-up chunks ride along in the first pass, after the drafting rows
-                rows.extend((seq, state.draft_computed, seq.token_ids[state.draft_computed:end])
-                            for seq, state, end in chunks)
-                for _, state, end in chunks:
-                    state.draft_computed = end
-            logits = self._forward(rows)[:len(active)]
+            logits = self._forward(rows)
             inputs = draft_sampling_inputs([seq for seq, _ in active], drafts, generators, self.eos_token_ids,
                                            logits.shape[1], logits.device)
             for (seq, _), token in zip(active, self.sampler(logits, inputs).token_ids):

@@ -79,10 +79,11 @@ class Speculator:
         self.calibration = Calibration() if self.length is not None and sized else None
         self.extend_min_gain = EXTEND_MIN_GAIN
         self._step = 0
-        # A draft model's catch-ups this step (draft_proposer.py): seq_id -> tokens it runs without drafting, and
-        # what is left of the step's budget for them. Sequences that draft take theirs first (a few tokens each).
-        self._catch_up: dict[int, int] = {}
-        self._catch_up_left = 0
+        # A draft model's backlogs (draft_proposer.py) share max_num_batched_tokens a step: sequences that draft
+        # run theirs within half of it (rounded up); those further behind draft nothing and catch up on what the
+        # drafting leaves, at least the other half, the largest backlog first: it shrinks every step it is scheduled.
+        self._behind: list[Sequence] = []
+        self._drafting_left = 0
 
     def propose(self, running: list[Sequence]) -> None:
         """Set spec_token_ids of every running sequence: drafts for those that decode and may draft, [] else."""
@@ -93,16 +94,10 @@ class Speculator:
             return limit is None or len(running) <= limit
         lookup = self.proposer is not None and allowed(cfg.lookup_disable_by_batch_size)
         model = self.draft is not None and allowed(cfg.disable_by_batch_size)
-        self._catch_up, self._catch_up_left = {}, self.max_num_batched_tokens
+        self._behind, self._drafting_left = [], self.max_num_batched_tokens - self.max_num_batched_tokens // 2
         for seq in running:
             seq.spec_token_ids = self._propose_one(seq, lookup, model) if lookup or model else []
             seq.spec_alternatives = 0
-        for seq_id, unseen in list(self._catch_up.items()):  # what the drafting sequences left, in turn
-            if self._catch_up_left > 0:
-                self._catch_up[seq_id] = min(unseen, self._catch_up_left)
-                self._catch_up_left -= self._catch_up[seq_id]
-            else:
-                del self._catch_up[seq_id]
         # Trees (greedy requests' eagle drafts): the chain tokens each may draft, before the rule cuts them.
         trees = {seq.seq_id: len(seq.spec_token_ids) for seq in running
                  if seq.spec_token_ids and seq.spec_state.draft_class == TREE_CLASS} if model else None
@@ -197,13 +192,13 @@ class Speculator:
                 return draft
         if model and self.draft.can_draft(seq, max_new):
             if isinstance(self.draft, DraftProposer):
-                # The tokens the draft has not seen run before its first draft, within the step's budget; a
-                # sequence further behind runs a chunk of them instead of drafting.
+                # The tokens the draft has not seen run before its first draft, within the drafting sequences'
+                # share of the step's budget; a sequence further behind catches up instead (fill_drafts).
                 unseen = self.draft.unseen(seq)
-                if unseen > self._catch_up_left:
-                    self._catch_up[seq.seq_id] = unseen  # given what the drafting sequences leave (propose)
+                if unseen > self._drafting_left:
+                    self._behind.append(seq)
                     return []
-                self._catch_up_left -= unseen
+                self._drafting_left -= unseen
             # The scheduler sizes the row; fill_drafts() runs the draft model. Trees for greedy requests: for
             # sampled ones, sampling the extra rows cost more than they brought (benchmarks/README.md).
             tree = seq.params.greedy and (self.num_alternatives > 0 or self.calibration is not None)
@@ -233,22 +228,35 @@ class Speculator:
         return self.draft is not None
 
     def fill_drafts(self, sched: SchedulerOutput) -> None:
-        """After the schedule: the draft model's tokens for the placeholder rows the scheduler kept, and its
-        catch-ups of sequences that do not draft this step."""
+        """After the schedule: the draft model's catch-ups, then its tokens for the placeholder rows the
+        scheduler kept."""
         if self.draft is None:
             return
         jobs = {seq_id: len(d) for seq_id, d in sched.spec_token_ids.items() if d and d[0] == PLACEHOLDER}
-        catch_up, self._catch_up = self._catch_up, {}
-        if catch_up:  # only for sequences the schedule kept (a preempted one's blocks are gone)
-            scheduled = {seq.seq_id for seq, _ in sched.scheduled}
-            catch_up = {seq_id: n for seq_id, n in catch_up.items() if seq_id in scheduled}
-        start = time.perf_counter()
-        if catch_up:  # a draft model's (DraftProposer's) only
-            self.draft.fill(sched, jobs, catch_up)
-        elif jobs:
+        if self._behind:
+            self._catch_up(sched, jobs)
+        if jobs:
+            start = time.perf_counter()
             self.draft.fill(sched, jobs)
-        if jobs and self.length is not None:
-            self.length.observe_drafting(time.perf_counter() - start, max(jobs.values()))
+            if self.length is not None:
+                self.length.observe_drafting(time.perf_counter() - start, max(jobs.values()))
+
+    def _catch_up(self, sched: SchedulerOutput, jobs: dict[int, int]) -> None:
+        """The backlogs of the sequences behind (propose) that the schedule kept (a preempted one's blocks are
+        gone), within what the step's drafts leave of max_num_batched_tokens, the largest first. In a pass of
+        its own, which the drafting time (the rule's) leaves out."""
+        scheduled = {seq.seq_id: seq for seq, _ in sched.scheduled}
+        left = self.max_num_batched_tokens - sum(self.draft.unseen(scheduled[seq_id]) for seq_id in jobs)
+        chunks = []
+        behind = sorted((seq for seq in self._behind if seq.seq_id in scheduled), key=self.draft.unseen, reverse=True)
+        for seq in behind:
+            if left <= 0:
+                break
+            n = min(self.draft.unseen(seq), left)
+            chunks.append((seq, n))
+            left -= n
+        self._behind = []
+        self.draft.catch_up(chunks)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """The target's forward step over num_tokens tokens (drafts and a graph's padding included) took this
