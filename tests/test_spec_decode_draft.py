@@ -23,6 +23,7 @@ from kvserve.spec_decode.draft_format import read_draft
 from kvserve.spec_decode.draft_model import DraftLM, load_draft
 from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.speculator import Speculator
+from kvserve.spec_decode.state import spec_state
 from kvserve.spec_decode.draft_reference import DraftReference
 from engine_helpers import assert_no_leaks, drain
 from spec_helpers import (PREEMPTING, abort_mid_speculation, count_draft_kinds, logprob_tolerance, make_draft_file,
@@ -296,6 +297,38 @@ def test_a_backlog_longer_than_a_step_is_caught_up_in_chunks(tiny_model_dirs, dr
     assert all(drafted.get(str(i), 0) > 0 for i in range(len(ps))), drafted  # the long prompts caught up
     steps = {kind: {step for step, k in events if k == kind} for kind in ("draft", "catch-up")}
     assert steps["draft"] & steps["catch-up"], events  # the short prompt drafted while a long one caught up
+
+
+def test_drafting_sequences_leave_at_least_half_the_budget_to_backlogs(tiny_model_dirs, drafts):
+    """Three decoding sequences whose drafts need 4 unseen tokens each, and one whose draft has seen nothing of
+    its 40-token prompt, at a budget of 16 tokens a step: the drafting sequences take at most 8, and the backlog
+    gets at least the other 8 in its own pass (taking the budget first, the drafters had left it 4)."""
+    path, _ = tiny_model_dirs["llama"]
+    engine = make_engine(path, spec(drafts["self"]), max_num_seqs=8)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    for i, p in enumerate(prompts(8, [5, 5, 5, 40])):
+        engine.add_request(str(i), p, params)
+    def decoding(seq) -> bool:
+        return seq.prefill_done and seq.num_tokens - seq.num_computed_tokens == 1
+
+    while len(engine.scheduler.running) < 4 or not all(map(decoding, engine.scheduler.running)):
+        engine.step()
+    seqs = {seq.request_id: seq for seq in engine.scheduler.running}
+    assert len(seqs) == 4
+    for rid in "012":
+        spec_state(seqs[rid]).draft_computed = seqs[rid].num_tokens - 4
+    spec_state(seqs["3"]).draft_computed = 0
+    passes: list[int] = []
+    forward = engine.speculator.draft._forward
+
+    def counted(rows):
+        passes.append(sum(len(tokens) for _, _, tokens in rows))
+        return forward(rows)
+
+    engine.speculator.draft._forward = counted
+    engine.step()
+    assert spec_state(seqs["3"]).draft_computed >= 8, passes
+    assert passes and max(passes) <= 16, passes
 
 
 def test_abort_mid_speculation_frees_everything(tiny_model_dirs, drafts):
