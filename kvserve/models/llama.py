@@ -95,6 +95,20 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def run_decoder_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list[KVCache]) -> tuple[torch.Tensor, torch.Tensor]:
+    """model.layers over the embedded x: in one native call where model.native_stack covers the step, else
+    one by one. (last layer's output, residual stream)."""
+    native = model.native_stack(x, positions, meta, kv_caches) if model.native_stack is not None else None
+    if native is not None:
+        return native
+    residual = None
+    with forward_context(meta, kv_caches):  # where each layer's self.attn finds its cache and the step's plan
+        for layer in model.layers:
+            x, residual = layer(positions, x, residual)
+    return x, residual
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, quant: QuantConfig | None = None) -> None:
         super().__init__()
@@ -123,14 +137,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final-norm hidden states [T, hidden]."""
         assert len(kv_caches) == len(self.layers)
-        x, residual = self.embed_tokens.embed(input_ids), None
-        native = self.native_stack(x, positions, meta, kv_caches) if self.native_stack is not None else None
-        if native is not None:
-            x, residual = native
-        else:
-            with forward_context(meta, kv_caches):  # where each layer's self.attn finds its cache and the step's plan
-                for layer in self.layers:
-                    x, residual = layer(positions, x, residual)
+        x, residual = run_decoder_layers(self, self.embed_tokens.embed(input_ids), positions, meta, kv_caches)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

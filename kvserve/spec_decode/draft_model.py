@@ -20,12 +20,11 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.attention.backend import AttentionMetadata, KVCache
-from kvserve.attention.forward_context import forward_context
 from kvserve.layers.linear import ColumnLinear, VocabEmbedding, pack_float_weights
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantization import QuantConfig
 from kvserve.layers.rotary import RotaryEmbedding
-from kvserve.models.llama import DecoderLayer
+from kvserve.models.llama import DecoderLayer, run_decoder_layers
 from kvserve.models.loader import LoadedModel, load_model
 from kvserve.models.native_stack import NativeDecoderStack
 from kvserve.models.weight_loading import load_named_weights
@@ -54,14 +53,8 @@ class DraftLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         assert len(kv_caches) == len(self.layers)
-        x, residual = self._embed[0].embed(input_ids).to(self.norm.weight.dtype), None
-        native = self.native_stack(x, positions, meta, kv_caches) if self.native_stack is not None else None
-        if native is not None:
-            x, residual = native
-        else:
-            with forward_context(meta, kv_caches):
-                for layer in self.layers:
-                    x, residual = layer(positions, x, residual)
+        x = self._embed[0].embed(input_ids).to(self.norm.weight.dtype)
+        x, residual = run_decoder_layers(self, x, positions, meta, kv_caches)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
