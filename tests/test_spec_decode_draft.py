@@ -263,9 +263,9 @@ def test_a_backlog_longer_than_a_step_is_caught_up_in_chunks(tiny_model_dirs, dr
     record = Speculator.record
     engine = None
 
-    def counted(self, rows):
+    def counted(self, rows, **kw):
         passes.append(sum(len(tokens) for _, _, tokens in rows))
-        return forward(self, rows)
+        return forward(self, rows, **kw)
 
     def filled(self, sched, to_draft):
         events.append((engine._num_steps, "draft"))
@@ -321,9 +321,9 @@ def test_drafting_sequences_leave_at_least_half_the_budget_to_backlogs(tiny_mode
     passes: list[int] = []
     forward = engine.speculator.draft._forward
 
-    def counted(rows):
+    def counted(rows, **kw):
         passes.append(sum(len(tokens) for _, _, tokens in rows))
-        return forward(rows)
+        return forward(rows, **kw)
 
     engine.speculator.draft._forward = counted
     engine.step()

@@ -92,7 +92,7 @@ class DraftProposer:
                 rows.append((seq, state.draft_computed, seq.token_ids[state.draft_computed:end]))
                 ends.append((state, end))
         if rows:
-            self._forward(rows)  # only the K/V it writes is wanted
+            self._forward(rows, logits=False)  # only the K/V it writes is wanted
             for state, end in ends:
                 state.draft_computed = end
 
@@ -125,8 +125,9 @@ class DraftProposer:
             sched.spec_token_ids[seq.seq_id] = drafts[seq.seq_id]
             state.draft_computed = seq.num_tokens + k - 1  # the last draft is never fed back
 
-    def _forward(self, rows: list[tuple[Sequence, int, list[int]]]) -> torch.Tensor:
-        """One pass over rows of (sequence, first position, tokens); the logits of each row's last token."""
+    def _forward(self, rows: list[tuple[Sequence, int, list[int]]], logits: bool = True) -> torch.Tensor | None:
+        """One pass over rows of (sequence, first position, tokens); the logits of each row's last token (None
+        without logits: a pass for its K/V alone)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -146,6 +147,8 @@ class DraftProposer:
             [seq.block_table for seq, _, _ in rows], slot_mapping, query_start_loc, seq_lens, bs, dev))
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                             torch.tensor(positions, dtype=torch.int64, device=dev), meta, self.kv_caches)
+        if not logits:
+            return None
         last = torch.tensor(query_start_loc[1:], device=dev) - 1
         return self.model.compute_logits(hidden[last])
 

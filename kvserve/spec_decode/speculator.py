@@ -248,13 +248,13 @@ class Speculator:
         scheduled = {seq.seq_id: seq for seq, _ in sched.scheduled}
         left = self.max_num_batched_tokens - sum(self.draft.unseen(scheduled[seq_id]) for seq_id in jobs)
         chunks = []
-        behind = sorted((seq for seq in self._behind if seq.seq_id in scheduled), key=self.draft.unseen, reverse=True)
-        for seq in behind:
+        backlogs = sorted(((self.draft.unseen(seq), seq) for seq in self._behind if seq.seq_id in scheduled),
+                          key=lambda backlog: backlog[0], reverse=True)
+        for unseen, seq in backlogs:
             if left <= 0:
                 break
-            n = min(self.draft.unseen(seq), left)
-            chunks.append((seq, n))
-            left -= n
+            chunks.append((seq, min(unseen, left)))
+            left -= chunks[-1][1]
         self._behind = []
         self.draft.catch_up(chunks)
 
