@@ -76,6 +76,11 @@ def main() -> None:
             seq.num_computed_tokens = computed
         return run
 
+    def sleep(ms: float):
+        def run() -> None:
+            time.sleep(ms / 1e3)
+        return run
+
     def spin(ms: float):
         def run() -> None:
             end = time.perf_counter() + ms / 1e3
@@ -90,7 +95,7 @@ def main() -> None:
 
     betweens = {"nothing": lambda: None,
                 **{f"prefill {n}": prefill(n) for n in args.prefill},
-                **{f"sleep {ms:g} ms": (lambda s: lambda: time.sleep(s))(ms / 1e3) for ms in args.sleep_ms},
+                **{f"sleep {ms:g} ms": sleep(ms) for ms in args.sleep_ms},
                 **{f"spin {ms:g} ms": spin(ms) for ms in args.spin_ms},
                 **{f"touch {mb} MB": touch(mb) for mb in args.touch_mb}}
     times: dict[str, list[list[float]]] = {name: [] for name in betweens}
