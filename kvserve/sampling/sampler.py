@@ -60,6 +60,18 @@ def argmax(x: Tensor) -> Tensor:
     return x.argmax(dim=-1)
 
 
+def race_applies(logits: Tensor) -> bool:
+    """Whether race_sample's kernel takes these logits: float32 [N, V] rows, contiguous, on the CPU."""
+    return (logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1
+            and cpu_kernels.applies(logits))
+
+
+def race_sample(logits: Tensor, inv_temp: Tensor, uniform: Tensor) -> Tensor:
+    """Each row's draw from softmax(logits * inv_temp): argmax p / -log(uniform), the exponential race, in the
+    CPU kernel's two passes (kvserve/kernels/cpu/argmax.cpp)."""
+    return cpu_kernels.ops().race_sample_rows(logits, inv_temp.float().contiguous(), uniform.contiguous())
+
+
 def reads_token_ids(p: SamplingParams) -> bool:
     """Whether a stage names tokens by id (logit_bias, min_tokens' stop ids, the penalties over prompt and
     output tokens): the stages that need every row over the full vocabulary."""
@@ -145,31 +157,43 @@ class Sampler:
         sub_params = [params[i] for i in rand_rows]
 
         temps = [p.temperature for p in sub_params]
-        if any(t != 1.0 for t in temps):
-            sub = sub / self._per_row(temps, sub).unsqueeze(1)
-        elif all_random:
-            sub = sub.clone()  # the stages below work in place, and logits may be the caller's tensor
-        if any(p.min_p > 0.0 for p in sub_params):
-            lp.apply_min_p(sub, self._per_row([p.min_p for p in sub_params], sub))
-        if any(p.top_k > 0 for p in sub_params):
-            top_k = [p.top_k for p in sub_params]
-            lp.apply_top_k(sub, to_device(top_k, sub.device), max_k=max(k if k > 0 else 1 for k in top_k))
-        if any(p.top_p < 1.0 for p in sub_params):
-            lp.apply_top_p(sub, self._per_row([p.top_p for p in sub_params], sub),
-                           rows=[i for i, p in enumerate(sub_params) if p.top_p < 1.0])
-
-        probs = torch.softmax(sub, dim=-1)
+        generators = [inputs.generators[i] for i in rand_rows]
         given = [inputs.noise[i] for i in rand_rows] if inputs.noise is not None else None
-        sampled = argmax(probs / self._exponential_noise(probs, [inputs.generators[i] for i in rand_rows], given))
+        native = race_applies(sub)
+        filtered = any(p.min_p > 0.0 or p.top_k > 0 or p.top_p < 1.0 for p in sub_params)
+        if native and not filtered:
+            # Temperature only: the kernel scales the logits as it reads them (no tempered copy).
+            inv_temp = self._per_row([1.0 / t for t in temps], sub)
+            sampled = race_sample(sub, inv_temp, self._uniforms(sub, generators, given))
+        else:
+            if any(t != 1.0 for t in temps):
+                sub = sub / self._per_row(temps, sub).unsqueeze(1)
+            elif all_random:
+                sub = sub.clone()  # the stages below work in place, and logits may be the caller's tensor
+            if any(p.min_p > 0.0 for p in sub_params):
+                lp.apply_min_p(sub, self._per_row([p.min_p for p in sub_params], sub))
+            if any(p.top_k > 0 for p in sub_params):
+                top_k = [p.top_k for p in sub_params]
+                lp.apply_top_k(sub, to_device(top_k, sub.device), max_k=max(k if k > 0 else 1 for k in top_k))
+            if any(p.top_p < 1.0 for p in sub_params):
+                lp.apply_top_p(sub, self._per_row([p.top_p for p in sub_params], sub),
+                               rows=[i for i, p in enumerate(sub_params) if p.top_p < 1.0])
+            uniform = self._uniforms(sub, generators, given)
+            if native:
+                sampled = race_sample(sub, torch.ones(len(sub_params), device=sub.device), uniform)
+            else:
+                # -log(U) is Exp(1) (several times cheaper than exponential_ on a CPU); U < 1, so the noise
+                # is > 0 (no 0/0 = NaN, which would win the argmax); U = 0 gives inf: that token just loses.
+                sampled = argmax(torch.softmax(sub, dim=-1) / uniform.log_().neg_())
 
         if greedy_ids is None:
             return sampled
         return greedy_ids.index_copy(0, idx, sampled)
 
     @staticmethod
-    def _exponential_noise(probs: Tensor, generators: list[torch.Generator | None],
-                           given: list[Tensor | None] | None = None) -> Tensor:
-        """Exp(1) noise, so argmax(probs / noise) is a draw from probs (the exponential race).
+    def _uniforms(like: Tensor, generators: list[torch.Generator | None],
+                  given: list[Tensor | None] | None = None) -> Tensor:
+        """The uniforms of the exponential race (argmax p / -log U draws from p), a row per row of like.
 
         Rows with given uniforms use them. Seeded rows draw their own row from their own generator, so their
         tokens do not depend on the rest of the batch; unseeded rows share one draw from the default
@@ -177,21 +201,19 @@ class Sampler:
         every row that seeded rows then overwrote doubled a seeded row's sampling time."""
         given = given if given is not None else [None] * len(generators)
         unseeded = [i for i, (g, u) in enumerate(zip(generators, given)) if g is None and u is None]
-        uniform = torch.empty_like(probs)
+        uniform = torch.empty_like(like)
         if len(unseeded) == len(generators):
             fill_uniform_(uniform, None)
         else:
             if unseeded:
-                uniform[to_device(unseeded, probs.device)] = fill_uniform_(
-                    torch.empty(len(unseeded), probs.shape[1], device=probs.device, dtype=probs.dtype), None)
+                uniform[to_device(unseeded, like.device)] = fill_uniform_(
+                    torch.empty(len(unseeded), like.shape[1], device=like.device, dtype=like.dtype), None)
             for i, (g, u) in enumerate(zip(generators, given)):
                 if u is not None:
                     uniform[i] = u
                 elif g is not None:
                     fill_uniform_(uniform[i], g)  # a row of a contiguous tensor: drawn in place
-        # -log(U) is Exp(1), and several times cheaper than exponential_ on CPU. U < 1, so the noise
-        # is > 0 (no 0/0 = NaN, which would win the argmax); U = 0 gives inf: that token just loses.
-        return uniform.log_().neg_()
+        return uniform
 
     @staticmethod
     def draw_uniform(generator: torch.Generator, vocab: int, device: torch.device, dtype: torch.dtype) -> Tensor:

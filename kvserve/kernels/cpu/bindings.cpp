@@ -11,6 +11,7 @@
 TORCH_LIBRARY(KVSERVE_NS, m) {
   // argmax.cpp
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("race_sample_rows(Tensor x, Tensor inv_temp, Tensor uniform) -> Tensor");
   // decoder_stack.cpp
   m.def("decoder_stack_(Tensor(a!) x, Tensor(b!) residual, Tensor positions, Tensor?[] weights, "
         "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor cos_sin, Tensor slots, Tensor row_token, "
@@ -49,6 +50,7 @@ TORCH_LIBRARY(KVSERVE_NS, m) {
 TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
   using namespace kvserve_cpu;
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("race_sample_rows", &race_sample_rows);
   m.impl("decoder_stack_", &decoder_stack_);
   m.impl("dense_linear", &dense_linear);
   m.impl("eagle_step", &eagle_step);

@@ -20,6 +20,7 @@ inline namespace KVSERVE_NS {
 
 // argmax.cpp
 at::Tensor argmax_rows(const at::Tensor& x);
+at::Tensor race_sample_rows(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tensor& uniform);
 
 // decoder_stack.cpp
 void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& positions,

@@ -99,6 +99,15 @@ inline void store(c10::BFloat16* p, Vec16 a, int64_t n) {
 // 2^n for whole-number lanes n (scalef: p * 2^n in one instruction).
 inline Vec16 round_nearest(Vec16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 inline Vec16 scale_pow2(Vec16 p, Vec16 n) { return {_mm512_scalef_ps(p.v, n.v)}; }
+// Lanes where a < b take x, the others y (a NaN lane compares false).
+inline Vec16 select_less(Vec16 a, Vec16 b, Vec16 x, Vec16 y) {
+  return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ), y.v, x.v)};
+}
+// x = m * 2^e with m in [1, 2) and e a whole number, for normal x > 0.
+inline void split_exponent(Vec16 x, Vec16& m, Vec16& e) {
+  m = {_mm512_getmant_ps(x.v, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_zero)};
+  e = {_mm512_getexp_ps(x.v)};
+}
 
 // Lane i of the result is the sum of v[i]'s 16 lanes: a transpose-and-add tree, 45 instructions where
 // 16 separate horizontal sums take ~130.
@@ -230,6 +239,20 @@ inline __m256 pow2(__m256 n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
 inline Vec16 scale_pow2(Vec16 p, Vec16 n) { return {_mm256_mul_ps(p.lo, pow2(n.lo)), _mm256_mul_ps(p.hi, pow2(n.hi))}; }
+inline Vec16 select_less(Vec16 a, Vec16 b, Vec16 x, Vec16 y) {
+  return {_mm256_blendv_ps(y.lo, x.lo, _mm256_cmp_ps(a.lo, b.lo, _CMP_LT_OQ)),
+          _mm256_blendv_ps(y.hi, x.hi, _mm256_cmp_ps(a.hi, b.hi, _CMP_LT_OQ))};
+}
+inline void split_exponent8(__m256 x, __m256& m, __m256& e) {
+  const __m256i bits = _mm256_castps_si256(x);
+  m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x007FFFFF)),
+                                          _mm256_set1_epi32(0x3F800000)));
+  e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127)));
+}
+inline void split_exponent(Vec16 x, Vec16& m, Vec16& e) {
+  split_exponent8(x.lo, m.lo, e.lo);
+  split_exponent8(x.hi, m.hi, e.hi);
+}
 
 // Lane i of the result is the sum of v[i]'s 16 lanes. Each input's halves are added first (8 lanes),
 // then the same transpose-and-add tree as the AVX-512 side, on 8 inputs per output half.
@@ -267,6 +290,30 @@ inline Vec16 exp_ps(Vec16 x) {
   p = fmadd(p, r, broadcast(1.0f));
   p = fmadd(p, r, broadcast(1.0f));
   return scale_pow2(p, n);
+}
+
+// ln x for normal x > 0 (what log_ps is given: uniforms in (0, 1)): x = m 2^e, m moved into [sqrt(1/2),
+// sqrt(2)), then ln m by a degree-9 polynomial in m - 1 (Cephes' logf coefficients; ~1e-7 relative).
+inline Vec16 log_ps(Vec16 x) {
+  Vec16 m, e;
+  split_exponent(x, m, e);
+  const Vec16 big = select_less(broadcast(1.41421356f), m, broadcast(1.f), zero());
+  m = select_less(broadcast(1.41421356f), m, m * broadcast(0.5f), m);
+  e = e + big;
+  const Vec16 r = m - broadcast(1.f), r2 = r * r;
+  Vec16 p = broadcast(7.0376836292e-2f);
+  p = fmadd(p, r, broadcast(-1.1514610310e-1f));
+  p = fmadd(p, r, broadcast(1.1676998740e-1f));
+  p = fmadd(p, r, broadcast(-1.2420140846e-1f));
+  p = fmadd(p, r, broadcast(1.4249322787e-1f));
+  p = fmadd(p, r, broadcast(-1.6668057665e-1f));
+  p = fmadd(p, r, broadcast(2.0000714765e-1f));
+  p = fmadd(p, r, broadcast(-2.4999993993e-1f));
+  p = fmadd(p, r, broadcast(3.3333331174e-1f));
+  Vec16 y = p * r * r2;
+  y = fmadd(e, broadcast(-2.12194440e-4f), y);
+  y = fnmadd(broadcast(0.5f), r2, y);
+  return fmadd(e, broadcast(0.693359375f), r + y);
 }
 
 }  // namespace KVSERVE_NS

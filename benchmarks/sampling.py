@@ -1,0 +1,88 @@
+"""What the sampler's draw costs a step: the exponential race (argmax softmax(x / T) / -log U) in the CPU
+kernel's two passes over each row (kvserve/kernels/cpu/argmax.cpp: race_sample_rows) against torch's ops
+(divide, softmax, log, negate, divide, argmax), side by side in one run.
+
+Rows are a step's sampled rows: 1 for one stream decoding, 2-9 for a speculative verification of 1-8
+drafts, 32 for a batch. Each row is the default model's vocabulary (49,152 logits); the sampler as the
+engine calls it (uniforms drawn, the stages the parameters need), so the figures are a step's sampling time.
+The two paths take turns within each of --rounds rounds; the table gives each one's fastest round.
+
+    python benchmarks/sampling.py                 # results/sampling_<isa>.{json,md}
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from unittest import mock
+
+import torch
+
+from common import report
+from kvserve.kernels import cpu as cpu_kernels
+from kvserve.sampling import sampler as sampler_module
+from kvserve.sampling.sampler import Sampler, SamplingInputs
+from kvserve.sampling_params import SamplingParams
+
+VOCAB = 49152  # SmolLM2's
+SETTINGS = {"T 1.0": {"temperature": 1.0}, "T 0.7": {"temperature": 0.7},
+            "T 0.7, top_p 0.9": {"temperature": 0.7, "top_p": 0.9}}
+
+
+def timed(fn, repeat: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t0) / repeat
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 5, 9, 32])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--repeat", type=int, default=30, help="calls per timing")
+    ap.add_argument("--name", default="sampling")
+    args = ap.parse_args()
+    if not cpu_kernels.available():
+        raise SystemExit("sampling.py compares the CPU kernel with torch's ops, and no kernel is built here")
+
+    sampler = Sampler()
+    g = torch.Generator().manual_seed(0)
+    cases = {}
+    for setting, kw in SETTINGS.items():
+        for n in args.rows:
+            logits = torch.randn(n, VOCAB, generator=g) * 3
+            inputs = SamplingInputs([SamplingParams(**kw)] * n, [None] * n, [[1]] * n, [[]] * n, [2])
+            cases[(setting, n)] = (logits, inputs)
+
+    def run(case):
+        return lambda: sampler(*case)
+
+    times: dict[tuple, dict[str, list[float]]] = {key: {"kernel": [], "torch": []} for key in cases}
+    with torch.inference_mode():
+        for k in range(args.rounds):
+            for key, case in cases.items():
+                times[key]["kernel"].append(timed(run(case), args.repeat))
+                with mock.patch.object(sampler_module, "race_applies", lambda x: False):
+                    times[key]["torch"].append(timed(run(case), args.repeat))
+            print(f"round {k} done", flush=True)
+
+    lines = ["| parameters | rows | torch's ops, us | kernel, us | x faster | kernel, us a row |",
+             "|---|---:|---:|---:|---:|---:|"]
+    results = {}
+    for (setting, n), t in times.items():
+        best = {path: min(v) for path, v in t.items()}
+        lines.append(f"| {setting} | {n} | {1e6 * best['torch']:.0f} | {1e6 * best['kernel']:.0f} | "
+                     f"{best['torch'] / best['kernel']:.2f} | {1e6 * best['kernel'] / n:.0f} |")
+        results[f"{setting} / {n}"] = {"best_s": best, "all_s": t}
+    setup = (f"The sampler (kvserve/sampling/sampler.py) on rows of {VOCAB} float32 logits, unseeded (one draw of "
+             "uniforms for the step), fastest of "
+             f"{args.rounds} rounds of {args.repeat} calls, the two paths taking turns. 'torch's ops' is the "
+             "same sampler with the kernel turned off (race_applies False). With top_p the stages run in torch "
+             "either way and the kernel only draws.")
+    report(args.name, "The sampler's draw: race kernel against torch's ops", args, setup, "\n".join(lines),
+           results, isa=cpu_kernels.isa())
+
+
+if __name__ == "__main__":
+    main()
