@@ -1,9 +1,11 @@
-"""What the sampler's draw costs a step: the exponential race (argmax softmax(x / T) / -log U) in the CPU
-kernel's two passes over each row (kvserve/kernels/cpu/argmax.cpp: race_sample_rows) against torch's ops
-(divide, softmax, log, negate, divide, argmax), side by side in one run.
+"""What the sampler costs a step: its CPU kernels (kvserve/kernels/cpu/argmax.cpp: race_sample_rows, the
+exponential race argmax softmax(x / T) / -log U in two passes over a row; top_p_mask_ and top_k_mask_, the
+cuts found among the few values that can be in the set) against torch's ops (divide, softmax, log, negate,
+divide, argmax; topk, and a sort for top-p), side by side in one run.
 
 Rows are a step's sampled rows: 1 for one stream decoding, 2-9 for a speculative verification of 1-8
-drafts, 32 for a batch. Each row is the default model's vocabulary (49,152 logits); the sampler as the
+drafts, 32 for a batch. They are the default model's own logits (49,152 a row), taken while it answers the
+chat workload's questions at temperature 0.7, so top-p sees a model's peaked rows. The sampler runs as the
 engine calls it (uniforms drawn, the stages the parameters need), so the figures are a step's sampling time.
 The two paths take turns within each of --rounds rounds; the table gives each one's fastest round.
 
@@ -18,14 +20,45 @@ from unittest import mock
 import torch
 
 from common import report
+from kvserve import LLM
 from kvserve.kernels import cpu as cpu_kernels
+from kvserve.sampling import logits_processors
 from kvserve.sampling import sampler as sampler_module
 from kvserve.sampling.sampler import Sampler, SamplingInputs
 from kvserve.sampling_params import SamplingParams
 
 VOCAB = 49152  # SmolLM2's
 SETTINGS = {"T 1.0": {"temperature": 1.0}, "T 0.7": {"temperature": 0.7},
-            "T 0.7, top_p 0.9": {"temperature": 0.7, "top_p": 0.9}}
+            "T 0.7, top_p 0.9": {"temperature": 0.7, "top_p": 0.9},
+            "T 0.7, top_p 0.95": {"temperature": 0.7, "top_p": 0.95},
+            "T 0.7, top_k 50": {"temperature": 0.7, "top_k": 50}}
+
+
+class Recorder:
+    """Wraps the engine's sampler, keeping a copy of every logits row it is given."""
+
+    def __init__(self, sampler) -> None:
+        self.sampler, self.rows = sampler, []
+
+    def __call__(self, logits, inputs):
+        self.rows.append(logits.float().clone())
+        return self.sampler(logits, inputs)
+
+
+def model_logits(n: int) -> torch.Tensor:
+    """n rows of the default model's logits: the steps of its answers to chat questions at temperature 0.7."""
+    from speculative import make_prompts
+
+    llm = LLM()
+    recorder = Recorder(llm.engine.runner.sampler)
+    llm.engine.runner.sampler = recorder
+    tok = llm.get_tokenizer()
+    prompts = [tok.apply_chat_template(conv) for conv, _ in make_prompts("chat", 4, 0)]
+    llm.generate(prompts, SamplingParams(temperature=0.7, max_tokens=n, seed=0), use_tqdm=False)
+    rows = torch.cat(recorder.rows)
+    if rows.shape[0] < n:
+        raise SystemExit(f"the model gave {rows.shape[0]} rows, fewer than {n}")
+    return rows[:n].contiguous()
 
 
 def timed(fn, repeat: int) -> float:
@@ -47,11 +80,11 @@ def main() -> None:
         raise SystemExit("sampling.py compares the CPU kernel with torch's ops, and no kernel is built here")
 
     sampler = Sampler()
-    g = torch.Generator().manual_seed(0)
+    rows = model_logits(max(args.rows))
     cases = {}
     for setting, kw in SETTINGS.items():
         for n in args.rows:
-            logits = torch.randn(n, VOCAB, generator=g) * 3
+            logits = rows[:n].clone()
             inputs = SamplingInputs([SamplingParams(**kw)] * n, [None] * n, [[1]] * n, [[]] * n, [2])
             cases[(setting, n)] = (logits, inputs)
 
@@ -63,7 +96,8 @@ def main() -> None:
         for k in range(args.rounds):
             for key, case in cases.items():
                 times[key]["kernel"].append(timed(run(case), args.repeat))
-                with mock.patch.object(sampler_module, "race_applies", lambda x: False):
+                with (mock.patch.object(sampler_module, "race_applies", lambda x: False),
+                      mock.patch.object(logits_processors, "sort_kernels_apply", lambda x: False)):
                     times[key]["torch"].append(timed(run(case), args.repeat))
             print(f"round {k} done", flush=True)
 
@@ -75,13 +109,13 @@ def main() -> None:
         lines.append(f"| {setting} | {n} | {1e6 * best['torch']:.0f} | {1e6 * best['kernel']:.0f} | "
                      f"{best['torch'] / best['kernel']:.2f} | {1e6 * best['kernel'] / n:.0f} |")
         results[f"{setting} / {n}"] = {"best_s": best, "all_s": t}
-    setup = (f"The sampler (kvserve/sampling/sampler.py) on rows of {VOCAB} float32 logits, unseeded (one draw of "
-             "uniforms for the step), fastest of "
+    setup = (f"The sampler (kvserve/sampling/sampler.py) on rows of the default model's {VOCAB} logits (its answers "
+             "to 4 chat questions at temperature 0.7), unseeded (one draw of uniforms for the step), fastest of "
              f"{args.rounds} rounds of {args.repeat} calls, the two paths taking turns. 'torch's ops' is the "
-             "same sampler with the kernel turned off (race_applies False). With top_p the stages run in torch "
-             "either way and the kernel only draws.")
-    report(args.name, "The sampler's draw: race kernel against torch's ops", args, setup, "\n".join(lines),
-           results, isa=cpu_kernels.isa())
+             "same sampler with the three kernels turned off (race_applies and sort_kernels_apply False); the "
+             "argmax and uniform kernels run in both.")
+    report(args.name, "The sampler: race, top-p and top-k kernels against torch's ops", args, setup,
+           "\n".join(lines), results, isa=cpu_kernels.isa())
 
 
 if __name__ == "__main__":

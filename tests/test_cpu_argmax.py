@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvserve.kernels.cpu import ISAS
+from kvserve.sampling import logits_processors
 from kvserve.sampling import sampler as sampler_module
 from kvserve.sampling.sampler import Sampler, SamplingInputs, argmax
 from kvserve.sampling_params import SamplingParams
@@ -83,6 +84,7 @@ def test_sampler_tokens_are_those_of_torch_argmax(monkeypatch: pytest.MonkeyPatc
     got = sample()
     monkeypatch.setattr(sampler_module, "argmax", lambda x: x.argmax(dim=-1))
     monkeypatch.setattr(sampler_module, "race_applies", lambda x: False)  # torch's softmax, -log U, argmax
+    monkeypatch.setattr(logits_processors, "sort_kernels_apply", lambda x: False)  # and top_k's, top_p's sorts
     assert got == sample()
     assert [got[i] for i in (0, 2, 4)] == [logits[i].argmax().item() for i in (0, 2, 4)]
 
@@ -149,3 +151,97 @@ def test_race_sample_rows_refuses_what_it_cannot_take(isa: str) -> None:
         ops.race_sample_rows(x, torch.tensor([1.0, 0.0]), u)
     with pytest.raises(RuntimeError, match="inv_temp"):
         ops.race_sample_rows(x, torch.ones(3), u)
+
+
+def torch_top_p(logits: torch.Tensor, top_p: torch.Tensor, rows: list[int], monkeypatch: pytest.MonkeyPatch):
+    """apply_top_p with the kernels turned off: its topk and sort path."""
+    out = logits.clone()
+    with monkeypatch.context() as m:
+        m.setattr(logits_processors, "sort_kernels_apply", lambda t: False)
+        logits_processors.apply_top_p(out, top_p, rows=rows)
+    return out
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("V", [1, 17, 1000, 49152])
+def test_top_p_mask_cuts_where_the_sort_cuts(isa: str, V: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The top-p kernel against apply_top_p's torch path, bit for bit, on the same probabilities: peaked rows
+    (closed by the first cut), flat ones (down to sorting every value), a row of exact boundary masses
+    (0.5, 0.3, 0.2 at top_p 0.8), ties at the threshold, rows left alone; then NaN and all -inf rows."""
+    ops = native_ops(isa)
+    g = torch.Generator().manual_seed(V)
+    x = torch.cat([torch.randn(4, V, generator=g) * 8, torch.randn(4, V, generator=g) * 0.5,
+                   torch.randn(4, V, generator=g) * 3])
+    if V >= 17:
+        x[8, :] = -INF
+        x[8, :3] = torch.tensor([0.5, 0.3, 0.2]).log()
+        x[9, 5:9] = x[9].max() + 1                     # four tied likeliest tokens
+    for top_p in (0.05, 0.5, 0.8, 0.9, 0.95, 0.999):
+        p = torch.full((x.shape[0],), top_p)
+        rows = [r for r in range(x.shape[0]) if r != 1]   # row 1 is left alone
+        want = torch_top_p(x, p, rows, monkeypatch)
+        got = x.clone()
+        ops.top_p_mask_(got, torch.softmax(got, dim=-1), p, rows)
+        assert torch.equal(got, want), top_p
+        assert torch.equal(got[1], x[1])
+        if V >= 17 and top_p == 0.8:  # the mass before 0.2 is 0.8, not < 0.8: 0.5 and 0.3 stay
+            assert torch.isfinite(got[8]).sum() == 2
+        if V >= 17:
+            assert torch.isfinite(got[9]).sum() >= 4      # ties with the last kept token stay
+    # A row with a NaN, and one all -inf (softmax gives NaN): the kernel masks nothing (torch's path fails on
+    # them: its count of kept tokens is 0).
+    bad = x[:2].clone()
+    bad[0, V // 2] = NAN
+    bad[1, :] = -INF
+    out = bad.clone()
+    ops.top_p_mask_(out, torch.softmax(out, dim=-1), torch.full((2,), 0.9), [0, 1])
+    assert torch.equal(out.nan_to_num(7.0), bad.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_top_p_mask_refuses_what_it_cannot_take(isa: str) -> None:
+    ops = native_ops(isa)
+    x = torch.zeros(2, 8)
+    probs = torch.softmax(x, -1)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.top_p_mask_(x.double(), probs, torch.ones(2), [0])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.top_p_mask_(x, probs, torch.full((2,), 0.5), [2])
+    with pytest.raises(RuntimeError, match=r"\(0, 1\]"):
+        ops.top_p_mask_(x, probs, torch.zeros(2), [0])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("V", [1, 17, 1000, 49152])
+def test_top_k_mask_keeps_what_topk_keeps(isa: str, V: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The top-k kernel against apply_top_k's torch path (topk), bit for bit: peaked and flat rows, k from 1 to
+    past the vocabulary, 0 (the row left alone), ties at the k-th value (all kept), rows with -inf (top-p or a
+    ban before), all -inf; a NaN row is left alone."""
+    ops = native_ops(isa)
+    g = torch.Generator().manual_seed(V)
+    x = torch.cat([torch.randn(3, V, generator=g) * 8, torch.randn(3, V, generator=g) * 0.3])
+    if V >= 17:
+        x[1, 2:12] = x[1].max() + 1                   # ten tied likeliest tokens
+        x[2, ::3] = -INF
+        x[5, :] = -INF
+        x[5, 4] = 0.0
+    for ks in ([1] * 6, [5, 0, 3, 50, 7, 2], [V, V + 10, 49, 500, 1, 3]):
+        k = torch.tensor(ks)
+        want = x.clone()
+        with monkeypatch.context() as m:
+            m.setattr(logits_processors, "sort_kernels_apply", lambda t: False)
+            logits_processors.apply_top_k(want, k, max_k=max(ks))
+        got = x.clone()
+        ops.top_k_mask_(got, k)
+        assert torch.equal(got, want), ks
+    if V >= 17:  # k = 3 inside ten ties keeps all ten
+        got = x.clone()
+        ops.top_k_mask_(got, torch.tensor([0, 3, 0, 0, 0, 0]))
+        assert torch.isfinite(got[1]).sum() == 10
+    bad = x[:1].clone()
+    bad[0, V // 2] = NAN
+    out = bad.clone()
+    ops.top_k_mask_(out, torch.tensor([5]))
+    assert torch.equal(out.nan_to_num(7.0), bad.nan_to_num(7.0))
+    with pytest.raises(RuntimeError, match=">= 0"):
+        ops.top_k_mask_(x.clone(), torch.full((x.shape[0],), -1))

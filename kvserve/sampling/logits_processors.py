@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvserve.kernels import cpu as cpu_kernels
 from kvserve.utils.device import to_device
 
 _NEG_INF = float("-inf")
@@ -92,12 +93,23 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> None:
 def apply_top_k(logits: Tensor, top_k: Tensor, max_k: int) -> None:
     """Keep each row's top_k logits (0 = all). Ties with the k-th value are all kept, as in vLLM.
     max_k: the largest top_k of the batch, known on the host (at most the vocabulary)."""
+    if sort_kernels_apply(logits):
+        # The same k-th value, from the few values near each row's maximum (kvserve/kernels/cpu/argmax.cpp)
+        # rather than torch's topk of the whole row.
+        cpu_kernels.ops().top_k_mask_(logits, top_k.long().contiguous())
+        return
     vocab = logits.shape[1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.ones_like(top_k))  # 1: unused, keeps topk small
     max_k = max(1, min(max_k, vocab))
     kth = logits.topk(max_k, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
     kth = torch.where((top_k > 0).unsqueeze(1), kth, torch.full_like(kth, _NEG_INF))
     logits.masked_fill_(logits < kth, _NEG_INF)
+
+
+def sort_kernels_apply(logits: Tensor) -> bool:
+    """Whether apply_top_k and apply_top_p cut in the CPU kernels: float32 [N, V] logits, contiguous, on the
+    CPU."""
+    return logits.dtype == torch.float32 and logits.is_contiguous() and cpu_kernels.applies(logits)
 
 
 def apply_top_p(logits: Tensor, top_p: Tensor, rows: list[int] | None = None) -> None:
@@ -110,6 +122,12 @@ def apply_top_p(logits: Tensor, top_p: Tensor, rows: list[int] | None = None) ->
 
     rows: those with top_p < 1, as the caller knows them (None: found here, a host sync)."""
     probs = torch.softmax(logits, dim=-1)
+    if sort_kernels_apply(logits):
+        # The same cut from the same probabilities, sorting only the few values that can be in the set
+        # (kvserve/kernels/cpu/argmax.cpp), where the topk below took most of a sampled row's time.
+        rows = (top_p < 1.0).nonzero().squeeze(1).tolist() if rows is None else rows
+        cpu_kernels.ops().top_p_mask_(logits, probs, top_p.float().contiguous(), rows)
+        return
     threshold = torch.zeros(logits.shape[0], 1, dtype=probs.dtype, device=probs.device)
     vocab = logits.shape[1]
     rows_t = ((top_p < 1.0).nonzero().squeeze(1) if rows is None

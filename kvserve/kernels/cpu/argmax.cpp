@@ -19,9 +19,13 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <limits>
+#include <vector>
 
 #include "ops.h"
 #include "vec.h"
@@ -108,6 +112,67 @@ int64_t race_row(const float* x, const float* u, int64_t n, float s) {
   return arg;
 }
 
+// Top-p's threshold for one row of probabilities, as apply_top_p (kvserve/sampling/logits_processors.py)
+// computes it over the whole row sorted: with the values in descending order, the mass before token i is
+// torch's cumsum (a running sum in double, each value rounded to float) minus its own value, in float; the
+// kept tokens are those whose mass before is < top_p, and the threshold is the smallest kept value.
+// Only the values that can matter are sorted: those of at least a cut (1/64, then 1/4096, 1/262144, then
+// all), found by a pass that skips every 64 values whose largest is below it, once their mass passes top_p by
+// more than the cut. Every value below them then has a mass before it of top_p or more (the 1e-6 covers float
+// rounding), so counting among them counts what the whole row would. A model's rows close at the first cut.
+// A row with a NaN gives NaN: nothing compares below it.
+float top_p_threshold(const float* p, int64_t n, float top_p, std::vector<float>& vals) {
+  using namespace kvserve_cpu;
+  constexpr int64_t kBlock = 64;
+  for (const float cut : {1.f / 64, 1.f / 4096, 1.f / 262144, 0.f}) {
+    vals.clear();
+    double mass = 0.0;
+    Vec16 total = zero();
+    for (int64_t b = 0; b < n; b += kBlock) {
+      const int64_t len = std::min(kBlock, n - b);
+      Vec16 top = zero();
+      for (int64_t i = 0; i < len; i += 16) {
+        const Vec16 v = load(p + b + i, std::min<int64_t>(16, len - i));
+        top = vmax(top, v);
+        total = total + v;
+      }
+      if (cut > 0.f && reduce_max(top) < cut) continue;
+      for (int64_t i = b; i < b + len; ++i)
+        if (p[i] >= cut) { vals.push_back(p[i]); mass += p[i]; }
+    }
+    if (std::isnan(reduce_add(total))) return std::numeric_limits<float>::quiet_NaN();
+    if (cut == 0.f || mass >= static_cast<double>(top_p) + cut + 1e-6) break;
+  }
+  std::sort(vals.begin(), vals.end(), std::greater<float>());
+  double running = 0.0;
+  int64_t keep = 0;
+  for (const float v : vals) {
+    running += v;
+    if (static_cast<float>(running) - v < top_p) ++keep;
+  }
+  return vals[std::max<int64_t>(keep, 1) - 1];
+}
+
+// Top-k's threshold for one row of logits: its k-th largest value, counting equal values, as
+// topk(k).values[k - 1] gives it. Only the values within a distance of the row's maximum are looked at (4, 16,
+// 64, then all): a pass counts them, and where there are k or more their k-th largest is the row's. A row with a
+// NaN gives NaN: nothing compares below it.
+float top_k_threshold(const float* x, int64_t n, int64_t k, std::vector<float>& vals) {
+  using namespace kvserve_cpu;
+  const float top = x[argmax_row(x, n)];
+  if (std::isnan(top)) return top;
+  if (top == -std::numeric_limits<float>::infinity()) return top;  // every value is -inf: all of them stay
+  for (const float width : {4.f, 16.f, 64.f, INFINITY}) {
+    const float cut = top - width;
+    vals.clear();
+    for (int64_t i = 0; i < n; ++i)
+      if (x[i] >= cut) vals.push_back(x[i]);
+    if (static_cast<int64_t>(vals.size()) >= k) break;  // the last cut, -inf, takes every value
+  }
+  std::nth_element(vals.begin(), vals.begin() + (k - 1), vals.end(), std::greater<float>());
+  return vals[k - 1];
+}
+
 }  // namespace
 
 namespace kvserve_cpu {
@@ -151,6 +216,72 @@ at::Tensor race_sample_rows(const at::Tensor& x, const at::Tensor& inv_temp, con
     for (int64_t r = begin; r < end; ++r) o[r] = race_row(p + r * stride, u + r * V, V, s[r]);
   });
   return out;
+}
+
+// logits [N, V] float32 (in place), probs [N, V] float32 = softmax(logits), top_p [N] float32 in (0, 1];
+// rows: those to cut (the others are left alone). Each row's tokens less likely than its top-p threshold
+// (top_p_threshold) are set to -inf, as apply_top_p does with a sort of the vocabulary.
+void top_p_mask_(const at::Tensor& logits, const at::Tensor& probs, const at::Tensor& top_p, at::IntArrayRef rows) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+              logits.is_contiguous(), "top_p_mask_: float32 [N, V] contiguous logits");
+  TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.sizes() == logits.sizes() && probs.is_contiguous(),
+              "top_p_mask_: probs must be float32, contiguous, of the logits' shape");
+  TORCH_CHECK(top_p.scalar_type() == at::kFloat && top_p.dim() == 1 && top_p.size(0) == logits.size(0) &&
+              top_p.is_contiguous(), "top_p_mask_: top_p float32 [N]");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0, "top_p_mask_: an empty vocabulary");
+  const float* tp = top_p.data_ptr<float>();
+  for (const int64_t r : rows) {
+    TORCH_CHECK(r >= 0 && r < N, "top_p_mask_: row ", r, " out of range");
+    TORCH_CHECK(tp[r] > 0.f && tp[r] <= 1.f, "top_p_mask_: top_p must be in (0, 1]");
+  }
+  float* x = logits.data_ptr<float>();
+  const float* p = probs.data_ptr<float>();
+  const int64_t R = static_cast<int64_t>(rows.size());
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    using namespace kvserve_cpu;
+    std::vector<float> vals;
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t r = rows[k];
+      const float* pr = p + r * V;
+      const float threshold = top_p_threshold(pr, V, tp[r], vals);
+      float* xr = x + r * V;
+      const Vec16 thr = broadcast(threshold), masked = broadcast(-std::numeric_limits<float>::infinity());
+      for (int64_t i = 0; i < V; i += 16) {
+        const int64_t k = std::min<int64_t>(16, V - i);
+        store(xr + i, select_less(load(pr + i, k), thr, masked, load(xr + i, k)), k);
+      }
+    }
+  });
+}
+
+// logits [N, V] float32 (in place), top_k [N] int64 (0: the row is left alone; above V: V). Each row's values
+// below its k-th largest are set to -inf, ties with it kept, as apply_top_k does with torch's topk.
+void top_k_mask_(const at::Tensor& logits, const at::Tensor& top_k) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+              logits.is_contiguous(), "top_k_mask_: float32 [N, V] contiguous logits");
+  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.dim() == 1 && top_k.size(0) == logits.size(0) &&
+              top_k.is_contiguous(), "top_k_mask_: top_k int64 [N]");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0, "top_k_mask_: an empty vocabulary");
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  for (int64_t r = 0; r < N; ++r) TORCH_CHECK(kp[r] >= 0, "top_k_mask_: top_k must be >= 0");
+  float* x = logits.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    using namespace kvserve_cpu;
+    std::vector<float> vals;
+    for (int64_t r = begin; r < end; ++r) {
+      if (kp[r] == 0) continue;
+      float* xr = x + r * V;
+      const float threshold = top_k_threshold(xr, V, std::min(kp[r], V), vals);
+      const Vec16 thr = broadcast(threshold), masked = broadcast(-std::numeric_limits<float>::infinity());
+      for (int64_t i = 0; i < V; i += 16) {
+        const int64_t k = std::min<int64_t>(16, V - i);
+        const Vec16 v = load(xr + i, k);
+        store(xr + i, select_less(v, thr, masked, v), k);
+      }
+    }
+  });
 }
 
 }  // namespace KVSERVE_NS

@@ -12,6 +12,8 @@ TORCH_LIBRARY(KVSERVE_NS, m) {
   // argmax.cpp
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("race_sample_rows(Tensor x, Tensor inv_temp, Tensor uniform) -> Tensor");
+  m.def("top_p_mask_(Tensor(a!) logits, Tensor probs, Tensor top_p, int[] rows) -> ()");
+  m.def("top_k_mask_(Tensor(a!) logits, Tensor top_k) -> ()");
   // decoder_stack.cpp
   m.def("decoder_stack_(Tensor(a!) x, Tensor(b!) residual, Tensor positions, Tensor?[] weights, "
         "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor cos_sin, Tensor slots, Tensor row_token, "
@@ -51,6 +53,8 @@ TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
   using namespace kvserve_cpu;
   m.impl("argmax_rows", &argmax_rows);
   m.impl("race_sample_rows", &race_sample_rows);
+  m.impl("top_p_mask_", &top_p_mask_);
+  m.impl("top_k_mask_", &top_k_mask_);
   m.impl("decoder_stack_", &decoder_stack_);
   m.impl("dense_linear", &dense_linear);
   m.impl("eagle_step", &eagle_step);

@@ -21,6 +21,8 @@ inline namespace KVSERVE_NS {
 // argmax.cpp
 at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor race_sample_rows(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tensor& uniform);
+void top_p_mask_(const at::Tensor& logits, const at::Tensor& probs, const at::Tensor& top_p, at::IntArrayRef rows);
+void top_k_mask_(const at::Tensor& logits, const at::Tensor& top_k);
 
 // decoder_stack.cpp
 void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& positions,
