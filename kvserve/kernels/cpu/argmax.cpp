@@ -155,19 +155,30 @@ float top_p_threshold(const float* p, int64_t n, float top_p, std::vector<float>
 
 // Top-k's threshold for one row of logits: its k-th largest value, counting equal values, as
 // topk(k).values[k - 1] gives it. Only the values within a distance of the row's maximum are looked at (4, 16,
-// 64, then all): a pass counts them, and where there are k or more their k-th largest is the row's. A row with a
-// NaN gives NaN: nothing compares below it.
-float top_k_threshold(const float* x, int64_t n, int64_t k, std::vector<float>& vals) {
+// 64, then all), in the blocks of 64 values whose largest is that close (each block's largest taken once, in
+// one vector pass); where there are k or more, their k-th largest is the row's. A row with a NaN gives NaN:
+// nothing compares below it.
+float top_k_threshold(const float* x, int64_t n, int64_t k, std::vector<float>& vals, std::vector<float>& tops) {
   using namespace kvserve_cpu;
+  constexpr int64_t kBlock = 64;
   const float top = x[argmax_row(x, n)];
   if (std::isnan(top)) return top;
   if (top == -std::numeric_limits<float>::infinity()) return top;  // every value is -inf: all of them stay
+  tops.resize(static_cast<size_t>((n + kBlock - 1) / kBlock));
+  for (int64_t b = 0; b < n; b += kBlock) {
+    Vec16 m = broadcast(-std::numeric_limits<float>::infinity());
+    for (int64_t i = b; i < std::min(n, b + kBlock); i += 16) m = max_first(m, load(x + i, n - i), n - i);
+    tops[b / kBlock] = reduce_max(m);
+  }
   for (const float width : {4.f, 16.f, 64.f, INFINITY}) {
-    const float cut = top - width;
+    const float cut = top - width;  // the last, -inf, takes every value
     vals.clear();
-    for (int64_t i = 0; i < n; ++i)
-      if (x[i] >= cut) vals.push_back(x[i]);
-    if (static_cast<int64_t>(vals.size()) >= k) break;  // the last cut, -inf, takes every value
+    for (int64_t b = 0; b < n; b += kBlock) {
+      if (tops[b / kBlock] < cut) continue;
+      for (int64_t i = b; i < std::min(n, b + kBlock); ++i)
+        if (x[i] >= cut) vals.push_back(x[i]);
+    }
+    if (static_cast<int64_t>(vals.size()) >= k) break;
   }
   std::nth_element(vals.begin(), vals.begin() + (k - 1), vals.end(), std::greater<float>());
   return vals[k - 1];
@@ -269,11 +280,11 @@ void top_k_mask_(const at::Tensor& logits, const at::Tensor& top_k) {
   float* x = logits.data_ptr<float>();
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     using namespace kvserve_cpu;
-    std::vector<float> vals;
+    std::vector<float> vals, tops;
     for (int64_t r = begin; r < end; ++r) {
       if (kp[r] == 0) continue;
       float* xr = x + r * V;
-      const float threshold = top_k_threshold(xr, V, std::min(kp[r], V), vals);
+      const float threshold = top_k_threshold(xr, V, std::min(kp[r], V), vals, tops);
       const Vec16 thr = broadcast(threshold), masked = broadcast(-std::numeric_limits<float>::infinity());
       for (int64_t i = 0; i < V; i += 16) {
         const int64_t k = std::min<int64_t>(16, V - i);
