@@ -7,12 +7,15 @@
 // row on the Xeon, call included; see argmax_row).
 // AVX2 intrinsics only: the same code runs in the AVX-512 build.
 //
-// race_sample_rows: the sampler's draw (kvserve/sampling/sampler.py), the exponential race
-// argmax_v p_v / E_v with p = softmax(x / T) and E_v = -ln u_v, in two passes over a row instead of torch's
-// six (divide, softmax, log, negate, divide, argmax) and their [N, V] temporaries. The sampler's call,
-// uniforms included, on the Intel Xeon (benchmarks/results/sampling_avx512.md): one 49,152-token row
-// 115-123 -> 81-85 us, 9 rows 675-716 -> 430-437 us, 32 rows 5.4-5.8 -> 1.5 ms, where a decode step takes
-// ~3 ms, a 9-row verification ~10 ms and a step of 32 streams ~40 ms.
+// The sampler's other kernels (kvserve/sampling/sampler.py, logits_processors.py), each a few passes over a
+// row where torch made several ops with [N, V] temporaries, or a topk or sort of the whole vocabulary:
+//   race_sample_rows  the draw: argmax_v p_v / E_v with p = softmax(x / T), E_v = -ln u_v (two passes);
+//   top_p_mask_       top-p's cut, from the few likeliest values, bit for bit the sort's (top_p_threshold);
+//   top_k_mask_       top-k's cut, from the values near the row's maximum (top_k_threshold).
+// The sampler's call on the default model's logits, uniforms included, Intel Xeon AVX-512
+// (benchmarks/results/sampling_avx512.md), torch's ops -> these: temperature alone 127-132 -> 89-90 us for
+// one row and 2.5 -> 1.5 ms for 32; with top_p 0.9, 557 us -> 170 us and 8.0 -> 2.9 ms; with top_k 50,
+// 396 -> 163 us and 5.7 -> 4.6 ms. A decode step takes ~3 ms there, a step of 32 streams ~40 ms.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
