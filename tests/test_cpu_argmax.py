@@ -188,13 +188,15 @@ def test_top_p_mask_cuts_where_the_sort_cuts(isa: str, V: int, monkeypatch: pyte
             assert torch.isfinite(got[8]).sum() == 2
         if V >= 17:
             assert torch.isfinite(got[9]).sum() >= 4      # ties with the last kept token stay
-    # A row with a NaN, and one all -inf (softmax gives NaN): the kernel masks nothing (torch's path fails on
-    # them: its count of kept tokens is 0).
+    # A row with a NaN, and one all -inf (softmax gives NaN): both paths mask nothing (torch's path raised on
+    # them before: its count of kept tokens was 0).
     bad = x[:2].clone()
     bad[0, V // 2] = NAN
     bad[1, :] = -INF
     out = bad.clone()
     ops.top_p_mask_(out, torch.softmax(out, dim=-1), torch.full((2,), 0.9), [0, 1])
+    assert torch.equal(out.nan_to_num(7.0), bad.nan_to_num(7.0))
+    out = torch_top_p(bad, torch.full((2,), 0.9), [0, 1], monkeypatch)
     assert torch.equal(out.nan_to_num(7.0), bad.nan_to_num(7.0))
 
 

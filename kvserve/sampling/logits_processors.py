@@ -151,6 +151,9 @@ def _top_p_threshold(probs: Tensor, top_p: Tensor, k: int) -> tuple[Tensor, Tens
     vals = probs.topk(k, dim=-1).values                      # descending
     mass = vals.cumsum(dim=-1)
     n_keep = ((mass - vals) < p).sum(dim=-1, keepdim=True)   # mass before each token < top_p
+    # A row of NaN probabilities (NaN logits, or all -inf) keeps none: its threshold is then its first value,
+    # NaN, and nothing compares below it (as in the CPU kernel), rather than an index of -1.
+    n_keep = n_keep.clamp(min=1)
     return vals.gather(1, n_keep - 1), (mass[:, -1:] >= p).squeeze(1) | (k == probs.shape[1])
 
 
