@@ -9,11 +9,18 @@ chat workload's questions at temperature 0.7, so top-p sees a model's peaked row
 engine calls it (uniforms drawn, the stages the parameters need), so the figures are a step's sampling time.
 The two paths take turns within each of --rounds rounds; the table gives each one's fastest round.
 
+With --engines, then whole engines: one engine of the default model decodes --max-tokens tokens for each of
+8 chat questions (or the concurrency, if more) in a closed loop at each --concurrency, sampled at temperature
+0.7 alone and with top_p 0.9, the kernels turned on and off in turn each round (sampling_noise.py's loop).
+
     python benchmarks/sampling.py                 # results/sampling_<isa>.{json,md}
+    python benchmarks/sampling.py --engines --name sampling_engines
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 import time
 from unittest import mock
 
@@ -69,12 +76,55 @@ def timed(fn, repeat: int) -> float:
     return (time.perf_counter() - t0) / repeat
 
 
+def kernels_off():
+    """The sampler's race and cut kernels turned off (torch's ops instead); the argmax and uniform kernels stay."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(sampler_module, "race_applies", lambda x: False))
+    stack.enter_context(mock.patch.object(logits_processors, "sort_kernels_apply", lambda x: False))
+    return stack
+
+
+def engines(args) -> tuple[list[str], dict]:
+    """Whole engines decoding, the kernels on and off in turn: (table lines, results)."""
+    from sampling_noise import PROMPTS
+    from sampling_noise import run as closed_loop
+
+    llm = LLM(max_num_seqs=max(args.concurrency))
+    lines = ["| parameters | concurrency | torch's ops tok/s | kernels tok/s | kernels x torch (rounds) "
+             "| same tokens |", "|---|---:|---:|---:|---|---|"]
+    results = {}
+    for setting in ("T 0.7", "T 0.7, top_p 0.9"):
+        for c in args.concurrency:
+            n = max(c, 8)
+            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+            params = [SamplingParams(**SETTINGS[setting], max_tokens=args.max_tokens, ignore_eos=True)] * n
+            closed_loop(llm, c, params, prompts)  # warm-up
+            runs: dict[str, list[dict]] = {"torch": [], "kernels": []}
+            for k in range(args.rounds):
+                for way in (("kernels", "torch") if k % 2 == 0 else ("torch", "kernels")):
+                    with kernels_off() if way == "torch" else contextlib.nullcontext():
+                        runs[way].append(closed_loop(llm, c, params, prompts))
+            tok_s = {w: statistics.median(r["tok_s"] for r in rs) for w, rs in runs.items()}
+            ratios = [b["tok_s"] / a["tok_s"] for a, b in zip(runs["torch"], runs["kernels"])]
+            same = all(a["tokens"] == b["tokens"] for a, b in zip(runs["torch"], runs["kernels"]))
+            lines.append(f"| {setting} | {c} | {tok_s['torch']:.1f} | {tok_s['kernels']:.1f} | "
+                         f"{statistics.median(ratios):.2f} ({' / '.join(f'{x:.2f}' for x in ratios)}) | "
+                         f"{'yes' if same else 'no'} |")
+            print(lines[-1], flush=True)
+            results[f"{setting} / c{c}"] = {"tok_s": tok_s, "ratio_rounds": ratios,
+                                            "ratio": statistics.median(ratios), "same_tokens": same}
+    return lines, results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 5, 9, 32])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--repeat", type=int, default=30, help="calls per timing")
     ap.add_argument("--name", default="sampling")
+    ap.add_argument("--engines", action="store_true", help="then whole engines, the kernels on and off in turn")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32], help="with --engines")
+    ap.add_argument("--max-tokens", type=int, default=64, help="with --engines: per request (ignore_eos)")
     args = ap.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("sampling.py compares the CPU kernel with torch's ops, and no kernel is built here")
@@ -96,8 +146,7 @@ def main() -> None:
         for k in range(args.rounds):
             for key, case in cases.items():
                 times[key]["kernel"].append(timed(run(case), args.repeat))
-                with (mock.patch.object(sampler_module, "race_applies", lambda x: False),
-                      mock.patch.object(logits_processors, "sort_kernels_apply", lambda x: False)):
+                with kernels_off():
                     times[key]["torch"].append(timed(run(case), args.repeat))
             print(f"round {k} done", flush=True)
 
@@ -109,13 +158,18 @@ def main() -> None:
         lines.append(f"| {setting} | {n} | {1e6 * best['torch']:.0f} | {1e6 * best['kernel']:.0f} | "
                      f"{best['torch'] / best['kernel']:.2f} | {1e6 * best['kernel'] / n:.0f} |")
         results[f"{setting} / {n}"] = {"best_s": best, "all_s": t}
+    table = "\n".join(lines)
+    if args.engines:
+        engine_lines, results["engines"] = engines(args)
+        table += ("\n\nEngines decoding (the default model, one engine, a closed loop; medians of the rounds):\n\n"
+                  + "\n".join(engine_lines))
     setup = (f"The sampler (kvserve/sampling/sampler.py) on rows of the default model's {VOCAB} logits (its answers "
              "to 4 chat questions at temperature 0.7), unseeded (one draw of uniforms for the step), fastest of "
              f"{args.rounds} rounds of {args.repeat} calls, the two paths taking turns. 'torch's ops' is the "
              "same sampler with the three kernels turned off (race_applies and sort_kernels_apply False); the "
              "argmax and uniform kernels run in both.")
-    report(args.name, "The sampler: race, top-p and top-k kernels against torch's ops", args, setup,
-           "\n".join(lines), results, isa=cpu_kernels.isa())
+    report(args.name, "The sampler: race, top-p and top-k kernels against torch's ops", args, setup, table, results,
+           isa=cpu_kernels.isa(), script="sampling")
 
 
 if __name__ == "__main__":
