@@ -168,6 +168,11 @@ def main() -> None:
              f"{args.rounds} rounds of {args.repeat} calls, the two paths taking turns. 'torch's ops' is the "
              "same sampler with the three kernels turned off (race_applies and sort_kernels_apply False); the "
              "argmax and uniform kernels run in both.")
+    if args.engines:
+        setup += (f" Engines: one engine of the default model (dtype and quantization auto), sampling_noise.py's 8 "
+                  f"chat questions (or as many as the concurrency) in a closed loop, {args.max_tokens} output "
+                  "tokens each (ignore_eos), unseeded (the default generator seeded before each run, so both ways "
+                  f"draw the same uniforms); {args.rounds} rounds, the two ways alternating which goes first.")
     report(args.name, "The sampler: race, top-p and top-k kernels against torch's ops", args, setup, table, results,
            isa=cpu_kernels.isa(), script="sampling")
 
