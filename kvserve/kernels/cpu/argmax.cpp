@@ -15,7 +15,9 @@
 // The sampler's call on the default model's logits, uniforms included, Intel Xeon AVX-512
 // (benchmarks/results/sampling_avx512.md), torch's ops -> these: temperature alone 127-132 -> 89-90 us for
 // one row and 2.5 -> 1.5 ms for 32; with top_p 0.9, 557 us -> 170 us and 8.0 -> 2.9 ms; with top_k 50,
-// 396 -> 163 us and 5.7 -> 4.6 ms. A decode step takes ~3 ms there, a step of 32 streams ~40 ms.
+// 396 -> 163 us and 5.7 -> 4.6 ms. A decode step takes ~3 ms there, a step of 32 streams ~40 ms; whole
+// engines decoded 1.04-1.06x faster at temperature 0.7 and 1.17-1.19x with top_p 0.9, at 1 and 32 streams
+// (sampling_engines_avx512.md).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
