@@ -264,8 +264,8 @@ void top_p_mask_(const at::Tensor& logits, const at::Tensor& probs, const at::Te
       float* xr = x + r * V;
       const Vec16 thr = broadcast(threshold), masked = broadcast(-std::numeric_limits<float>::infinity());
       for (int64_t i = 0; i < V; i += 16) {
-        const int64_t k = std::min<int64_t>(16, V - i);
-        store(xr + i, select_less(load(pr + i, k), thr, masked, load(xr + i, k)), k);
+        const int64_t lanes = std::min<int64_t>(16, V - i);
+        store(xr + i, select_less(load(pr + i, lanes), thr, masked, load(xr + i, lanes)), lanes);
       }
     }
   });
@@ -292,9 +292,9 @@ void top_k_mask_(const at::Tensor& logits, const at::Tensor& top_k) {
       const float threshold = top_k_threshold(xr, V, std::min(kp[r], V), vals, tops);
       const Vec16 thr = broadcast(threshold), masked = broadcast(-std::numeric_limits<float>::infinity());
       for (int64_t i = 0; i < V; i += 16) {
-        const int64_t k = std::min<int64_t>(16, V - i);
-        const Vec16 v = load(xr + i, k);
-        store(xr + i, select_less(v, thr, masked, v), k);
+        const int64_t lanes = std::min<int64_t>(16, V - i);
+        const Vec16 v = load(xr + i, lanes);
+        store(xr + i, select_less(v, thr, masked, v), lanes);
       }
     }
   });
