@@ -1,7 +1,8 @@
 """What the sampler costs a step: its CPU kernels (kvserve/kernels/cpu/argmax.cpp: race_sample_rows, the
 exponential race argmax softmax(x / T) / -log U in two passes over a row; top_p_mask_ and top_k_mask_, the
-cuts found among the few values that can be in the set) against torch's ops (divide, softmax, log, negate,
-divide, argmax; topk, and a sort for top-p), side by side in one run.
+cuts found among the few values that can be in the set; apply_penalties_, on each row's own tokens) against
+torch's ops (divide, softmax, log, negate, divide, argmax; topk, and a sort for top-p; count tensors over the
+vocabulary for the penalties), side by side in one run.
 
 Rows are a step's sampled rows: 1 for one stream decoding, 2-9 for a speculative verification of 1-8
 drafts, 32 for a batch. They are the default model's own logits (49,152 a row), taken while it answers the
@@ -11,7 +12,8 @@ The two paths take turns within each of --rounds rounds; the table gives each on
 
 With --engines, then whole engines: one engine of the default model decodes --max-tokens tokens for each of
 8 chat questions (or the concurrency, if more) in a closed loop at each --concurrency, sampled at temperature
-0.7 alone and with top_p 0.9, the kernels turned on and off in turn each round (sampling_noise.py's loop).
+0.7 alone, with top_p 0.9 and with a repetition penalty of 1.1, the kernels turned on and off in turn each
+round (sampling_noise.py's loop).
 
     python benchmarks/sampling.py                 # results/sampling_<isa>.{json,md}
     python benchmarks/sampling.py --engines --name sampling_engines
@@ -38,7 +40,11 @@ VOCAB = 49152  # SmolLM2's
 SETTINGS = {"T 1.0": {"temperature": 1.0}, "T 0.7": {"temperature": 0.7},
             "T 0.7, top_p 0.9": {"temperature": 0.7, "top_p": 0.9},
             "T 0.7, top_p 0.95": {"temperature": 0.7, "top_p": 0.95},
-            "T 0.7, top_k 50": {"temperature": 0.7, "top_k": 50}}
+            "T 0.7, top_k 50": {"temperature": 0.7, "top_k": 50},
+            "T 0.7, repetition 1.1": {"temperature": 0.7, "repetition_penalty": 1.1},
+            "T 0.7, presence 0.5, frequency 0.3": {"temperature": 0.7, "presence_penalty": 0.5,
+                                                   "frequency_penalty": 0.3}}
+PROMPT_TOKENS, OUTPUT_TOKENS = 300, 128  # each row's, for the penalties (random ids, drawn once)
 
 
 class Recorder:
@@ -80,7 +86,7 @@ def kernels_off():
     """The sampler's race and cut kernels turned off (torch's ops instead); the argmax and uniform kernels stay."""
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(sampler_module, "race_applies", lambda x: False))
-    stack.enter_context(mock.patch.object(logits_processors, "sort_kernels_apply", lambda x: False))
+    stack.enter_context(mock.patch.object(logits_processors, "stage_kernels_apply", lambda x: False))
     return stack
 
 
@@ -93,7 +99,7 @@ def engines(args) -> tuple[list[str], dict]:
     lines = ["| parameters | concurrency | torch's ops tok/s | kernels tok/s | kernels x torch (rounds) "
              "| same tokens |", "|---|---:|---:|---:|---|---|"]
     results = {}
-    for setting in ("T 0.7", "T 0.7, top_p 0.9"):
+    for setting in ("T 0.7", "T 0.7, top_p 0.9", "T 0.7, repetition 1.1"):
         for c in args.concurrency:
             n = max(c, 8)
             prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
@@ -131,11 +137,14 @@ def main() -> None:
 
     sampler = Sampler()
     rows = model_logits(max(args.rows))
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (PROMPT_TOKENS,), generator=g).tolist()
+    output = torch.randint(0, VOCAB, (OUTPUT_TOKENS,), generator=g).tolist()
     cases = {}
     for setting, kw in SETTINGS.items():
         for n in args.rows:
             logits = rows[:n].clone()
-            inputs = SamplingInputs([SamplingParams(**kw)] * n, [None] * n, [[1]] * n, [[]] * n, [2])
+            inputs = SamplingInputs([SamplingParams(**kw)] * n, [None] * n, [prompt] * n, [output] * n, [2])
             cases[(setting, n)] = (logits, inputs)
 
     def run(case):
@@ -164,16 +173,18 @@ def main() -> None:
         table += ("\n\nEngines decoding (the default model, one engine, a closed loop; medians of the rounds):\n\n"
                   + "\n".join(engine_lines))
     setup = (f"The sampler (kvserve/sampling/sampler.py) on rows of the default model's {VOCAB} logits (its answers "
-             "to 4 chat questions at temperature 0.7), unseeded (one draw of uniforms for the step), fastest of "
+             "to 4 chat questions at temperature 0.7), unseeded (one draw of uniforms for the step), each row with "
+             f"a {PROMPT_TOKENS}-token prompt and {OUTPUT_TOKENS} output tokens (random ids) for the penalties, "
+             "fastest of "
              f"{args.rounds} rounds of {args.repeat} calls, the two paths taking turns. 'torch's ops' is the "
-             "same sampler with the three kernels turned off (race_applies and sort_kernels_apply False); the "
+             "same sampler with the four kernels turned off (race_applies and stage_kernels_apply False); the "
              "argmax and uniform kernels run in both.")
     if args.engines:
         setup += (f" Engines: one engine of the default model (dtype and quantization auto), sampling_noise.py's 8 "
                   f"chat questions (or as many as the concurrency) in a closed loop, {args.max_tokens} output "
                   "tokens each (ignore_eos), unseeded (the default generator seeded before each run, so both ways "
                   f"draw the same uniforms); {args.rounds} rounds, the two ways alternating which goes first.")
-    report(args.name, "The sampler: race, top-p and top-k kernels against torch's ops", args, setup, table, results,
+    report(args.name, "The sampler's kernels against torch's ops", args, setup, table, results,
            isa=cpu_kernels.isa(), script="sampling")
 
 

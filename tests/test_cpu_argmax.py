@@ -84,7 +84,7 @@ def test_sampler_tokens_are_those_of_torch_argmax(monkeypatch: pytest.MonkeyPatc
     got = sample()
     monkeypatch.setattr(sampler_module, "argmax", lambda x: x.argmax(dim=-1))
     monkeypatch.setattr(sampler_module, "race_applies", lambda x: False)  # torch's softmax, -log U, argmax
-    monkeypatch.setattr(logits_processors, "sort_kernels_apply", lambda x: False)  # and top_k's, top_p's sorts
+    monkeypatch.setattr(logits_processors, "stage_kernels_apply", lambda x: False)  # and top_k's, top_p's sorts
     assert got == sample()
     assert [got[i] for i in (0, 2, 4)] == [logits[i].argmax().item() for i in (0, 2, 4)]
 
@@ -157,7 +157,7 @@ def torch_top_p(logits: torch.Tensor, top_p: torch.Tensor, rows: list[int], monk
     """apply_top_p with the kernels turned off: its topk and sort path."""
     out = logits.clone()
     with monkeypatch.context() as m:
-        m.setattr(logits_processors, "sort_kernels_apply", lambda t: False)
+        m.setattr(logits_processors, "stage_kernels_apply", lambda t: False)
         logits_processors.apply_top_p(out, top_p, rows=rows)
     return out
 
@@ -231,7 +231,7 @@ def test_top_k_mask_keeps_what_topk_keeps(isa: str, V: int, monkeypatch: pytest.
         k = torch.tensor(ks)
         want = x.clone()
         with monkeypatch.context() as m:
-            m.setattr(logits_processors, "sort_kernels_apply", lambda t: False)
+            m.setattr(logits_processors, "stage_kernels_apply", lambda t: False)
             logits_processors.apply_top_k(want, k, max_k=max(ks))
         got = x.clone()
         ops.top_k_mask_(got, k)
@@ -247,3 +247,35 @@ def test_top_k_mask_keeps_what_topk_keeps(isa: str, V: int, monkeypatch: pytest.
     assert torch.equal(out.nan_to_num(7.0), bad.nan_to_num(7.0))
     with pytest.raises(RuntimeError, match=">= 0"):
         ops.top_k_mask_(x.clone(), torch.full((x.shape[0],), -1))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("V", [5, 1000, 49152])
+def test_penalties_kernel_equals_the_count_tensors(isa: str, V: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """apply_penalties in the kernel (each row's own tokens) against its torch path (count tensors over the
+    vocabulary), bit for bit: repetition alone, presence and frequency alone, all three; tokens repeated in the
+    prompt and the output, ids past the vocabulary (ignored), empty prompts and outputs, negative, -inf and
+    NaN logits at penalised tokens, a row with neutral parameters."""
+    ops = native_ops(isa)
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(5, V, generator=g) * 4
+    x[0, 0], x[0, 1], x[1, 2] = -INF, NAN, 0.0
+    prompts = [[0, 1, 2, 2, 3, V + 7], [], [1] * 50 + list(range(min(V, 300))), [4 % V, 4 % V], [2]]
+    outputs = [[1, 1, 2, V + 2], [2, 3, 3, 3], [], [0, 0, 0, 0, 0, 1], [3, 3]]
+    rep = torch.tensor([1.3, 1.1, 0.8, 1.0, 1.2])
+    pres = torch.tensor([0.5, 0.0, -0.25, 0.3, 0.0])
+    freq = torch.tensor([0.2, 0.7, 0.1, 0.0, 0.0])
+    for use_repetition, use_counts in ((True, False), (False, True), (True, True)):
+        want = x.clone()
+        with monkeypatch.context() as m:
+            m.setattr(logits_processors, "stage_kernels_apply", lambda t: False)
+            logits_processors.apply_penalties(want, prompts, outputs, rep, pres, freq, use_repetition, use_counts)
+        got = x.clone()
+        with monkeypatch.context() as m:
+            m.setattr(logits_processors.cpu_kernels, "ops", lambda: ops)  # this ISA's variant
+            logits_processors.apply_penalties(got, prompts, outputs, rep, pres, freq, use_repetition, use_counts)
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), (use_repetition, use_counts)
+        assert not torch.equal(got, x) or not use_repetition
+    with pytest.raises(RuntimeError, match="offsets"):
+        ops.apply_penalties_(x[:1].clone(), torch.tensor([1]), torch.tensor([0, 2]), torch.tensor([1]),
+                             torch.tensor([0, 1]), rep[:1], pres[:1], freq[:1], True, True)

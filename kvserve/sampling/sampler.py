@@ -131,9 +131,10 @@ class Sampler:
         rows = [i for i, p in enumerate(params)
                 if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
         if rows:
-            # Only the penalised rows pay for the [rows, V] count tensors.
-            idx = to_device(rows, logits.device)
-            sub = logits[idx]
+            # Only the penalised rows pay for the [rows, V] count tensors; where every row is, no gather and scatter.
+            every = len(rows) == len(params)
+            idx = None if every else to_device(rows, logits.device)
+            sub = logits if every else logits[idx]
             lp.apply_penalties(
                 sub,
                 [inputs.prompt_token_ids[i] for i in rows],
@@ -144,7 +145,8 @@ class Sampler:
                 use_repetition=any(params[i].repetition_penalty != 1.0 for i in rows),
                 use_counts=any(params[i].presence_penalty != 0.0 or params[i].frequency_penalty != 0.0 for i in rows),
             )
-            logits[idx] = sub
+            if not every:
+                logits[idx] = sub
         return logits
 
     def _sample(self, logits: Tensor, inputs: SamplingInputs, greedy: list[bool]) -> Tensor:

@@ -300,5 +300,69 @@ void top_k_mask_(const at::Tensor& logits, const at::Tensor& top_k) {
   });
 }
 
+// logits [N, V] float32 (in place); prompt_ids / output_ids: every row's token ids one after another, row r's
+// at [offsets[r], offsets[r + 1]) (int64, offsets [N + 1]); repetition, presence, frequency [N] float32.
+// What apply_penalties does over [N, V] count tensors, on each row's own tokens only: with use_repetition,
+// every token in the prompt or the output once, x > 0 ? x / rep : x * rep; then with use_counts, every token
+// in the output, x - (presence + frequency * count). Ids outside the vocabulary are ignored, as there.
+void apply_penalties_(const at::Tensor& logits, const at::Tensor& prompt_ids, const at::Tensor& prompt_offsets,
+                      const at::Tensor& output_ids, const at::Tensor& output_offsets, const at::Tensor& repetition,
+                      const at::Tensor& presence, const at::Tensor& frequency, bool use_repetition, bool use_counts) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+              logits.is_contiguous(), "apply_penalties_: float32 [N, V] contiguous logits");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  for (const at::Tensor* t : {&prompt_ids, &prompt_offsets, &output_ids, &output_offsets})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
+                "apply_penalties_: ids and offsets int64, 1-d, contiguous");
+  for (const at::Tensor* t : {&repetition, &presence, &frequency})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == N && t->is_contiguous(),
+                "apply_penalties_: repetition, presence, frequency float32 [N]");
+  TORCH_CHECK(prompt_offsets.size(0) == N + 1 && output_offsets.size(0) == N + 1, "apply_penalties_: offsets [N + 1]");
+  const int64_t* po = prompt_offsets.data_ptr<int64_t>();
+  const int64_t* oo = output_offsets.data_ptr<int64_t>();
+  for (int64_t r = 0; r < N; ++r)
+    TORCH_CHECK(po[r] >= 0 && po[r] <= po[r + 1] && po[N] <= prompt_ids.size(0) && oo[r] >= 0 &&
+                oo[r] <= oo[r + 1] && oo[N] <= output_ids.size(0), "apply_penalties_: offsets out of order or range");
+  const int64_t* pi = prompt_ids.data_ptr<int64_t>();
+  const int64_t* oi = output_ids.data_ptr<int64_t>();
+  const float* rep = repetition.data_ptr<float>();
+  const float* pres = presence.data_ptr<float>();
+  const float* freq = frequency.data_ptr<float>();
+  float* x = logits.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    // Per thread, a count and a seen flag per token, cleared token by token after each row.
+    std::vector<int32_t> count(static_cast<size_t>(V), 0);
+    std::vector<uint8_t> seen(static_cast<size_t>(V), 0);
+    std::vector<int64_t> outputs, seen_list;
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = x + r * V;
+      outputs.clear();
+      seen_list.clear();
+      for (int64_t j = oo[r]; j < oo[r + 1]; ++j) {
+        const int64_t t = oi[j];
+        if (t >= 0 && t < V && count[t]++ == 0) outputs.push_back(t);
+      }
+      if (use_repetition) {
+        auto see = [&](int64_t t) {
+          if (t >= 0 && t < V && !seen[t]) { seen[t] = 1; seen_list.push_back(t); }
+        };
+        for (int64_t j = po[r]; j < po[r + 1]; ++j) see(pi[j]);
+        for (const int64_t t : outputs) see(t);
+        for (const int64_t t : seen_list) xr[t] = xr[t] > 0.f ? xr[t] / rep[r] : xr[t] * rep[r];
+      }
+      if (use_counts) {
+        for (const int64_t t : outputs) {
+          // torch's order and roundings: presence * 1, plus frequency * count, then subtracted; volatile keeps
+          // the product from being fused into a multiply-add, which rounds once instead of twice.
+          volatile float by_count = freq[r] * static_cast<float>(count[t]);
+          xr[t] = xr[t] - (pres[r] + by_count);
+        }
+      }
+      for (const int64_t t : outputs) count[t] = 0;
+      for (const int64_t t : seen_list) seen[t] = 0;
+    }
+  });
+}
+
 }  // namespace KVSERVE_NS
 }  // namespace kvserve_cpu
