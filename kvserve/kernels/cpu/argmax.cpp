@@ -8,16 +8,18 @@
 // AVX2 intrinsics only: the same code runs in the AVX-512 build.
 //
 // The sampler's other kernels (kvserve/sampling/sampler.py, logits_processors.py), each a few passes over a
-// row where torch made several ops with [N, V] temporaries, or a topk or sort of the whole vocabulary:
+// row (or over its own tokens) where torch made several ops with [N, V] temporaries, or a topk or sort of the
+// whole vocabulary:
 //   race_sample_rows  the draw: argmax_v p_v / E_v with p = softmax(x / T), E_v = -ln u_v (two passes);
 //   top_p_mask_       top-p's cut, from the few likeliest values, bit for bit the sort's (top_p_threshold);
-//   top_k_mask_       top-k's cut, from the values near the row's maximum (top_k_threshold).
+//   top_k_mask_       top-k's cut, from the values near the row's maximum (top_k_threshold);
+//   apply_penalties_  repetition, presence and frequency penalties, on each row's own prompt and output tokens.
 // The sampler's call on the default model's logits, uniforms included, Intel Xeon AVX-512
-// (benchmarks/results/sampling_avx512.md), torch's ops -> these: temperature alone 127-132 -> 89-90 us for
-// one row and 2.5 -> 1.5 ms for 32; with top_p 0.9, 557 us -> 170 us and 8.0 -> 2.9 ms; with top_k 50,
-// 396 -> 163 us and 5.7 -> 4.6 ms. A decode step takes ~3 ms there, a step of 32 streams ~40 ms; whole
-// engines decoded 1.04-1.06x faster at temperature 0.7 and 1.17-1.19x with top_p 0.9, at 1 and 32 streams
-// (sampling_engines_avx512.md).
+// (benchmarks/results/sampling_avx512.md), torch's ops -> these, one row and 32: temperature alone 127 -> 85 us
+// and 2.25 -> 1.40 ms; with top_p 0.9, 527 -> 150 us and 7.4 -> 2.4 ms; with top_k 50, 365 -> 150 us and
+// 5.6 -> 4.1 ms; with a repetition penalty, 384 -> 187 us and 8.4 -> 2.8 ms. A decode step takes ~3 ms there,
+// a step of 32 streams ~40 ms; whole engines decoded 1.05-1.06x faster at temperature 0.7, 1.18x with top_p
+// 0.9 and 1.13-1.24x with a repetition penalty of 1.1, at 1 and 32 streams.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
