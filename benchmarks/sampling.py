@@ -1,8 +1,8 @@
 """What the sampler costs a step: its CPU kernels (kvserve/kernels/cpu/argmax.cpp: race_sample_rows, the
 exponential race argmax softmax(x / T) / -log U in two passes over a row; top_p_mask_ and top_k_mask_, the
-cuts found among the few values that can be in the set; apply_penalties_, on each row's own tokens) against
-torch's ops (divide, softmax, log, negate, divide, argmax; topk, and a sort for top-p; count tensors over the
-vocabulary for the penalties), side by side in one run.
+cuts found among the few values that can be in the set; min_p_mask_; apply_penalties_, on each row's own
+tokens) against torch's ops (divide, softmax, log, negate, divide, argmax; topk, and a sort for top-p; an amax
+and a masked fill for min-p; count tensors over the vocabulary for the penalties), side by side in one run.
 
 Rows are a step's sampled rows: 1 for one stream decoding, 2-9 for a speculative verification of 1-8
 drafts, 32 for a batch. They are the default model's own logits (49,152 a row), taken while it answers the
@@ -41,6 +41,7 @@ SETTINGS = {"T 1.0": {"temperature": 1.0}, "T 0.7": {"temperature": 0.7},
             "T 0.7, top_p 0.9": {"temperature": 0.7, "top_p": 0.9},
             "T 0.7, top_p 0.95": {"temperature": 0.7, "top_p": 0.95},
             "T 0.7, top_k 50": {"temperature": 0.7, "top_k": 50},
+            "T 0.7, min_p 0.05": {"temperature": 0.7, "min_p": 0.05},
             "T 0.7, repetition 1.1": {"temperature": 0.7, "repetition_penalty": 1.1},
             "T 0.7, presence 0.5, frequency 0.3": {"temperature": 0.7, "presence_penalty": 0.5,
                                                    "frequency_penalty": 0.3}}
@@ -177,7 +178,7 @@ def main() -> None:
              f"a {PROMPT_TOKENS}-token prompt and {OUTPUT_TOKENS} output tokens (random ids) for the penalties, "
              "fastest of "
              f"{args.rounds} rounds of {args.repeat} calls, the two paths taking turns. 'torch's ops' is the "
-             "same sampler with the four kernels turned off (race_applies and stage_kernels_apply False); the "
+             "same sampler with the five kernels turned off (race_applies and stage_kernels_apply False); the "
              "argmax and uniform kernels run in both.")
     if args.engines:
         setup += (f" Engines: one engine of the default model (dtype and quantization auto), sampling_noise.py's 8 "

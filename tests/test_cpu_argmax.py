@@ -279,3 +279,36 @@ def test_penalties_kernel_equals_the_count_tensors(isa: str, V: int, monkeypatch
     with pytest.raises(RuntimeError, match="offsets"):
         ops.apply_penalties_(x[:1].clone(), torch.tensor([1]), torch.tensor([0, 2]), torch.tensor([1]),
                              torch.tensor([0, 1]), rep[:1], pres[:1], freq[:1], True, True)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("V", [1, 17, 49152])
+def test_min_p_mask_cuts_where_the_torch_path_cuts(isa: str, V: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The min-p kernel against apply_min_p's torch path, bit for bit: peaked and flat rows, min_p from 0 to 1
+    (1 keeps the likeliest and its ties), a token exactly at the threshold (kept), rows with -inf; a NaN row and
+    an all -inf row are left alone."""
+    ops = native_ops(isa)
+    g = torch.Generator().manual_seed(V)
+    x = torch.cat([torch.randn(3, V, generator=g) * 6, torch.randn(3, V, generator=g) * 0.3])
+    if V >= 17:
+        x[1, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()  # 0.25 is exactly half the likeliest
+        x[1, 4:] = -INF
+        x[2, 3:9] = x[2].max() + 2                      # six tied likeliest tokens
+        x[4, ::2] = -INF
+    for mp in (0.0, 0.05, 0.5, 0.9, 1.0):
+        p = torch.full((x.shape[0],), mp)
+        want = x.clone()
+        with monkeypatch.context() as m:
+            m.setattr(logits_processors, "stage_kernels_apply", lambda t: False)
+            logits_processors.apply_min_p(want, p)
+        got = x.clone()
+        ops.min_p_mask_(got, torch.softmax(got, dim=-1), p)
+        assert torch.equal(got, want), mp
+        if V >= 17 and mp == 0.5:
+            assert torch.isfinite(got[1]).sum() == 2 and torch.isfinite(got[2]).sum() >= 6
+    bad = x[:2].clone()
+    bad[0, V // 2] = NAN
+    bad[1, :] = -INF
+    out = bad.clone()
+    ops.min_p_mask_(out, torch.softmax(out, dim=-1), torch.full((2,), 0.1))
+    assert torch.equal(out.nan_to_num(7.0), bad.nan_to_num(7.0))

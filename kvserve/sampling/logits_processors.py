@@ -100,6 +100,9 @@ def apply_penalties(
 def apply_min_p(logits: Tensor, min_p: Tensor) -> None:
     """Drop tokens whose probability is below min_p times the row's largest probability."""
     probs = torch.softmax(logits, dim=-1)
+    if stage_kernels_apply(logits):  # the same cut in two passes (kvserve/kernels/cpu/argmax.cpp)
+        cpu_kernels.ops().min_p_mask_(logits, probs, min_p.float().contiguous())
+        return
     threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
     logits.masked_fill_(probs < threshold, _NEG_INF)
 
@@ -121,8 +124,8 @@ def apply_top_k(logits: Tensor, top_k: Tensor, max_k: int) -> None:
 
 
 def stage_kernels_apply(logits: Tensor) -> bool:
-    """Whether apply_penalties, apply_top_k and apply_top_p run in the CPU kernels: float32 [N, V] logits,
-    contiguous, on the CPU."""
+    """Whether apply_penalties, apply_min_p, apply_top_k and apply_top_p run in the CPU kernels: float32
+    [N, V] logits, contiguous, on the CPU."""
     return logits.dtype == torch.float32 and logits.is_contiguous() and cpu_kernels.applies(logits)
 
 

@@ -13,6 +13,7 @@
 //   race_sample_rows  the draw: argmax_v p_v / E_v with p = softmax(x / T), E_v = -ln u_v (two passes);
 //   top_p_mask_       top-p's cut, from the few likeliest values, bit for bit the sort's (top_p_threshold);
 //   top_k_mask_       top-k's cut, from the values near the row's maximum (top_k_threshold);
+//   min_p_mask_       min-p's cut, in two passes over the probabilities;
 //   apply_penalties_  repetition, presence and frequency penalties, on each row's own prompt and output tokens.
 // The sampler's call on the default model's logits, uniforms included, Intel Xeon AVX-512
 // (benchmarks/results/sampling_avx512.md), torch's ops -> these, one row and 32: temperature alone 127 -> 85 us
@@ -297,6 +298,43 @@ void top_k_mask_(const at::Tensor& logits, const at::Tensor& top_k) {
         const int64_t lanes = std::min<int64_t>(16, V - i);
         const Vec16 v = load(xr + i, lanes);
         store(xr + i, select_less(v, thr, masked, v), lanes);
+      }
+    }
+  });
+}
+
+// logits [N, V] float32 (in place), probs [N, V] float32 = softmax(logits), min_p [N] float32: each row's
+// tokens less likely than min_p times its likeliest are set to -inf, as apply_min_p does (the same float
+// product, the same compare), in two passes over the row instead of an amax, a compare and a masked fill.
+void min_p_mask_(const at::Tensor& logits, const at::Tensor& probs, const at::Tensor& min_p) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+              logits.is_contiguous(), "min_p_mask_: float32 [N, V] contiguous logits");
+  TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.sizes() == logits.sizes() && probs.is_contiguous(),
+              "min_p_mask_: probs must be float32, contiguous, of the logits' shape");
+  TORCH_CHECK(min_p.scalar_type() == at::kFloat && min_p.dim() == 1 && min_p.size(0) == logits.size(0) &&
+              min_p.is_contiguous(), "min_p_mask_: min_p float32 [N]");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  float* x = logits.data_ptr<float>();
+  const float* p = probs.data_ptr<float>();
+  const float* mp = min_p.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    using namespace kvserve_cpu;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* pr = p + r * V;
+      float* xr = x + r * V;
+      // The row's largest probability; amax propagates a NaN, and so does this (then nothing compares below).
+      Vec16 top = broadcast(-std::numeric_limits<float>::infinity()), total = zero();
+      for (int64_t i = 0; i < V; i += 16) {
+        const int64_t lanes = std::min<int64_t>(16, V - i);
+        const Vec16 v = load(pr + i, lanes);
+        top = max_first(top, v, lanes);
+        total = total + v;  // probabilities: a NaN anywhere makes it NaN
+      }
+      if (std::isnan(reduce_add(total))) continue;
+      const Vec16 thr = broadcast(mp[r] * reduce_max(top)), masked = broadcast(-std::numeric_limits<float>::infinity());
+      for (int64_t i = 0; i < V; i += 16) {
+        const int64_t lanes = std::min<int64_t>(16, V - i);
+        store(xr + i, select_less(load(pr + i, lanes), thr, masked, load(xr + i, lanes)), lanes);
       }
     }
   });

@@ -14,6 +14,7 @@ TORCH_LIBRARY(KVSERVE_NS, m) {
   m.def("race_sample_rows(Tensor x, Tensor inv_temp, Tensor uniform) -> Tensor");
   m.def("top_p_mask_(Tensor(a!) logits, Tensor probs, Tensor top_p, int[] rows) -> ()");
   m.def("top_k_mask_(Tensor(a!) logits, Tensor top_k) -> ()");
+  m.def("min_p_mask_(Tensor(a!) logits, Tensor probs, Tensor min_p) -> ()");
   m.def("apply_penalties_(Tensor(a!) logits, Tensor prompt_ids, Tensor prompt_offsets, Tensor output_ids, "
         "Tensor output_offsets, Tensor repetition, Tensor presence, Tensor frequency, bool use_repetition, "
         "bool use_counts) -> ()");
@@ -58,6 +59,7 @@ TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
   m.impl("race_sample_rows", &race_sample_rows);
   m.impl("top_p_mask_", &top_p_mask_);
   m.impl("top_k_mask_", &top_k_mask_);
+  m.impl("min_p_mask_", &min_p_mask_);
   m.impl("apply_penalties_", &apply_penalties_);
   m.impl("decoder_stack_", &decoder_stack_);
   m.impl("dense_linear", &dense_linear);

@@ -23,6 +23,7 @@ at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor race_sample_rows(const at::Tensor& x, const at::Tensor& inv_temp, const at::Tensor& uniform);
 void top_p_mask_(const at::Tensor& logits, const at::Tensor& probs, const at::Tensor& top_p, at::IntArrayRef rows);
 void top_k_mask_(const at::Tensor& logits, const at::Tensor& top_k);
+void min_p_mask_(const at::Tensor& logits, const at::Tensor& probs, const at::Tensor& min_p);
 void apply_penalties_(const at::Tensor& logits, const at::Tensor& prompt_ids, const at::Tensor& prompt_offsets,
                       const at::Tensor& output_ids, const at::Tensor& output_offsets, const at::Tensor& repetition,
                       const at::Tensor& presence, const at::Tensor& frequency, bool use_repetition, bool use_counts);
