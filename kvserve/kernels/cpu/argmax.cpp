@@ -16,11 +16,12 @@
 //   min_p_mask_       min-p's cut, in two passes over the probabilities;
 //   apply_penalties_  repetition, presence and frequency penalties, on each row's own prompt and output tokens.
 // The sampler's call on the default model's logits, uniforms included, Intel Xeon AVX-512
-// (benchmarks/results/sampling_avx512.md), torch's ops -> these, one row and 32: temperature alone 127 -> 85 us
-// and 2.25 -> 1.40 ms; with top_p 0.9, 527 -> 150 us and 7.4 -> 2.4 ms; with top_k 50, 365 -> 150 us and
-// 5.6 -> 4.1 ms; with a repetition penalty, 384 -> 187 us and 8.4 -> 2.8 ms. A decode step takes ~3 ms there,
-// a step of 32 streams ~40 ms; whole engines decoded 1.05-1.06x faster at temperature 0.7, 1.18x with top_p
-// 0.9 and 1.13-1.24x with a repetition penalty of 1.1, at 1 and 32 streams.
+// (benchmarks/results/sampling_avx512.md), torch's ops -> these, one row and 32: temperature alone 131 -> 89 us
+// and 2.4 -> 1.5 ms; with top_p 0.9, 541 -> 164 us and 8.0 -> 2.8 ms; with top_k 50, 340 -> 154 us and
+// 5.5 -> 4.1 ms; with min_p 0.05, 228 -> 152 us and 4.2 -> 2.7 ms; with a repetition penalty, 342 -> 193 us and
+// 8.6 -> 2.9 ms. A decode step takes ~3 ms there, a step of 32 streams ~40 ms; whole engines decoded
+// 1.05-1.07x faster at temperature 0.7, 1.17x with top_p 0.9 and 1.13-1.25x with a repetition penalty of 1.1,
+// at 1 and 32 streams.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
