@@ -193,6 +193,28 @@ float top_k_threshold(const float* x, int64_t n, int64_t k, std::vector<float>& 
   return vals[k - 1];
 }
 
+// The checks shared by the cuts taken from probabilities: logits and probs float32 [N, V], contiguous; the
+// parameter float32 [N].
+void check_cut_inputs(const at::Tensor& logits, const at::Tensor& probs, const at::Tensor& param, const char* op,
+                      const char* name) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+              logits.is_contiguous(), op, ": float32 [N, V] contiguous logits");
+  TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.sizes() == logits.sizes() && probs.is_contiguous(),
+              op, ": probs must be float32, contiguous, of the logits' shape");
+  TORCH_CHECK(param.scalar_type() == at::kFloat && param.dim() == 1 && param.size(0) == logits.size(0) &&
+              param.is_contiguous(), op, ": ", name, " float32 [N]");
+}
+
+// x[i] = -inf wherever p[i] < threshold (a NaN threshold masks nothing).
+void mask_below(float* x, const float* p, int64_t n, float threshold) {
+  using namespace kvserve_cpu;
+  const Vec16 thr = broadcast(threshold), masked = broadcast(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t lanes = std::min<int64_t>(16, n - i);
+    store(x + i, select_less(load(p + i, lanes), thr, masked, load(x + i, lanes)), lanes);
+  }
+}
+
 }  // namespace
 
 namespace kvserve_cpu {
@@ -242,12 +264,7 @@ at::Tensor race_sample_rows(const at::Tensor& x, const at::Tensor& inv_temp, con
 // rows: those to cut (the others are left alone). Each row's tokens less likely than its top-p threshold
 // (top_p_threshold) are set to -inf, as apply_top_p does with a sort of the vocabulary.
 void top_p_mask_(const at::Tensor& logits, const at::Tensor& probs, const at::Tensor& top_p, at::IntArrayRef rows) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
-              logits.is_contiguous(), "top_p_mask_: float32 [N, V] contiguous logits");
-  TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.sizes() == logits.sizes() && probs.is_contiguous(),
-              "top_p_mask_: probs must be float32, contiguous, of the logits' shape");
-  TORCH_CHECK(top_p.scalar_type() == at::kFloat && top_p.dim() == 1 && top_p.size(0) == logits.size(0) &&
-              top_p.is_contiguous(), "top_p_mask_: top_p float32 [N]");
+  check_cut_inputs(logits, probs, top_p, "top_p_mask_", "top_p");
   const int64_t N = logits.size(0), V = logits.size(1);
   TORCH_CHECK(V > 0, "top_p_mask_: an empty vocabulary");
   const float* tp = top_p.data_ptr<float>();
@@ -259,18 +276,10 @@ void top_p_mask_(const at::Tensor& logits, const at::Tensor& probs, const at::Te
   const float* p = probs.data_ptr<float>();
   const int64_t R = static_cast<int64_t>(rows.size());
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
-    using namespace kvserve_cpu;
     std::vector<float> vals;
     for (int64_t k = begin; k < end; ++k) {
       const int64_t r = rows[k];
-      const float* pr = p + r * V;
-      const float threshold = top_p_threshold(pr, V, tp[r], vals);
-      float* xr = x + r * V;
-      const Vec16 thr = broadcast(threshold), masked = broadcast(-std::numeric_limits<float>::infinity());
-      for (int64_t i = 0; i < V; i += 16) {
-        const int64_t lanes = std::min<int64_t>(16, V - i);
-        store(xr + i, select_less(load(pr + i, lanes), thr, masked, load(xr + i, lanes)), lanes);
-      }
+      mask_below(x + r * V, p + r * V, V, top_p_threshold(p + r * V, V, tp[r], vals));
     }
   });
 }
@@ -308,12 +317,7 @@ void top_k_mask_(const at::Tensor& logits, const at::Tensor& top_k) {
 // tokens less likely than min_p times its likeliest are set to -inf, as apply_min_p does (the same float
 // product, the same compare), in two passes over the row instead of an amax, a compare and a masked fill.
 void min_p_mask_(const at::Tensor& logits, const at::Tensor& probs, const at::Tensor& min_p) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
-              logits.is_contiguous(), "min_p_mask_: float32 [N, V] contiguous logits");
-  TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.sizes() == logits.sizes() && probs.is_contiguous(),
-              "min_p_mask_: probs must be float32, contiguous, of the logits' shape");
-  TORCH_CHECK(min_p.scalar_type() == at::kFloat && min_p.dim() == 1 && min_p.size(0) == logits.size(0) &&
-              min_p.is_contiguous(), "min_p_mask_: min_p float32 [N]");
+  check_cut_inputs(logits, probs, min_p, "min_p_mask_", "min_p");
   const int64_t N = logits.size(0), V = logits.size(1);
   float* x = logits.data_ptr<float>();
   const float* p = probs.data_ptr<float>();
@@ -322,7 +326,6 @@ void min_p_mask_(const at::Tensor& logits, const at::Tensor& probs, const at::Te
     using namespace kvserve_cpu;
     for (int64_t r = begin; r < end; ++r) {
       const float* pr = p + r * V;
-      float* xr = x + r * V;
       // The row's largest probability; amax propagates a NaN, and so does this (then nothing compares below).
       Vec16 top = broadcast(-std::numeric_limits<float>::infinity()), total = zero();
       for (int64_t i = 0; i < V; i += 16) {
@@ -331,12 +334,7 @@ void min_p_mask_(const at::Tensor& logits, const at::Tensor& probs, const at::Te
         top = max_first(top, v, lanes);
         total = total + v;  // probabilities: a NaN anywhere makes it NaN
       }
-      if (std::isnan(reduce_add(total))) continue;
-      const Vec16 thr = broadcast(mp[r] * reduce_max(top)), masked = broadcast(-std::numeric_limits<float>::infinity());
-      for (int64_t i = 0; i < V; i += 16) {
-        const int64_t lanes = std::min<int64_t>(16, V - i);
-        store(xr + i, select_less(load(pr + i, lanes), thr, masked, load(xr + i, lanes)), lanes);
-      }
+      if (!std::isnan(reduce_add(total))) mask_below(x + r * V, pr, V, mp[r] * reduce_max(top));
     }
   });
 }
