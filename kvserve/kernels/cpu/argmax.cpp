@@ -193,12 +193,17 @@ float top_k_threshold(const float* x, int64_t n, int64_t k, std::vector<float>& 
   return vals[k - 1];
 }
 
-// The checks shared by the cuts taken from probabilities: logits and probs float32 [N, V], contiguous; the
-// parameter float32 [N].
-void check_cut_inputs(const at::Tensor& logits, const at::Tensor& probs, const at::Tensor& param, const char* op,
-                      const char* name) {
+// The logits every stage kernel edits in place: float32 [N, V] on the CPU, contiguous.
+void check_logits(const at::Tensor& logits, const char* op) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
               logits.is_contiguous(), op, ": float32 [N, V] contiguous logits");
+}
+
+// The checks shared by the cuts taken from probabilities: the logits, probs float32 of their shape, contiguous;
+// the parameter float32 [N].
+void check_cut_inputs(const at::Tensor& logits, const at::Tensor& probs, const at::Tensor& param, const char* op,
+                      const char* name) {
+  check_logits(logits, op);
   TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.sizes() == logits.sizes() && probs.is_contiguous(),
               op, ": probs must be float32, contiguous, of the logits' shape");
   TORCH_CHECK(param.scalar_type() == at::kFloat && param.dim() == 1 && param.size(0) == logits.size(0) &&
@@ -287,8 +292,7 @@ void top_p_mask_(const at::Tensor& logits, const at::Tensor& probs, const at::Te
 // logits [N, V] float32 (in place), top_k [N] int64 (0: the row is left alone; above V: V). Each row's values
 // below its k-th largest are set to -inf, ties with it kept, as apply_top_k does with torch's topk.
 void top_k_mask_(const at::Tensor& logits, const at::Tensor& top_k) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
-              logits.is_contiguous(), "top_k_mask_: float32 [N, V] contiguous logits");
+  check_logits(logits, "top_k_mask_");
   TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.dim() == 1 && top_k.size(0) == logits.size(0) &&
               top_k.is_contiguous(), "top_k_mask_: top_k int64 [N]");
   const int64_t N = logits.size(0), V = logits.size(1);
@@ -297,18 +301,11 @@ void top_k_mask_(const at::Tensor& logits, const at::Tensor& top_k) {
   for (int64_t r = 0; r < N; ++r) TORCH_CHECK(kp[r] >= 0, "top_k_mask_: top_k must be >= 0");
   float* x = logits.data_ptr<float>();
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-    using namespace kvserve_cpu;
     std::vector<float> vals, tops;
     for (int64_t r = begin; r < end; ++r) {
       if (kp[r] == 0) continue;
       float* xr = x + r * V;
-      const float threshold = top_k_threshold(xr, V, std::min(kp[r], V), vals, tops);
-      const Vec16 thr = broadcast(threshold), masked = broadcast(-std::numeric_limits<float>::infinity());
-      for (int64_t i = 0; i < V; i += 16) {
-        const int64_t lanes = std::min<int64_t>(16, V - i);
-        const Vec16 v = load(xr + i, lanes);
-        store(xr + i, select_less(v, thr, masked, v), lanes);
-      }
+      mask_below(xr, xr, V, top_k_threshold(xr, V, std::min(kp[r], V), vals, tops));  // the logits themselves
     }
   });
 }
@@ -323,7 +320,6 @@ void min_p_mask_(const at::Tensor& logits, const at::Tensor& probs, const at::Te
   const float* p = probs.data_ptr<float>();
   const float* mp = min_p.data_ptr<float>();
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-    using namespace kvserve_cpu;
     for (int64_t r = begin; r < end; ++r) {
       const float* pr = p + r * V;
       // The row's largest probability; amax propagates a NaN, and so does this (then nothing compares below).
@@ -347,8 +343,7 @@ void min_p_mask_(const at::Tensor& logits, const at::Tensor& probs, const at::Te
 void apply_penalties_(const at::Tensor& logits, const at::Tensor& prompt_ids, const at::Tensor& prompt_offsets,
                       const at::Tensor& output_ids, const at::Tensor& output_offsets, const at::Tensor& repetition,
                       const at::Tensor& presence, const at::Tensor& frequency, bool use_repetition, bool use_counts) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
-              logits.is_contiguous(), "apply_penalties_: float32 [N, V] contiguous logits");
+  check_logits(logits, "apply_penalties_");
   const int64_t N = logits.size(0), V = logits.size(1);
   for (const at::Tensor* t : {&prompt_ids, &prompt_offsets, &output_ids, &output_offsets})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
