@@ -14,7 +14,14 @@
 // step's 5 rows together measured slower: 3 items on 2 threads instead of 15, and their K/V were in cache.
 // So did converting the keys all its rows see to float32 once, into an L1 chunk every row read, with the run
 // split for the threads: 0.79-0.93x for 5-17 rows over 400 or 2,000 bfloat16 keys, 2 threads, the Intel Xeon;
-// through that chunk one row alone ran 0.73x. These loops are not bound by the conversion.)
+// through that chunk one row alone ran 0.73x. Reading a row's bfloat16 values as pairs instead, even and odd
+// lanes widened by a shift and a mask, queries read and outputs stored in that order, ran 2-9 rows over 400-1000
+// keys 1.06-1.11x as fast and one row 1.02-1.04x: ~0.25 ms of a ~9 ms 9-row step. Not kept (git 3d6f6a1,
+// reverted): each lane then adds its products in another order, which flipped the default model's near-tie
+// greedy choices, and on the speculative benchmark's prompts the new outputs drafted worse (summaries'
+// acceptance 54% where it was 64%; one copy request wandered for 158 tokens where it had stopped at 26). The
+// one-stream ratios moved with the outputs (copies 1.90 -> 1.79x, summaries 1.38 -> 1.24x) by far more than
+// the step saved, so no gain could be shown end to end.)
 //
 // Registered as torch.ops.<KVSERVE_NS>.paged_attention_ (in place on `out`). Scores and softmax are float32
 // whatever the cache dtype (bfloat16 or float32).
@@ -83,51 +90,6 @@ struct RowCursor {
   }
 };
 
-// A bfloat16 cache's K and V rows are read 32 values at a time as two vectors, the values at even places and
-// those at odd ones (vec.h's load_pairs): a shift and a mask per 16 values where load16 took a shuffle and a
-// shift. Queries are read in the same order and outputs put back in order, once per row and head, so only the
-// order in which each lane sums its products changes. 2 to 9 rows of a sequence over 400-1000 keys ran
-// 1.06-1.11x as fast, one row 1.02-1.04x, and as fast as before over 16-100 keys (30 layers of the default
-// model's geometry, Intel Xeon, AVX-512, 2 threads). Rows of 16 values (kC = 1), float32 and float8 caches
-// are read in order.
-template <typename C, int kC>
-constexpr bool kPairs = std::is_same_v<C, c10::BFloat16> && kC % 2 == 0;
-
-// Vectors [c0, c0 + n) of a cache row (n even where kPairs).
-template <typename C, int kC>
-inline void load_row(const C* row, Vec16* out, int c0, int n) {
-  if constexpr (kPairs<C, kC>) {
-    for (int c = 0; c < n; c += 2) load_pairs(row + (c0 + c) * 16, out[c], out[c + 1]);
-  } else {
-    for (int c = 0; c < n; ++c) out[c] = load16(row + (c0 + c) * 16);
-  }
-}
-
-// A query's kC vectors, in the order its keys are read.
-template <typename C, int kC, typename T>
-inline void load_query(const T* q, Vec16* out) {
-  if constexpr (kPairs<C, kC>) {
-    for (int c = 0; c < kC; c += 2) load_pairs(q + c * 16, out[c], out[c + 1]);
-  } else {
-    for (int c = 0; c < kC; ++c) out[c] = load16(q + c * 16);
-  }
-}
-
-// Output vectors [c0, c0 + n) of a row, in the order load_row read them, to their places in out.
-template <typename C, int kC, typename T>
-inline void store_row(T* out, const Vec16* v, int c0, int n) {
-  if constexpr (kPairs<C, kC>) {
-    for (int c = 0; c < n; c += 2) {
-      Vec16 first, second;
-      interleave_pairs(v[c], v[c + 1], first, second);
-      store(out + (c0 + c) * 16, first, 16);
-      store(out + (c0 + c) * 16 + 16, second, 16);
-    }
-  } else {
-    for (int c = 0; c < n; ++c) store(out + (c0 + c) * 16, v[c], 16);
-  }
-}
-
 // s[h][t] = q_h . k_(first + t) for kN heads (q: their kC vectors each, already scaled) over the keys
 // [first, first + n), sixteen keys at a time; s holds their kN rows of scores, ld apart.
 template <typename C, int kC, int kN>
@@ -144,7 +106,7 @@ void score_keys(const Vec16 (*q)[kC], const C* k_cache, const int64_t* table, in
     for (int64_t j = 0; j < m; ++j, k.advance()) {
       k.prefetch_next_block();
       Vec16 kv[kC];
-      load_row<C, kC>(k.row, kv, 0, kC);
+      for (int c = 0; c < kC; ++c) kv[c] = load16(k.row + c * 16);
       for (int h = 0; h < kN; ++h) {
         Vec16 acc = qr[h][0] * kv[0];
         for (int c = 1; c < kC; ++c) acc = fmadd(qr[h][c], kv[c], acc);
@@ -186,21 +148,17 @@ void accumulate_pv(const C* v_cache, const int64_t* table, int64_t head_base, in
     for (int64_t t = 0; t < n; ++t, v.advance()) {
       if (c0 == 0) v.prefetch_next_block();  // later passes find the rows in cache
       Vec16 vv[kW];
-      load_row<C, kC>(v.row, vv, c0, kW);
+      for (int c = 0; c < kW; ++c) vv[c] = load16(v.row + (c0 + c) * 16);
       for (int h = 0; h < kN; ++h) {
         const Vec16 w = broadcast(p[h * ld + t]);
         for (int c = 0; c < kW; ++c) acc[h][c] = fmadd(w, vv[c], acc[h][c]);
       }
     }
-    for (int h = 0; h < kN; ++h) {
-      if (out != nullptr) {
-        Vec16 scaled[kW];
-        for (int c = 0; c < kW; ++c) scaled[c] = acc[h][c] * broadcast(inv_sum[h]);
-        store_row<C, kC>(out + h * D, scaled, c0, kW);
-      } else {  // the accumulators as they are, for the row's next keys
-        for (int c = 0; c < kW; ++c) store(acc_io + h * D + (c0 + c) * 16, acc[h][c], 16);
+    for (int h = 0; h < kN; ++h)
+      for (int c = 0; c < kW; ++c) {
+        if (out != nullptr) store(out + h * D + (c0 + c) * 16, acc[h][c] * broadcast(inv_sum[h]), 16);
+        else store(acc_io + h * D + (c0 + c) * 16, acc[h][c], 16);
       }
-    }
   }
 }
 
@@ -265,10 +223,8 @@ void attend_rows(const RowRef<T>* rows, int64_t R, const C* k_cache, const C* v_
   for_each_range([&](int64_t r, int64_t b0, int64_t m, int64_t last_at, bool) {
     const RowRef<T>& row = rows[r];
     Vec16 qv[kMaxGroup][kC];
-    for (int64_t g = 0; g < G; ++g) {
-      load_query<C, kC>(row.q + g * D, qv[g]);
-      for (int c = 0; c < kC; ++c) qv[g][c] = qv[g][c] * broadcast(scale);
-    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int c = 0; c < kC; ++c) qv[g][c] = load16(row.q + g * D + c * 16) * broadcast(scale);
     float* s = scores.data() + r * G * ld + b0;
     int64_t g0 = 0;
     for (; g0 + kBlock <= G; g0 += kBlock)

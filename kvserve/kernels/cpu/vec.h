@@ -13,7 +13,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <utility>
 
 #ifndef KVSERVE_NS
 #error "KVSERVE_NS (the torch.ops namespace of this build, e.g. kvserve_avx2) must be defined"
@@ -72,26 +71,6 @@ inline Vec16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline Vec16 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
-}
-// 32 values as two vectors, lane i of `even` holding value 2i and of `odd` value 2i + 1 (paged_attention.cpp
-// says why), and back in order. bfloat16: each 32-bit lane already holds a pair, so a shift and a mask
-// widen them, where load16 takes a zero-extension across lanes (a shuffle) and a shift per 16 values.
-inline void load_pairs(const c10::BFloat16* p, Vec16& even, Vec16& odd) {
-  const __m512i x = _mm512_loadu_si512(p);
-  even = {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16))};
-  odd = {_mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
-}
-inline void load_pairs(const float* p, Vec16& even, Vec16& odd) {
-  const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
-  const __m512i e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  even = {_mm512_permutex2var_ps(a, e, b)};
-  odd = {_mm512_permutex2var_ps(a, _mm512_add_epi32(e, _mm512_set1_epi32(1)), b)};
-}
-// even, odd as load_pairs reads them -> values 0-15 in `first`, 16-31 in `second`.
-inline void interleave_pairs(Vec16 even, Vec16 odd, Vec16& first, Vec16& second) {
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  first = {_mm512_permutex2var_ps(even.v, lo, odd.v)};
-  second = {_mm512_permutex2var_ps(even.v, _mm512_add_epi32(lo, _mm512_set1_epi32(8)), odd.v)};
 }
 // float8 e4m3 (KV cache) through float16: e4m3's 7 exponent/mantissa bits shifted into f16's places give an
 // f16 2^8 times too small (e4m3 subnormals become f16 subnormals, which the hardware converts exactly and
@@ -197,37 +176,6 @@ inline float reduce_max(Vec16 a) {
 
 inline Vec16 load16(const float* p) { return {load8(p), load8(p + 8)}; }
 inline Vec16 load16(const c10::BFloat16* p) { return {load8(p), load8(p + 8)}; }
-// As in the AVX-512 branch: lane i of `even` holds value 2i of the 32, of `odd` value 2i + 1.
-inline void load_pairs(const c10::BFloat16* p, Vec16& even, Vec16& odd) {
-  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
-  const __m256i top = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  even = {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
-  odd = {_mm256_castsi256_ps(_mm256_and_si256(lo, top)), _mm256_castsi256_ps(_mm256_and_si256(hi, top))};
-}
-inline void load_pairs(const float* p, Vec16& even, Vec16& odd) {
-  // shuffle_ps takes values 0, 2 (1, 3) of each 128-bit half of two vectors; the permute puts the halves in order.
-  auto part = [&](int i) {
-    const __m256 a = _mm256_loadu_ps(p + 16 * i), b = _mm256_loadu_ps(p + 16 * i + 8);
-    auto order = [](__m256 x) {
-      return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), _MM_SHUFFLE(3, 1, 2, 0)));
-    };
-    return std::pair{order(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0))),
-                     order(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)))};
-  };
-  const auto [e0, o0] = part(0);
-  const auto [e1, o1] = part(1);
-  even = {e0, e1};
-  odd = {o0, o1};
-}
-inline void interleave_pairs(Vec16 even, Vec16 odd, Vec16& first, Vec16& second) {
-  auto part = [](__m256 e, __m256 o) {  // e0 o0 e1 o1 | e4 o4 e5 o5 and e2 o2 e3 o3 | e6 o6 e7 o7
-    const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);
-    return Vec16{_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)};
-  };
-  first = part(even.lo, odd.lo);
-  second = part(even.hi, odd.hi);
-}
 // float8 e4m3 (KV cache) through float16, as in the AVX-512 branch: bits into f16's places, then x 2^8.
 inline Vec16 load16(const c10::Float8_e4m3fn* p) {
   const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
