@@ -47,7 +47,8 @@ constexpr int64_t kMaxActRows = 6;
 // rows, so a verification step of 5-8 rows paid for a second pass. The default model's 120 projections on the
 // Intel Xeon, before / after (benchmarks/verify_rows.py): 5 rows 3.20 / 2.80-3.07 ms, 6 rows 3.78 / 3.38-3.42,
 // 7 rows 4.16 / 3.71-3.76, 8 rows 4.58 / 4.20-4.25 (4 rows 2.42-2.64 either way). Nine in one pass measured no
-// better than 4 + 5 (their accumulators no longer fit the registers).
+// better than 4 + 5 (their accumulators no longer fit the registers), and with two chains 0.95x against 6 + 3;
+// passes balanced to at most eight (5 + 4) measured the same as these.
 constexpr int64_t kLastPassRows = 8;
 #else
 constexpr int64_t kMaxActRows = 3;           // AVX2 (measured: 2 and 4 no better; 4 runs out of registers)
