@@ -1,7 +1,7 @@
 """The native paged-attention kernel (kvserve/kernels/cpu) against attention computed in float64 from each
 sequence's K/V gathered by hand: scattered block tables, partial blocks at both ends, GQA, sliding
-windows, several rows of one sequence (a prefill chunk's causal rows), and rows of the flat batch that
-it must leave alone. Every test runs once per ISA variant this CPU can run (the others skip)."""
+windows, several rows of one sequence (a prefill chunk's causal rows, a verification step's), and rows of
+the flat batch that it must leave alone. Every test runs once per ISA variant this CPU can run (the others skip)."""
 from __future__ import annotations
 
 import pytest
@@ -59,6 +59,58 @@ def test_long_chunk_rows_computed_together_give_each_rows_own_bits(isa, dtype, c
     expected = reference(q, k_cache, v_cache, tables, row_seq, row_len, 0.125, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(together.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.bfloat16, torch.float8_e4m3fn)],
+                         ids=["f32", "bf16", "bf16_fp8cache"])
+@pytest.mark.parametrize("D,H,Hkv,window", [(64, 9, 3, 0), (16, 8, 2, 0), (32, 6, 3, 0), (128, 8, 2, 0),
+                                            (64, 9, 3, 50), (256, 4, 1, 0)])
+def test_verification_rows_computed_in_pairs_give_each_rows_own_bits(isa, dtype, cache_dtype, D, H, Hkv, window):
+    """A verification step's rows (a run of 3 to 31 rows of one sequence) go two at a time, sharing the keys both
+    see: every row must compute what it computes alone, bit for bit, whatever the run's length, with tree
+    alternatives stored past their position (row_last), contexts shorter than one chunk of keys, and a window;
+    and match float64 attention."""
+    ops = native_ops(isa)
+    g = torch.Generator().manual_seed(D + H + window)
+    bs, NB = 16, 64
+    k_cache = torch.randn(Hkv, NB, bs, D, generator=g).to(cache_dtype or dtype)
+    v_cache = torch.randn(Hkv, NB, bs, D, generator=g).to(cache_dtype or dtype)
+    perm = torch.randperm(NB, generator=g).tolist()
+    tables = [perm[:20], perm[20:40], perm[40:60]]  # three sequences of up to 320 tokens, blocks scattered
+    # Runs of 3, 4, 2 (not paired), 5 and 9 rows at contexts from 10 to 300, one with alternatives: a chain of
+    # three at 201..203, then two alternatives to its first token at position 201, stored at 204 and 205.
+    runs = [(0, 298, 3), (1, 40, 4), (2, 100, 2), (0, 12, 5), (1, 150, 9)]
+    row_seq, row_len, row_last = [], [], []
+    for s, start, n in runs:
+        row_seq += [s] * n
+        row_len += list(range(start, start + n))
+        row_last += list(range(start - 1, start + n - 1))
+    row_seq += [2] * 5
+    row_len += [201, 202, 203, 202, 202]
+    row_last += [200, 201, 202, 204, 205]
+    T = len(row_seq)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    tokens = torch.arange(T)
+    args = (torch.tensor(row_seq), torch.tensor(row_len), torch.tensor(tables), 0.125, window, 1.0, 1.0,
+            torch.tensor(row_last))
+    together = torch.empty_like(q)
+    ops.paged_attention_(q, together, k_cache, v_cache, tokens, *args)
+    alone = torch.empty_like(q)
+    for r in range(T):
+        ops.paged_attention_(q, alone, k_cache, v_cache, tokens[r:r + 1], torch.tensor(row_seq[r:r + 1]),
+                             torch.tensor(row_len[r:r + 1]), *args[2:7], torch.tensor(row_last[r:r + 1]))
+    assert torch.equal(together, alone)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for r in range(T):
+        n, last, s = row_len[r], row_last[r], row_seq[r]
+        first = max(0, n - window) if window else 0
+        slots = [tables[s][t // bs] * bs + t % bs for t in list(range(first, n - 1)) + [last]]
+        k = k_cache.double().view(Hkv, -1, D)[:, slots]
+        v = v_cache.double().view(Hkv, -1, D)[:, slots]
+        p = torch.softmax(q[r].double().view(Hkv, H // Hkv, D) @ k.transpose(1, 2) * 0.125, dim=-1)
+        torch.testing.assert_close(together[r].double(), (p @ v).reshape(H, D), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("isa", ISAS)

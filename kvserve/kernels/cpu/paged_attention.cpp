@@ -10,9 +10,10 @@
 // ~35 GFLOP/s. Here each (row, KV head) reads its K and V once, with no copy and no padding, and the G
 // query heads sharing the KV head reuse each converted K/V row from registers. A prefill sequence's
 // K/V is re-read by each of its rows: from cache for short contexts (64 KB per head for 256 bfloat16
-// tokens); past that, a long chunk's rows share each block of keys (attend_rows). (Taking a verification
-// step's 5 rows together measured slower: 3 items on 2 threads instead of 15, and their K/V were in cache.
-// So did converting the keys all its rows see to float32 once, into an L1 chunk every row read, with the run
+// tokens); past that, a long chunk's rows share each block of keys (attend_rows). A verification step's rows
+// go two at a time, each K/V row widened once for both (attend_pair). (Taking its 5 rows together measured
+// slower: 3 items on 2 threads instead of 15, and their K/V were in cache. So did converting the keys all its
+// rows see to float32 once, into an L1 chunk every row read, with the run
 // split for the threads: 0.79-0.93x for 5-17 rows over 400 or 2,000 bfloat16 keys, 2 threads, the Intel Xeon;
 // through that chunk one row alone ran 0.73x. Reading a row's bfloat16 values as pairs instead, even and odd
 // lanes widened by a shift and a mask, queries read and outputs stored in that order, ran 2-9 rows over 400-1000
@@ -55,6 +56,10 @@ constexpr int64_t kGroupRows = 16;
 constexpr int64_t kGroupMinKeys = 512;
 constexpr int64_t kKeyBlock = 256;  // a multiple of kChunk
 constexpr int64_t kMinRunRows = 32;
+// Shorter runs (a verification step's rows) go two rows at a time from kPairFromRows rows up (attend_pair), for
+// heads up to 128 wide (Gemma 3's 256-wide rows already spill one row's vectors to the stack).
+constexpr int64_t kPairFromRows = 3;
+template <int kC> constexpr bool kPairs = kC <= 8;
 
 template <typename T, int64_t D>
 inline void prefetch_row(const T* row) {
@@ -90,11 +95,12 @@ struct RowCursor {
   }
 };
 
-// s[h][t] = q_h . k_(first + t) for kN heads (q: their kC vectors each, already scaled) over the keys
-// [first, first + n), sixteen keys at a time; s holds their kN rows of scores, ld apart.
+// s[i][t] = q_i . k_(first + t) for kN query vectors over the keys [first, first + n), sixteen keys at a time:
+// q[i] is one query head's kC vectors, already scaled (heads of one row, or of two rows that both see these
+// keys: attend_pair); s[i] is its row of scores. A key's products and sums do not depend on the others here.
 template <typename C, int kC, int kN>
-void score_keys(const Vec16 (*q)[kC], const C* k_cache, const int64_t* table, int64_t head_base, int64_t bs,
-                int64_t first, int64_t n, int64_t last_at, float* s, int64_t ld) {
+void score_keys(const Vec16* const* q, const C* k_cache, const int64_t* table, int64_t head_base, int64_t bs,
+                int64_t first, int64_t n, int64_t last_at, float* const* s) {
   constexpr int64_t D = kC * 16;
   Vec16 qr[kN][kC];  // copied in so that they live in registers
   for (int h = 0; h < kN; ++h)
@@ -115,16 +121,17 @@ void score_keys(const Vec16 (*q)[kC], const C* k_cache, const int64_t* table, in
     }
     for (int h = 0; h < kN; ++h) {
       for (int64_t j = m; j < kChunk; ++j) part[h][j] = zero();
-      store(s + h * ld + t0, sum_each16(part[h]), m);
+      store(s[h] + t0, sum_each16(part[h]), m);
     }
   }
 }
 
-// out[h] = inv_sum[h] * sum_t p[h][t] v_(first + t) for kN heads (out: their D-wide rows, contiguous) over
-// the keys [first, first + n); p holds their kN rows of n weights. With AVX2, heads wider than 64 are taken
-// 64 lanes (four vectors) at a time, one pass over the keys each: a whole 256-wide row's accumulators and
-// V vectors needed 64 of AVX2's sixteen registers. The same bits; for Gemma 3's heads (Zen 3, 2 threads,
-// 18 layers' caches in turn) 1.12x at one decode row of 512 tokens and 1.16x for a 256-row prefill chunk.
+// out[i] = inv_sum[i] * sum_t p[i][t] v_(first + t) for kN query vectors (out[i], D wide; heads of one row or of
+// two, as score_keys) over the keys [first, first + n); p[i] is vector i's n weights. With AVX2, heads wider
+// than 64 are taken 64 lanes (four vectors) at a time, one pass over the keys each: a whole 256-wide row's
+// accumulators and V vectors needed 64 of AVX2's sixteen registers. The same bits; for Gemma 3's heads (Zen 3,
+// 2 threads, 18 layers' caches in turn) 1.12x at one decode row of 512 tokens and 1.16x for a 256-row prefill
+// chunk.
 // Narrower passes for 64-wide heads (two vectors of three heads) measured 0.93-0.95x at one decode row.
 #ifdef KVSERVE_VEC_AVX512
 template <int kC> constexpr int kPvWidth = kC;
@@ -133,31 +140,31 @@ template <int kC> constexpr int kPvWidth = kC < 4 ? kC : 4;
 #endif
 template <typename T, typename C, int kC, int kN>
 void accumulate_pv(const C* v_cache, const int64_t* table, int64_t head_base, int64_t bs, int64_t first, int64_t n,
-                   int64_t last_at, const float* p, int64_t ld, float* acc_io, bool fresh, T* out,
+                   int64_t last_at, const float* const* p, float* const* acc_io, bool fresh, T* const* out,
                    const float* inv_sum) {
-  // Adds p[h][t] v_(first + t) in key order to the accumulators: zero if fresh, else acc_io's. Then, given out,
-  // out[h] = inv_sum[h] * acc[h]; else acc_io keeps them for the next keys. The same multiply-adds on the same
+  // Adds p[i][t] v_(first + t) in key order to the accumulators: zero if fresh, else acc_io's. Then, given out,
+  // out[i] = inv_sum[i] * acc[i]; else acc_io keeps them for the next keys. The same multiply-adds on the same
   // values whether a row's keys come in one call or in consecutive ranges (attend_rows), so the same bits.
   constexpr int64_t D = kC * 16;
   constexpr int kW = kPvWidth<kC>;
   for (int c0 = 0; c0 < kC; c0 += kW) {
     Vec16 acc[kN][kW];
     for (int h = 0; h < kN; ++h)
-      for (int c = 0; c < kW; ++c) acc[h][c] = fresh ? zero() : load16(acc_io + h * D + (c0 + c) * 16);
+      for (int c = 0; c < kW; ++c) acc[h][c] = fresh ? zero() : load16(acc_io[h] + (c0 + c) * 16);
     RowCursor<C, D> v(v_cache, table, head_base, bs, first, first + n, last_at);
     for (int64_t t = 0; t < n; ++t, v.advance()) {
       if (c0 == 0) v.prefetch_next_block();  // later passes find the rows in cache
       Vec16 vv[kW];
       for (int c = 0; c < kW; ++c) vv[c] = load16(v.row + (c0 + c) * 16);
       for (int h = 0; h < kN; ++h) {
-        const Vec16 w = broadcast(p[h * ld + t]);
+        const Vec16 w = broadcast(p[h][t]);
         for (int c = 0; c < kW; ++c) acc[h][c] = fmadd(w, vv[c], acc[h][c]);
       }
     }
     for (int h = 0; h < kN; ++h)
       for (int c = 0; c < kW; ++c) {
-        if (out != nullptr) store(out + h * D + (c0 + c) * 16, acc[h][c] * broadcast(inv_sum[h]), 16);
-        else store(acc_io + h * D + (c0 + c) * 16, acc[h][c], 16);
+        if (out != nullptr) store(out[h] + (c0 + c) * 16, acc[h][c] * broadcast(inv_sum[h]), 16);
+        else store(acc_io[h] + (c0 + c) * 16, acc[h][c], 16);
       }
   }
 }
@@ -186,22 +193,109 @@ struct RowRef {
   int64_t first, len, last_at;  // visible keys [first, len); key len - 1 stored at last_at
 };
 
+// Calls f(std::integral_constant<int, n>{}, g0) for the query heads [g0, g0 + n) of a KV head's G: blocks of kB,
+// then the rest one at a time. A count known at compile time: indexed by a run-time count, queries and
+// accumulators stayed in memory, a load (and in pass 2 a store) around every multiply-add.
+template <int kB, typename F>
+inline void for_head_blocks(int64_t G, F&& f) {
+  int64_t g0 = 0;
+  for (; g0 + kB <= G; g0 += kB) f(std::integral_constant<int, kB>{}, g0);
+  for (; g0 < G; ++g0) f(std::integral_constant<int, 1>{}, g0);
+}
+
+// Query heads per score_keys / accumulate_pv call for one row: kC = D / 16 vectors per K/V row, fixed at compile
+// time so a row lives in registers beside its heads' queries.
+template <int kC> constexpr int kHeadBlock = kC <= 4 ? 12 / kC : 1;
+
+// Two rows of one sequence that see the same first key (a verification step's), one KV head. Over the keys both
+// see, [first, shared), each K and V row is loaded and widened once for both rows' query heads; each row's own
+// last keys [shared, len) then go as a single row's do, and accumulate_pv goes on from the shared part's sums.
+// Per row the same operations in the same order as attend_rows alone, so the same bits.
+// Why: a K/V row's widening from bfloat16 is a quarter of the work per key and query head. With the default
+// model's geometry (30 layers' bfloat16 caches, 2 threads, Intel Xeon), 3-9 rows over 100-2000 keys ran
+// 1.04-1.28x as fast with AVX-512 and 1.11-1.26x with AVX2 over 400-1000 (where a pair's vectors spill to the
+// stack). Two rows alone are not paired: their 3 KV heads as 3 items left one of 2 threads idle a third of the
+// time, as fast as 6 items of one row (1.00-1.03x).
+template <typename T, typename C, int kC>
+void attend_pair(const RowRef<T>* rows, const C* k_cache, const C* v_cache, const int64_t* table, int64_t head_base,
+                 int64_t bs, int64_t G, float scale, float v_scale, std::vector<float>& scores,
+                 std::vector<float>& accs) {
+  constexpr int64_t D = kC * 16;
+  const int64_t first = rows[0].first, shared = std::min(rows[0].len, rows[1].len) - 1, n = shared - first;
+  const int64_t ld = std::max(rows[0].len, rows[1].len) - first;
+  scores.resize(static_cast<size_t>(2 * G * ld));
+  accs.resize(static_cast<size_t>(2 * G * D));
+  Vec16 qv[2][kMaxGroup][kC];
+  for (int r = 0; r < 2; ++r)
+    for (int64_t g = 0; g < G; ++g)
+      for (int c = 0; c < kC; ++c) qv[r][g][c] = load16(rows[r].q + g * D + c * 16) * broadcast(scale);
+  auto s_row = [&](int r, int64_t g) { return scores.data() + (r * G + g) * ld; };
+  auto acc_row = [&](int r, int64_t g) { return accs.data() + (r * G + g) * D; };
+
+  // Both rows' scores over the shared keys (the last of them in place: each row's len - 1 is past it).
+  for_head_blocks<kHeadBlock<kC>>(G, [&](auto heads, int64_t g0) {
+    constexpr int kN = decltype(heads)::value;
+    const Vec16* q[2 * kN];
+    float* s[2 * kN];
+    for (int r = 0; r < 2; ++r)
+      for (int j = 0; j < kN; ++j) q[r * kN + j] = qv[r][g0 + j], s[r * kN + j] = s_row(r, g0 + j);
+    score_keys<C, kC, 2 * kN>(q, k_cache, table, head_base, bs, first, n, shared - 1, s);
+  });
+  // Each row's own keys, then its softmax.
+  float inv_sum[2][kMaxGroup];
+  for (int r = 0; r < 2; ++r) {
+    const RowRef<T>& row = rows[r];
+    for_head_blocks<kHeadBlock<kC>>(G, [&](auto heads, int64_t g0) {
+      constexpr int kN = decltype(heads)::value;
+      const Vec16* q[kN];
+      float* s[kN];
+      for (int j = 0; j < kN; ++j) q[j] = qv[r][g0 + j], s[j] = s_row(r, g0 + j) + n;
+      score_keys<C, kC, kN>(q, k_cache, table, head_base, bs, shared, row.len - shared, row.last_at, s);
+    });
+    softmax_rows(s_row(r, 0), ld, row.len - first, G, v_scale, inv_sum[r]);
+  }
+  // P @ V over the shared keys for both rows, kept in accs; then each row's own keys, into its output.
+  for_head_blocks<kHeadBlock<kC>>(G, [&](auto heads, int64_t g0) {
+    constexpr int kN = decltype(heads)::value;
+    const float* p[2 * kN];
+    float* acc[2 * kN];
+    for (int r = 0; r < 2; ++r)
+      for (int j = 0; j < kN; ++j) p[r * kN + j] = s_row(r, g0 + j), acc[r * kN + j] = acc_row(r, g0 + j);
+    accumulate_pv<T, C, kC, 2 * kN>(v_cache, table, head_base, bs, first, n, shared - 1, p, acc, true, nullptr,
+                                    nullptr);
+  });
+  for (int r = 0; r < 2; ++r) {
+    const RowRef<T>& row = rows[r];
+    for_head_blocks<kHeadBlock<kC>>(G, [&](auto heads, int64_t g0) {
+      constexpr int kN = decltype(heads)::value;
+      const float* p[kN];
+      float* acc[kN];
+      T* out[kN];
+      for (int j = 0; j < kN; ++j)
+        p[j] = s_row(r, g0 + j) + n, acc[j] = acc_row(r, g0 + j), out[j] = row.out + (g0 + j) * D;
+      accumulate_pv<T, C, kC, kN>(v_cache, table, head_base, bs, shared, row.len - shared, row.last_at, p, acc, false,
+                                  out, inv_sum[r] + g0);
+    });
+  }
+}
+
 // Rows of one sequence, one KV head: for each row, scores for the G query heads over its visible keys,
 // softmax, then P @ V. A single row takes its keys in one range; several rows take them kKeyBlock at a time,
 // each row in turn over the same block, so that a long context's K and V come from L1/L2 once per block and
 // rows instead of from L3 or DRAM once per row. Every row's arithmetic is the same either way (blocks are
 // multiples of score_keys' 16 keys, and accumulate_pv adds in key order), so its bits do not depend on
-// which rows share its call.
-// Heads are taken kBlock at a time, a count known at compile time: indexed by a run-time count, queries
-// and accumulators stayed in memory, a load (and in pass 2 a store) around every multiply-add.
-// kC = D / 16 vectors per K/V row, fixed at compile time so a row lives in registers.
+// which rows share its call. Two rows of a verification step go together (attend_pair).
 // The cache (C) holds q's dtype, or float8 e4m3 holding K / k_scale and V / v_scale.
 template <typename T, typename C, int kC>
 void attend_rows(const RowRef<T>* rows, int64_t R, const C* k_cache, const C* v_cache, const int64_t* table,
                  int64_t head_base, int64_t bs, int64_t G, float scale, float v_scale, std::vector<float>& scores,
                  std::vector<float>& accs) {
   constexpr int64_t D = kC * 16;
-  constexpr int64_t kBlock = kC <= 4 ? 12 / kC : 1;
+  if constexpr (kPairs<kC>) {
+    if (R == 2 && rows[0].first == rows[1].first &&
+        std::min(rows[0].len, rows[1].len) - 1 - rows[0].first >= kChunk)
+      return attend_pair<T, C, kC>(rows, k_cache, v_cache, table, head_base, bs, G, scale, v_scale, scores, accs);
+  }
   int64_t ld = 0;  // the longest row's visible keys: each row's scores are G rows this far apart
   for (int64_t r = 0; r < R; ++r) ld = std::max(ld, rows[r].len - rows[r].first);
   const int64_t step = R == 1 ? ld : kKeyBlock;
@@ -225,12 +319,13 @@ void attend_rows(const RowRef<T>* rows, int64_t R, const C* k_cache, const C* v_
     Vec16 qv[kMaxGroup][kC];
     for (int64_t g = 0; g < G; ++g)
       for (int c = 0; c < kC; ++c) qv[g][c] = load16(row.q + g * D + c * 16) * broadcast(scale);
-    float* s = scores.data() + r * G * ld + b0;
-    int64_t g0 = 0;
-    for (; g0 + kBlock <= G; g0 += kBlock)
-      score_keys<C, kC, kBlock>(qv + g0, k_cache, table, head_base, bs, row.first + b0, m, last_at, s + g0 * ld, ld);
-    for (; g0 < G; ++g0)
-      score_keys<C, kC, 1>(qv + g0, k_cache, table, head_base, bs, row.first + b0, m, last_at, s + g0 * ld, ld);
+    for_head_blocks<kHeadBlock<kC>>(G, [&](auto heads, int64_t g0) {
+      constexpr int kN = decltype(heads)::value;
+      const Vec16* q[kN];
+      float* s[kN];
+      for (int j = 0; j < kN; ++j) q[j] = qv[g0 + j], s[j] = scores.data() + (r * G + g0 + j) * ld + b0;
+      score_keys<C, kC, kN>(q, k_cache, table, head_base, bs, row.first + b0, m, last_at, s);
+    });
   });
 
   // Softmax over each head's scores, in place; inv_sum is applied to the output at the end.
@@ -241,18 +336,19 @@ void attend_rows(const RowRef<T>* rows, int64_t R, const C* k_cache, const C* v_
   // Pass 2: out_g = inv_sum[g] * sum_t p[g][t] v_t (a single row keeps its accumulators in registers).
   if (R > 1) accs.resize(static_cast<size_t>(R * G * D));
   for_each_range([&](int64_t r, int64_t b0, int64_t m, int64_t last_at, bool last_range) {
-    const int64_t first = rows[r].first + b0;
-    const float* p = scores.data() + r * G * ld + b0;
-    float* acc = R > 1 ? accs.data() + r * G * D : nullptr;
-    T* out = last_range ? rows[r].out : nullptr;
-    int64_t g0 = 0;
-    for (; g0 + kBlock <= G; g0 += kBlock)
-      accumulate_pv<T, C, kC, kBlock>(v_cache, table, head_base, bs, first, m, last_at, p + g0 * ld, ld,
-                                      acc ? acc + g0 * D : nullptr, b0 == 0, out ? out + g0 * D : nullptr,
-                                      inv_sum[r] + g0);
-    for (; g0 < G; ++g0)
-      accumulate_pv<T, C, kC, 1>(v_cache, table, head_base, bs, first, m, last_at, p + g0 * ld, ld,
-                                 acc ? acc + g0 * D : nullptr, b0 == 0, out ? out + g0 * D : nullptr, inv_sum[r] + g0);
+    for_head_blocks<kHeadBlock<kC>>(G, [&](auto heads, int64_t g0) {
+      constexpr int kN = decltype(heads)::value;
+      const float* p[kN];
+      float* acc[kN];
+      T* out[kN];
+      for (int j = 0; j < kN; ++j) {
+        p[j] = scores.data() + (r * G + g0 + j) * ld + b0;
+        acc[j] = R > 1 ? accs.data() + (r * G + g0 + j) * D : nullptr;
+        out[j] = rows[r].out + (g0 + j) * D;
+      }
+      accumulate_pv<T, C, kC, kN>(v_cache, table, head_base, bs, rows[r].first + b0, m, last_at, p, acc, b0 == 0,
+                                  last_range ? out : nullptr, inv_sum[r] + g0);
+    });
   });
 }
 
@@ -277,7 +373,8 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   constexpr int64_t D = kC * 16;
   // Row groups: in a run of at least kMinRunRows consecutive rows of one sequence (a prompt chunk, not a
-  // verification step), rows that see kGroupMinKeys keys or more, up to kGroupRows a group.
+  // verification step), rows that see kGroupMinKeys keys or more, up to kGroupRows a group; in a shorter run of
+  // kPairFromRows or more (a verification step), pairs of rows.
   auto visible = [&](int64_t r) {
     return window > 0 ? std::min<int64_t>(rows.len[r], window) : rows.len[r];
   };
@@ -288,8 +385,10 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
     }
     for (int64_t r = run; r < end; ++r) {
       const int64_t g = group_start.empty() ? -1 : group_start.back();
-      const bool joins = end - run >= kMinRunRows && g >= run && r - g < kGroupRows &&
-                         visible(r) >= kGroupMinKeys && visible(g) >= kGroupMinKeys;
+      const bool joins =
+          end - run >= kMinRunRows
+              ? g >= run && r - g < kGroupRows && visible(r) >= kGroupMinKeys && visible(g) >= kGroupMinKeys
+              : kPairs<kC> && window <= 0 && end - run >= kPairFromRows && (r - run) % 2 == 1;
       if (!joins) group_start.push_back(r);
     }
   }
