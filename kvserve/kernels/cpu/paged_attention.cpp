@@ -212,9 +212,9 @@ template <int kC> constexpr int kHeadBlock = kC <= 4 ? 12 / kC : 1;
 // last keys [shared, len) then go as a single row's do, and accumulate_pv goes on from the shared part's sums.
 // Per row the same operations in the same order as attend_rows alone, so the same bits.
 // Why: a K/V row's widening from bfloat16 is a quarter of the work per key and query head. With the default
-// model's geometry (30 layers' bfloat16 caches, 2 threads, Intel Xeon), 3-9 rows over 100-2000 keys ran
-// 1.04-1.28x as fast with AVX-512 and 1.11-1.26x with AVX2 over 400-1000 (where a pair's vectors spill to the
-// stack). Two rows alone are not paired: their 3 KV heads as 3 items left one of 2 threads idle a third of the
+// model's geometry (30 layers' bfloat16 caches, 2 threads, Intel Xeon), 3-9 rows ran 1.04-1.34x as fast over
+// 400-2000 keys with AVX-512 (1.01-1.16x over 100), and 1.11-1.26x with AVX2 over 400-1000 (where a pair's
+// vectors spill to the stack). Two rows alone are not paired: their 3 KV heads as 3 items left one of 2 threads idle a third of the
 // time, as fast as 6 items of one row (1.00-1.03x).
 template <typename T, typename C, int kC>
 void attend_pair(const RowRef<T>* rows, const C* k_cache, const C* v_cache, const int64_t* table, int64_t head_base,
