@@ -11,12 +11,14 @@ from kvserve.kernels.cpu import ISAS
 from paged_helpers import native_ops
 
 
-def reference(q, k_cache, v_cache, tables, row_seq, row_len, scale, window):
+def reference(q, k_cache, v_cache, tables, row_seq, row_len, scale, window, row_last=None):
+    """Each row's attention in float64; row_last[r]: where row r's last key (n - 1) is stored (tree drafts)."""
     Hkv, _, bs, D = k_cache.shape
     G = q.shape[1] // Hkv
     out = []
     for r, (s, n) in enumerate(zip(row_seq, row_len)):
-        slots = [tables[s][t // bs] * bs + t % bs for t in range(n)]
+        keys = list(range(n - 1)) + [n - 1 if row_last is None else row_last[r]]
+        slots = [tables[s][t // bs] * bs + t % bs for t in keys]
         first = max(0, n - window) if window > 0 else 0
         k = k_cache.double().view(Hkv, -1, D)[:, slots[first:]]           # [Hkv, n', D]
         v = v_cache.double().view(Hkv, -1, D)[:, slots[first:]]
@@ -102,15 +104,9 @@ def test_verification_rows_computed_in_pairs_give_each_rows_own_bits(isa, dtype,
         ops.paged_attention_(q, alone, k_cache, v_cache, tokens[r:r + 1], torch.tensor(row_seq[r:r + 1]),
                              torch.tensor(row_len[r:r + 1]), *args[2:7], torch.tensor(row_last[r:r + 1]))
     assert torch.equal(together, alone)
+    expected = reference(q, k_cache, v_cache, tables, row_seq, row_len, 0.125, window, row_last)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for r in range(T):
-        n, last, s = row_len[r], row_last[r], row_seq[r]
-        first = max(0, n - window) if window else 0
-        slots = [tables[s][t // bs] * bs + t % bs for t in list(range(first, n - 1)) + [last]]
-        k = k_cache.double().view(Hkv, -1, D)[:, slots]
-        v = v_cache.double().view(Hkv, -1, D)[:, slots]
-        p = torch.softmax(q[r].double().view(Hkv, H // Hkv, D) @ k.transpose(1, 2) * 0.125, dim=-1)
-        torch.testing.assert_close(together[r].double(), (p @ v).reshape(H, D), atol=tol, rtol=tol)
+    torch.testing.assert_close(together.double(), expected, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -246,15 +242,10 @@ def test_tree_rows_read_their_last_key_where_it_is_stored(isa, dtype, cache_dtyp
         out = torch.empty_like(q)
         ops.paged_attention_(q, out, k_cache, v_cache, tokens, seqs, row_len, block_tables, 0.125, window,
                              1.0, 1.0, row_last)
-        for r in range(5):
-            n, last = int(row_len[r]), int(row_last[r])
-            first = max(0, n - window) if window else 0
-            slots = [tables[0][t // bs] * bs + t % bs for t in list(range(first, n - 1)) + [last]]
-            k = k_cache.double().view(Hkv, -1, D)[:, slots]
-            v = v_cache.double().view(Hkv, -1, D)[:, slots]
-            p = torch.softmax(q[r].double().view(Hkv, 3, D) @ k.transpose(1, 2) * 0.125, dim=-1)
-            tol = 1e-5 if dtype == torch.float32 else 1e-2
-            torch.testing.assert_close(out[r].double(), (p @ v).reshape(H, D), atol=tol, rtol=tol)
+        expected = reference(q, k_cache, v_cache, tables, seqs.tolist(), row_len.tolist(), 0.125, window,
+                             row_last.tolist())
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
         # The last alternative (row 4, stored at 13) moved to index 10, then read in place: the same bits.
         moved_k, moved_v = k_cache.clone(), v_cache.clone()
         slot = [tables[0][i // bs] * bs + i % bs for i in (13, 10)]
