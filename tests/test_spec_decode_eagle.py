@@ -18,17 +18,19 @@ from kvserve.config import EngineConfig
 from kvserve.engine.sequence import Sequence
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.quantization.methods import BlockMethod
+from kvserve.models.default import default_model_path
 from kvserve.models.loader import load_model
 from kvserve.sampling import sampler as sampler_module
 from kvserve.sampling.sampler import Sampler, SamplingInputs, make_generator
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.confidence import FIRST
+from kvserve.spec_decode.confidence import FIRST, Calibration
 from kvserve.spec_decode.draft_format import DraftFileConfig
 from kvserve.spec_decode.draft_proposer import clone_generator
 from kvserve.spec_decode.draft_reference import DraftReference
-from kvserve.spec_decode.eagle_head import (EagleHead, EagleHeadConfig, EagleHeadReference, load_eagle_head,
-                                            read_head, save_head)
+from kvserve.spec_decode.eagle_head import (EagleHead, EagleHeadConfig, EagleHeadReference, head_quantization,
+                                            load_eagle_head, read_head, save_head)
 from kvserve.spec_decode.eagle_proposer import EagleProposer
+from kvserve.spec_decode.state import spec_state
 from engine_helpers import assert_no_leaks
 from spec_helpers import (PREEMPTING, abort_mid_speculation, count_alternatives, count_draft_kinds, make_draft_file,
                           make_engine, preempting_wave, prefix_hit_waves, prompts, run_waves)
@@ -182,6 +184,48 @@ def test_native_top_step_is_a_softmax_and_top_k_of_the_heads_logits(tiny_model_d
         assert torch.all(got_probs[:, :-1] >= got_probs[:, 1:]) and torch.all(got_probs.sum(-1) <= 1 + 1e-6)
         with pytest.raises(RuntimeError, match="k must be"):
             head.top_step(feature, tokens, 0)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no native CPU kernels on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_draft_chains_draw_the_trees_of_the_stepwise_loop(dtype):
+    """A greedy request's tree in one native call (EagleHead.draft_chains): the same tokens, probabilities and
+    chain lengths as top_step called a step at a time from Python, with chains stopped by their depth and by
+    their calibrated gain at every length, and without a calibration (only depths stop them). On the default
+    model and its shipped head: the call embeds the drafted tokens itself, which needs the target's embedding
+    in a tiled layout (the tiny models' 260-token vocabularies are not)."""
+    target_model = load_model(default_model_path(), dtype, CPU)
+    head = load_eagle_head(None, target_model, dtype, CPU, head_quantization("auto", CPU))
+    assert head.native_embedding is not None
+    proposer = EagleProposer(head, CPU, eos_token_ids=[0])
+    rows = 12
+    gen = torch.Generator().manual_seed(1)
+    depths = torch.randint(1, 6, (rows,), generator=gen).tolist()
+    seqs = []
+    for i in range(rows):
+        seq = Sequence(seq_id=i, request_id=str(i), index=0, token_ids=[4, 7, 5 + 3 * i], num_prompt_tokens=2,
+                       params=SamplingParams(temperature=0.0))
+        spec_state(seq).feature = 3 * torch.randn(head.config.hidden_size, generator=gen)
+        seqs.append(seq)
+    feature = torch.stack([seq.spec_state.feature for seq in seqs])
+    tokens = torch.tensor([seq.token_ids[-1] for seq in seqs])
+    cal = Calibration()
+    cal.rate = [torch.rand(10, generator=gen, dtype=torch.float64).tolist() for _ in range(3)]
+    lengths = set()
+    for k in (1, 4):
+        for calibration, min_gain in ((cal, 0.3), (cal, 0.05), (None, 0.4)):
+            got = proposer.draft_trees(seqs, depths, k - 1, calibration, min_gain)
+            assert got == proposer._draft_trees_stepwise(feature, tokens, depths, k, calibration, min_gain)
+            assert all(len(d.chain) <= depth and len(d.alternatives) == k - 1 for d, depth in zip(got, depths))
+            if calibration is None:
+                assert [len(d.chain) for d in got] == depths
+            else:  # stopped by the gain where it fell below min_gain, else by the depth
+                for d, depth in zip(got, depths):
+                    gains = calibration.chain_gains(d.chain_probs)
+                    assert all(g >= min_gain for g in gains[:-1])
+                    assert gains[-1] < min_gain or len(d.chain) == depth
+                    lengths.add((len(d.chain), len(d.chain) == depth))
+    assert {(1, False), (2, False), (2, True)} <= lengths, lengths
 
 
 def test_the_engine_keeps_the_heads_weights_in_4_bits(tiny_model_dirs, heads):

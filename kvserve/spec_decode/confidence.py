@@ -37,6 +37,11 @@ class Calibration:
     def __init__(self) -> None:
         self.rate = [[(b + 0.5) / _BUCKETS for b in range(_BUCKETS)] for _ in range(3)]
 
+    def chain_rates(self) -> list[float]:
+        """The rates chain_gains reads, as the head's native chain takes them (EagleHead.draft_chains): the
+        first token's by bucket, then a later token's."""
+        return self.rate[FIRST] + self.rate[NEXT]
+
     def _rate(self, kind: int, p: float) -> float:
         return self.rate[kind][_bucket(p)]
 

@@ -221,6 +221,7 @@ class EagleHead(nn.Module):
         self.lm_head = ColumnLinear(d, len(vocab_ids), quant.method(["lm_head.weight"]), "lm_head.weight")
         self.register_buffer("vocab_ids", vocab_ids.to(torch.int64), persistent=False)
         self.native_weights: list[torch.Tensor | None] | None = None  # see use_native_kernel
+        self.native_embedding: list[torch.Tensor | None] | None = None  # the same
         self.graphs: HeadGraphs | None = None  # see capture_graphs
 
     def capture_graphs(self, max_rows: int) -> None:
@@ -239,6 +240,10 @@ class EagleHead(nn.Module):
             return
         fc, gate_up, down, lm_head = parts
         self.native_weights = [*fc, self.mlp_norm.weight, *gate_up, *down, self.norm.weight, *lm_head]
+        # draft_chains embeds its own tokens: where the target's embedding is in a tiled layout, in this dtype.
+        embed = self._embed[0]
+        if embed.method.dtype == self.norm.weight.dtype:
+            self.native_embedding = tiled_weight(embed)
 
     def step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, hidden] features and [N] next tokens -> (the predicted next features, the same through the
@@ -297,6 +302,21 @@ class EagleHead(nn.Module):
         feature, logits = self.head_logits_step(feature, token_ids)
         probs, top = logits.softmax(dim=-1).topk(k, dim=-1)
         return feature, self.vocab_ids[top], probs
+
+    def draft_chains(self, feature: torch.Tensor, token_ids: torch.Tensor, k: int, depths: list[int],
+                     rates: list[float], min_gain: float
+                     ) -> tuple[list[list[int]], list[list[float]], list[int]] | None:
+        """A greedy tree for each row in one native call (eagle_head.cpp's eagle_draft_chains): the head's k
+        likeliest tokens at its first step, then its first choice at each next step while the chain is shorter
+        than depths[i] and the product of its tokens' rates (confidence.Calibration.chain_rates) stays at least
+        min_gain. -> (per row: the first step's k tokens then the chain's later ones, their probabilities, the
+        chain's length), or None where the native kernels do not run this head (top_step in a loop then)."""
+        if self.native_embedding is None or self.graphs is not None or not self._runs_natively(feature):
+            return None
+        ids, probs, lengths = cpu_kernels.ops().eagle_draft_chains(
+            feature.to(self.norm.weight.dtype), token_ids, self.native_weights, self.vocab_ids,
+            *self.native_embedding, k, depths, rates, min_gain, self.norm.eps)
+        return ids.tolist(), probs.tolist(), lengths.tolist()
 
     def _runs_natively(self, feature: torch.Tensor) -> bool:
         return self.native_weights is not None and cpu_kernels.applies(feature)

@@ -15,14 +15,14 @@ the head's probability for each token, which the rule sizes it by (speculator.py
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
 
 import torch
 
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.sampling.sampler import Sampler, argmax, reads_token_ids
-from kvserve.spec_decode.confidence import TreeDraft
+from kvserve.spec_decode.confidence import Calibration, TreeDraft
 from kvserve.spec_decode.draft_proposer import clone_generator, draft_sampling_inputs
 from kvserve.spec_decode.eagle_head import EagleHead
 from kvserve.spec_decode.state import spec_state
@@ -84,16 +84,30 @@ class EagleProposer:
 
     @torch.inference_mode()
     def draft_trees(self, seqs: list[Sequence], depths: list[int], num_alternatives: int,
-                    extend: Callable[[list[float]], bool]) -> list[TreeDraft]:
+                    calibration: Calibration | None, min_gain: float) -> list[TreeDraft]:
         """Greedy requests' trees, before the schedule: per sequence, the head's first choices for up to
-        depths[i] tokens, drawing each next one only while extend(the chain's probabilities so far) says it may
-        pay, and its next num_alternatives choices for the first token."""
+        depths[i] tokens, drawing each next one only while the chain so far gains at least min_gain by
+        calibration (always without one), and its next num_alternatives choices for the first token."""
         feature = torch.stack([seq.spec_state.feature for seq in seqs])
         tokens = torch.tensor([seq.token_ids[-1] for seq in seqs], dtype=torch.int64, device=self.device)
-        feature, choices, probs = self.model.top_step(feature, tokens, 1 + num_alternatives)
+        k = 1 + num_alternatives
+        rates, floor = (calibration.chain_rates(), min_gain) if calibration is not None else ([1.0, 1.0], -math.inf)
+        made = self.model.draft_chains(feature, tokens, k, depths, rates, floor)
+        if made is None:
+            return self._draft_trees_stepwise(feature, tokens, depths, k, calibration, min_gain)
+        return [TreeDraft([row[0], *row[k:k + n - 1]], [p[0], *p[k:k + n - 1]], row[1:k], p[1:k])
+                for row, p, n in zip(*made)]
+
+    def _draft_trees_stepwise(self, feature: torch.Tensor, tokens: torch.Tensor, depths: list[int], k: int,
+                              calibration: Calibration | None, min_gain: float) -> list[TreeDraft]:
+        """draft_trees a drafting step at a time, where the head's native chain does not run (no CPU kernels,
+        a GPU, a target embedding in another layout)."""
+        def extend(probs: list[float]) -> bool:
+            return calibration is None or calibration.chain_gains(probs)[-1] >= min_gain
+        feature, choices, probs = self.model.top_step(feature, tokens, k)
         tokens = choices[:, 0].contiguous()
         drafts = [TreeDraft([c[0]], [p[0]], c[1:], p[1:]) for c, p in zip(choices.tolist(), probs.tolist())]
-        rows = list(range(len(seqs)))  # the sequences still drafting, as rows of feature / tokens
+        rows = list(range(len(drafts)))  # the sequences still drafting, as rows of feature / tokens
         while True:
             keep = [i for i, r in enumerate(rows) if len(drafts[r].chain) < depths[r] and extend(drafts[r].chain_probs)]
             if not keep:

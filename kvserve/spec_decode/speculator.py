@@ -133,9 +133,8 @@ class Speculator:
         if not trees:
             return
         start = time.perf_counter()
-        extend = ((lambda probs: cal.chain_gains(probs)[-1] >= self.extend_min_gain) if cal is not None
-                  else lambda probs: True)
-        made = self.draft.draft_trees(trees, [depths[seq.seq_id] for seq in trees], self.num_alternatives, extend)
+        made = self.draft.draft_trees(trees, [depths[seq.seq_id] for seq in trees], self.num_alternatives, cal,
+                                      self.extend_min_gain)
         # Alternatives are stored past the chain: inside max_model_len too.
         rooms = [max(0, self.max_model_len - seq.num_tokens - 1 - len(d.chain)) for seq, d in zip(trees, made)]
         if cal is None:  # without the rule, every tree whole

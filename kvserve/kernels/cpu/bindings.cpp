@@ -31,6 +31,9 @@ TORCH_LIBRARY(KVSERVE_NS, m) {
         "-> (Tensor, Tensor)");
   m.def("eagle_top_step(Tensor feature, Tensor embedding, Tensor?[] weights, Tensor vocab_ids, int k, float eps) "
         "-> (Tensor, Tensor, Tensor)");
+  m.def("eagle_draft_chains(Tensor feature, Tensor tokens, Tensor?[] weights, Tensor vocab_ids, Tensor embed_qs, "
+        "Tensor embed_scales, Tensor? embed_mins, int k, int[] depths, float[] rates, float min_gain, float eps) "
+        "-> (Tensor, Tensor, Tensor)");
   // elementwise.cpp
   m.def("fused_add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("gemma_rms_norm(Tensor x, Tensor(a!)? residual, Tensor weight, float eps) -> Tensor");
@@ -66,6 +69,7 @@ TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
   m.impl("eagle_step", &eagle_step);
   m.impl("eagle_greedy_step", &eagle_greedy_step);
   m.impl("eagle_top_step", &eagle_top_step);
+  m.impl("eagle_draft_chains", &eagle_draft_chains);
   m.impl("fused_add_rms_norm_", &fused_add_rms_norm_);
   m.impl("gemma_rms_norm", &gemma_rms_norm);
   m.impl("rotary_", &rotary_);

@@ -49,6 +49,11 @@ std::tuple<at::Tensor, at::Tensor> eagle_greedy_step(const at::Tensor& feature, 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_top_step(const at::Tensor& feature, const at::Tensor& embedding,
                                                               const c10::List<std::optional<at::Tensor>>& weights,
                                                               const at::Tensor& vocab_ids, int64_t k, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_draft_chains(
+    const at::Tensor& feature, const at::Tensor& tokens, const c10::List<std::optional<at::Tensor>>& weights,
+    const at::Tensor& vocab_ids, const at::Tensor& embed_qs, const at::Tensor& embed_scales,
+    const std::optional<at::Tensor>& embed_mins, int64_t k, at::IntArrayRef depths, at::ArrayRef<double> rates,
+    double min_gain, double eps);
 
 // elementwise.cpp
 void fused_add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
@@ -91,6 +96,13 @@ inline at::Tensor quant_linear_tiled(const at::Tensor& x, const at::Tensor& wq, 
                                      const std::optional<at::Tensor>& mins) {
   if (wq.dim() == 4) return quant_linear_x16(x, wq, scales, mins);
   return quant_linear_x8(x, wq, scales, mins);
+}
+
+// An embedding in either tiled layout (as quant_linear_tiled tells them apart).
+inline at::Tensor quant_embedding_tiled(const at::Tensor& ids, const at::Tensor& wq, const at::Tensor& scales,
+                                        const std::optional<at::Tensor>& mins, at::ScalarType dtype) {
+  if (wq.dim() == 4) return quant_embedding_x16(ids, wq, scales, mins, dtype);
+  return quant_embedding_x8(ids, wq, scales, mins, dtype);
 }
 
 }  // namespace KVSERVE_NS
