@@ -10,6 +10,7 @@ to the first draft token, each in a row of its own) too: the same outputs, by th
 """
 import ast
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from kvserve.models.loader import load_model
 from kvserve.sampling import sampler as sampler_module
 from kvserve.sampling.sampler import Sampler, SamplingInputs, make_generator
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.confidence import FIRST, Calibration
+from kvserve.spec_decode.confidence import FIRST, KINDS, Calibration, calibration_path
 from kvserve.spec_decode.draft_format import DraftFileConfig
 from kvserve.spec_decode.draft_proposer import clone_generator
 from kvserve.spec_decode.draft_reference import DraftReference
@@ -895,3 +896,45 @@ def test_a_sure_heads_trees_carry_no_alternatives_where_rows_cost(tiny_model_dir
     run(engine, [[(str(i), p, params) for i, p in enumerate(prompts(2, [6, 23]))]], check=True)
     assert len(rows) > 20 and all(alternatives == 0 for _, alternatives in rows), rows
     assert sum(n == 2 for n, _ in rows) > 0.8 * len(rows), rows
+
+
+@pytest.mark.parametrize("trust", [0.0, 1.0])
+def test_the_table_beside_a_head_sets_how_far_a_fresh_engine_trusts_it(tiny_model_dirs, heads, tmp_path, trust):
+    """NAME.calibration.json beside a head file (confidence.read_calibration) is where a fresh engine's trust in
+    the head's rows starts, whatever the head's own probabilities: with rows at 30% of a step, at 0 it keeps
+    none of the head's rows for a whole short request (each outcome moves the rate 1/32 of the way to the
+    target's, and it takes a dozen right ones to pass 30%), at 1 it keeps them from the first step that may
+    draft. The head drafts this prompt's tokens right, so only the table tells the two apart."""
+    path, _ = tiny_model_dirs["llama"]
+    head = tmp_path / "head.safetensors"
+    head.write_bytes(heads["right"].read_bytes())
+    table = {"first": [trust] * 10, "alternative": [0.5] * 10, "next": [trust] * 10}
+    calibration_path(head).write_text(json.dumps(table))
+    engine = make_engine(path, spec(head, adaptive_draft_length=True))
+    assert engine.speculator.calibration.rate == [table[kind] for kind in KINDS]
+    modelled_step_times(engine, 0.3)
+    drafts = []
+    execute = engine.runner.execute
+
+    def watched(sched):
+        drafts.append(sum(len(d) for d in sched.spec_token_ids.values()))
+        return execute(sched)
+    engine.runner.execute = watched
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    run(engine, [[("0", prompts(2, [6])[0], params)]], check=True)  # a prompt the head was trained on
+    if trust:
+        assert engine.get_stats().spec_num_accepted_tokens >= 4 and drafts[1] > 0, drafts
+    else:
+        assert sum(drafts) == 0, drafts
+        assert 0 < sum(engine.speculator.calibration.rate[FIRST]) < 0.5, engine.speculator.calibration.rate
+
+
+def test_a_broken_calibration_table_is_refused_by_name(tiny_model_dirs, heads, tmp_path):
+    path, _ = tiny_model_dirs["llama"]
+    head = tmp_path / "head.safetensors"
+    head.write_bytes(heads["right"].read_bytes())
+    for text in ("{", json.dumps({"first": [0.5] * 10, "next": [0.5] * 10}),
+                 json.dumps({kind: [0.5] * 9 for kind in KINDS}), json.dumps({kind: [1.5] * 10 for kind in KINDS})):
+        calibration_path(head).write_text(text)
+        with pytest.raises(ValueError, match="head.calibration.json"):
+            make_engine(path, spec(head, adaptive_draft_length=True))

@@ -11,12 +11,21 @@ a head that is over- or under-confident on this traffic is corrected by what the
 
 Kinds of rows: the chain's first token (the head's first choice), an alternative to it (its j-th choice,
 j >= 2), and a later chain token given that all before it were accepted.
+
+A head may ship a table to start from instead (`read_calibration`: the JSON file next to the head, made by
+benchmarks/eagle_calibration.py from the engine's own drafting on held-out prompts). Started at the head's
+probability, a fresh engine trusted the shipped head's middle buckets, and its later chain tokens, too far
+until a few hundred drafts had corrected them: its first run of the benchmark's chat questions took ~10% more
+steps than the next.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 FIRST, ALTERNATIVE, NEXT = 0, 1, 2
+KINDS = ("first", "alternative", "next")  # the table file's keys, in that order
 _BUCKETS = 10
 _WEIGHT = 1 / 32  # moving-average weight of one observed outcome
 
@@ -34,8 +43,9 @@ class TreeDraft:
 class Calibration:
     """P(the target's token is the head's) by kind of row and the head's probability for it."""
 
-    def __init__(self) -> None:
-        self.rate = [[(b + 0.5) / _BUCKETS for b in range(_BUCKETS)] for _ in range(3)]
+    def __init__(self, start: list[list[float]] | None = None) -> None:
+        """start: rates to begin from, per kind of row and bucket (read_calibration); else the buckets' centres."""
+        self.rate = [list(r) for r in start] if start is not None else [bucket_centres() for _ in KINDS]
 
     def chain_rates(self) -> list[float]:
         """The rates chain_gains reads, as the head's native chain takes them (EagleHead.draft_chains): the
@@ -77,6 +87,29 @@ class Calibration:
     def _record(self, kind: int, p: float, right: bool) -> None:
         rates, b = self.rate[kind], _bucket(p)
         rates[b] += _WEIGHT * (float(right) - rates[b])
+
+
+def bucket_centres() -> list[float]:
+    return [(b + 0.5) / _BUCKETS for b in range(_BUCKETS)]
+
+
+def calibration_path(head_path: str | Path) -> Path:
+    """Where a head's table lives: beside it, NAME.calibration.json for NAME.safetensors."""
+    return Path(head_path).with_suffix(".calibration.json")
+
+
+def read_calibration(path: str | Path) -> list[list[float]]:
+    """A table file's rates, per kind of row (FIRST, ALTERNATIVE, NEXT) and tenth of probability."""
+    try:
+        data = json.loads(Path(path).read_text())
+        rates = [[float(x) for x in data[kind]] for kind in KINDS]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"eagle head calibration {str(path)!r} is unreadable ({e}); it should hold "
+                         f"{', '.join(KINDS)}: {_BUCKETS} rates in [0, 1] each") from None
+    if any(len(r) != _BUCKETS or not all(0.0 <= x <= 1.0 for x in r) for r in rates):
+        raise ValueError(f"eagle head calibration {str(path)!r}: {', '.join(KINDS)} must each hold {_BUCKETS} "
+                         "rates in [0, 1]")
+    return rates
 
 
 def _bucket(p: float) -> int:

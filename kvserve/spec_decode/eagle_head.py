@@ -17,7 +17,8 @@ train_eagle.py --attention); side by side on one data set it drafted no better
 File: one safetensors file, tensors fc.weight [hidden, 2 * hidden], mlp_norm.weight,
 mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight [len(vocab_ids), hidden], vocab_ids; the
 metadata key "kvserve_eagle" holds EagleHeadConfig as JSON (and "training", what made it). The token
-embedding is the target's (not stored).
+embedding is the target's (not stored). Beside it, optionally, NAME.calibration.json: how far to trust its
+drafts at first (confidence.py).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from kvserve.models.llama import MLP
 from kvserve.models.loader import LoadedModel
 from kvserve.models.native_stack import tiled_weight
 from kvserve.sampling.sampler import argmax
+from kvserve.spec_decode.confidence import calibration_path, read_calibration
 from kvserve.spec_decode.draft_model import target_embedding
 from kvserve.spec_decode.draft_format import has_metadata, read_with_config, save_with_config
 from kvserve.spec_decode.draft_reference import ReferenceTensors, rope, rms_norm
@@ -223,6 +225,8 @@ class EagleHead(nn.Module):
         self.native_weights: list[torch.Tensor | None] | None = None  # see use_native_kernel
         self.native_embedding: list[torch.Tensor | None] | None = None  # the same
         self.graphs: HeadGraphs | None = None  # see capture_graphs
+        # Where to start trusting its drafts (confidence.py), from the table beside its file; None: its probabilities.
+        self.calibration: list[list[float]] | None = None
 
     def capture_graphs(self, max_rows: int) -> None:
         """On CUDA, after loading: greedy_step and head_logits_step replay a captured graph for up to max_rows
@@ -384,5 +388,7 @@ def load_eagle_head(path: str | Path | None, target: LoadedModel, dtype: torch.d
     model.load_weights(tensors)
     pack_float_weights(model)
     model.use_native_kernel()
+    if calibration_path(p).exists():
+        model.calibration = read_calibration(calibration_path(p))
     return model.eval().requires_grad_(False)
 
