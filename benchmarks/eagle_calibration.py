@@ -9,7 +9,9 @@ with two alternatives to its first token, every row the head drafts checked agai
 prompts none of the benchmark's: train_draft.py's mix (60% chat questions the target writes itself, the
 benchmark's own questions banned; 20% summaries; 20% copies of text and code), drawn with another seed than
 the head's training data. Each bucket's rate is the share of its rows the target took, with 4 observations at
-the bucket's centre added (an empty bucket keeps the centre).
+the bucket's centre added (an empty bucket keeps the centre). Rows are counted as the engine drafts them, so
+later chain tokens are those of chains the rule chose to extend (while the chain so far was 40% likely by the
+table as it learnt): the same selection as when the table is used.
 
     python benchmarks/eagle_calibration.py   # ~4 min on two cores: the shipped head's table
 
@@ -25,7 +27,7 @@ from pathlib import Path
 from common import git_rev, report
 from train_draft import make_prompts
 from kvserve import LLM, SamplingParams
-from kvserve.spec_decode.confidence import KINDS, _bucket, bucket_centres, calibration_path
+from kvserve.spec_decode.confidence import KINDS, bucket_centres, calibration_path
 from kvserve.spec_decode.eagle_head import SHIPPED_HEAD
 
 TREE = "[(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (1,), (2,)]"
@@ -54,15 +56,7 @@ def main() -> None:
                                   "speculative_token_tree": TREE})
     cal = llm.engine.speculator.calibration
     cal.rate = [bucket_centres() for _ in KINDS]  # not a table already beside the head
-    counts = [[[0, 0] for _ in range(len(cal.rate[0]))] for _ in KINDS]  # per kind and bucket: taken, rows
-    record = cal._record
-
-    def counted(kind: int, p: float, right: bool) -> None:
-        c = counts[kind][_bucket(p)]
-        c[0] += right
-        c[1] += 1
-        record(kind, p, right)
-    cal._record = counted
+    cal.count_outcomes()
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     t0 = time.monotonic()
@@ -70,6 +64,7 @@ def main() -> None:
                  for _, m in items)
     seconds = time.monotonic() - t0
 
+    counts = cal.counts
     centres = bucket_centres()
     table = {kind: [(taken + PRIOR * c) / (rows + PRIOR) for (taken, rows), c in zip(counts[k], centres)]
              for k, kind in enumerate(KINDS)}

@@ -215,6 +215,8 @@ def test_native_draft_chains_draw_the_trees_of_the_stepwise_loop(dtype):
     lengths = set()
     for k in (1, 4):
         for calibration, min_gain in ((cal, 0.3), (cal, 0.05), (None, 0.4)):
+            rates = calibration.chain_rates() if calibration is not None else [1.0, 1.0]
+            assert head.draft_chains(feature, tokens, k, depths, rates, min_gain) is not None  # the native call
             got = proposer.draft_trees(seqs, depths, k - 1, calibration, min_gain)
             assert got == proposer._draft_trees_stepwise(feature, tokens, depths, k, calibration, min_gain)
             assert all(len(d.chain) <= depth and len(d.alternatives) == k - 1 for d, depth in zip(got, depths))
@@ -934,7 +936,9 @@ def test_a_broken_calibration_table_is_refused_by_name(tiny_model_dirs, heads, t
     head = tmp_path / "head.safetensors"
     head.write_bytes(heads["right"].read_bytes())
     for text in ("{", json.dumps({"first": [0.5] * 10, "next": [0.5] * 10}),
-                 json.dumps({kind: [0.5] * 9 for kind in KINDS}), json.dumps({kind: [1.5] * 10 for kind in KINDS})):
+                 json.dumps({kind: [0.5] * 9 for kind in KINDS}), json.dumps({kind: [1.5] * 10 for kind in KINDS}),
+                 json.dumps({kind: [float("nan")] * 10 for kind in KINDS}),
+                 json.dumps({kind: "0123456789" for kind in KINDS}), json.dumps({kind: [True] * 10 for kind in KINDS})):
         calibration_path(head).write_text(text)
         with pytest.raises(ValueError, match="head.calibration.json"):
             make_engine(path, spec(head, adaptive_draft_length=True))

@@ -46,6 +46,12 @@ class Calibration:
     def __init__(self, start: list[list[float]] | None = None) -> None:
         """start: rates to begin from, per kind of row and bucket (read_calibration); else the buckets' centres."""
         self.rate = [list(r) for r in start] if start is not None else [bucket_centres() for _ in KINDS]
+        self.counts: list[list[list[int]]] | None = None  # see count_outcomes
+
+    def count_outcomes(self) -> None:
+        """From now on also count every outcome: counts[kind][bucket] = [taken by the target, rows]
+        (benchmarks/eagle_calibration.py builds a table from them)."""
+        self.counts = [[[0, 0] for _ in range(_BUCKETS)] for _ in KINDS]
 
     def chain_rates(self) -> list[float]:
         """The rates chain_gains reads, as the head's native chain takes them (EagleHead.draft_chains): the
@@ -87,6 +93,9 @@ class Calibration:
     def _record(self, kind: int, p: float, right: bool) -> None:
         rates, b = self.rate[kind], _bucket(p)
         rates[b] += _WEIGHT * (float(right) - rates[b])
+        if self.counts is not None:
+            self.counts[kind][b][0] += right
+            self.counts[kind][b][1] += 1
 
 
 def bucket_centres() -> list[float]:
@@ -98,18 +107,26 @@ def calibration_path(head_path: str | Path) -> Path:
     return Path(head_path).with_suffix(".calibration.json")
 
 
+class CalibrationFileError(ValueError):
+    """A head's table file that cannot be used (read_calibration)."""
+
+
 def read_calibration(path: str | Path) -> list[list[float]]:
     """A table file's rates, per kind of row (FIRST, ALTERNATIVE, NEXT) and tenth of probability."""
     try:
         data = json.loads(Path(path).read_text())
-        rates = [[float(x) for x in data[kind]] for kind in KINDS]
+        rates = [data[kind] for kind in KINDS]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"eagle head calibration {str(path)!r} is unreadable ({e}); it should hold "
-                         f"{', '.join(KINDS)}: {_BUCKETS} rates in [0, 1] each") from None
-    if any(len(r) != _BUCKETS or not all(0.0 <= x <= 1.0 for x in r) for r in rates):
-        raise ValueError(f"eagle head calibration {str(path)!r}: {', '.join(KINDS)} must each hold {_BUCKETS} "
-                         "rates in [0, 1]")
-    return rates
+        raise CalibrationFileError(f"eagle head calibration {str(path)!r} is unreadable ({e}); it should hold "
+                                   f"{', '.join(KINDS)}: {_BUCKETS} rates in [0, 1] each") from None
+    if not all(isinstance(r, list) and len(r) == _BUCKETS and all(_is_rate(x) for x in r) for r in rates):
+        raise CalibrationFileError(f"eagle head calibration {str(path)!r}: {', '.join(KINDS)} must each hold "
+                                   f"{_BUCKETS} rates in [0, 1]")
+    return [[float(x) for x in r] for r in rates]
+
+
+def _is_rate(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0.0 <= x <= 1.0
 
 
 def _bucket(p: float) -> int:

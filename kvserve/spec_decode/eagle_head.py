@@ -41,7 +41,7 @@ from kvserve.models.llama import MLP
 from kvserve.models.loader import LoadedModel
 from kvserve.models.native_stack import tiled_weight
 from kvserve.sampling.sampler import argmax
-from kvserve.spec_decode.confidence import calibration_path, read_calibration
+from kvserve.spec_decode.confidence import CalibrationFileError, calibration_path, read_calibration
 from kvserve.spec_decode.draft_model import target_embedding
 from kvserve.spec_decode.draft_format import has_metadata, read_with_config, save_with_config
 from kvserve.spec_decode.draft_reference import ReferenceTensors, rope, rms_norm
@@ -361,6 +361,8 @@ def load_eagle_head(path: str | Path | None, target: LoadedModel, dtype: torch.d
                                     "make it with benchmarks/train_eagle.py or pass 'model'")
         try:
             return load_eagle_head(SHIPPED_HEAD, target, dtype, device, quantization)
+        except CalibrationFileError:
+            raise
         except ValueError as e:
             raise ValueError(f"{e}. Method 'eagle' without 'model' uses the head shipped for the default model; "
                              "for another target pass 'model': a head trained for it") from None

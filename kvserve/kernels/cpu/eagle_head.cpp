@@ -167,12 +167,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_draft_chains(
   at::Tensor ids = at::full({N, W}, -1, vocab_ids.options());
   at::Tensor probs = at::zeros({N, W}, feature.options().dtype(at::kFloat));
   at::Tensor lengths = at::ones({N}, tokens.options());
+  if (N == 0) return {ids, probs, lengths};
   int64_t* ip = ids.data_ptr<int64_t>();
   float* pp = probs.data_ptr<float>();
   int64_t* lp = lengths.data_ptr<int64_t>();
   const int64_t* vp = vocab_ids.data_ptr<int64_t>();
-  auto rate = [&](int64_t kind, float p) {
-    return rates[kind * B + std::min(static_cast<int64_t>(static_cast<double>(p) * static_cast<double>(B)), B - 1)];
+  auto rate = [&](int64_t kind, float p) {  // p in [0, 1]; a NaN (Python's int() would raise) takes bucket 0
+    const double at = static_cast<double>(p) * static_cast<double>(B);
+    return rates[kind * B + (at >= 0.0 ? std::min(static_cast<int64_t>(at), B - 1) : 0)];
   };
   auto embed = [&](const at::Tensor& t) {
     return quant_embedding_tiled(t, embed_qs, embed_scales, embed_mins, feature.scalar_type());
@@ -185,7 +187,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_draft_chains(
   std::vector<int64_t> rows;  // the rows still drafting, in x's order
   for (int64_t n = 0; n < N; ++n) {
     top_k_of_row(logits.data_ptr<float>() + n * V, V, vp, k, ip + n * W, pp + n * W);
-    gain[n] = 1.0 * rate(0, pp[n * W]);
+    gain[n] = rate(0, pp[n * W]);
     if (depths[n] > 1 && gain[n] >= min_gain) rows.push_back(n);
   }
   std::vector<int64_t> picked(N);  // rows' positions in x
