@@ -120,6 +120,19 @@ def test_expectations_are_scaled_by_what_kept_drafts_brought():
     assert p.gain_scale == pytest.approx(1.0, abs=0.1)
 
 
+def test_a_shortfall_of_sized_drafts_does_not_scale_a_trees_gain():
+    """gain_scale is measured on the drafts `choose` sizes, not on trees (the head's confidence sizes a tree's
+    rows once it is drafted, and its class rate is the head's own record), so it scales only those: where kept
+    drafts brought a quarter of what was expected, a draft at a class rate of 0.5 no longer pays for a row that
+    costs a fifth of a step, while the head's tree at the same rate still does."""
+    p = policy({1: 1.0, 2: 1.2}, [0.5])
+    p.continue_rate[TREE_CLASS] = [0.5]
+    p._predicted, p._realized = 100.0, 22.0
+    assert p.gain_scale == pytest.approx(0.25)
+    assert p.choose(1, [(1, 1.0, 0)]) == [0]
+    assert p.choose(1, [(1, 1.0, TREE_CLASS)]) == [1]
+
+
 def test_graph_steps_cost_full_width_from_the_first_draft_token():
     """With CUDA graphs a step of 4 decoding sequences runs 4 x 1 tokens, or 4 x 5 once any of them drafts
     (times as measured on an H200: 1.57 and 2.19 ms). One chat-like draft (cumulative acceptance 57 / 33 /

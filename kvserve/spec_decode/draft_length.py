@@ -165,15 +165,16 @@ class DraftLength:
         self.probe_cost = PROBE_COST  # > 0 (inf: every PROBE_EVERY-th decision near the best, the rule before)
         self._probe_left = 0          # decisions left in the probe under way
         # Tokens the kept drafts were expected to bring and those they brought, decayed per decision; their
-        # ratio scales every expectation (see `gain_scale`).
+        # ratio scales the expectations of all drafts but trees (see `gain_scale`).
         self._predicted = 0.0
         self._realized = 0.0
 
     @property
     def gain_scale(self) -> float:
-        """Accepted tokens per token expected, over the recent drafts the rule kept. The rule keeps the drafts
-        it expects most of, so its expectations of them run high (and `choose` ranks by them): at 4 streams
-        of chat on AVX-512, kept lookup drafts brought 1.34 tokens a step where 1.89 were expected."""
+        """Accepted tokens per token expected, over the recent drafts the rule kept and sized (all but trees).
+        The rule keeps the drafts it expects most of, so its expectations of them run high (and `choose` ranks
+        by them): at 4 streams of chat on AVX-512, kept lookup drafts brought 1.34 tokens a step where 1.89 were
+        expected. It scales those drafts' gains, not a tree's (see `choose`)."""
         return (self._realized + _CALIBRATION_PRIOR) / (self._predicted + _CALIBRATION_PRIOR)
 
     def acceptance_by_position(self, draft_class: int) -> list[float]:
@@ -219,22 +220,28 @@ class DraftLength:
             return keep
         # Every draft token of every sequence, the likeliest to be accepted first. A token is accepted only
         # with all before it, so its gain never rises along its draft and each sequence's tokens come in
-        # order: the first T of the list are the best T rows a step can add.
-        ranked: list[tuple[float, int, int]] = []
+        # order: the first T of the list are the best T rows a step can add. Each entry: (-gain, position,
+        # sequence, the gain before gain_scale). gain_scale is measured on the drafts `choose` sizes, so it
+        # scales those; a tree's rows are sized by the head's confidence once drafted, and its class rate is
+        # already the head's own record (scaling it by lookup's shortfall had the head skip 10-25% of the
+        # steps it would have paid in at one stream of chat, and made runs of the same questions take
+        # 656-737 steps where they took 646-676 without).
+        gain_scale = self.gain_scale
+        ranked: list[tuple[float, int, int, float]] = []
         for r, (avail, scale, draft_class) in enumerate(drafts):
             q = self.acceptance_by_position(draft_class)
-            ranked.extend((-min(1.0, q[i] * scale), i, r) for i in range(avail))
+            factor = 1.0 if draft_class == TREE_CLASS else gain_scale
+            ranked.extend((-min(1.0, q[i] * scale) * factor, i, r, min(1.0, q[i] * scale)) for i in range(avail))
         ranked.sort()
         # The model drafts every sequence it drafts for to the deepest of their kept tokens, and that time is
         # the same whatever else the step carries; so each cap on the model's depth is tried (a lookup
         # draft beside a model too slow to pay still goes), and the best rate over all caps wins.
         model_depths = [avail for avail, _, draft_class in drafts if draft_class <= MODEL_CLASS]
         caps = range(max(model_depths) + 1) if model_depths and self.draft_seconds > 0 else [None]
-        calibration = self.gain_scale  # one factor for every gain: the ranking stands, the rates scale
         options = []  # per cap: (the tokens it allows, the rate of keeping the first T of them for each T)
         for cap in caps:
             subset = ranked if cap is None else [x for x in ranked if drafts[x[2]][2] > MODEL_CLASS or x[1] < cap]
-            options.append((subset, self._rates(num_seqs, num_tokens, subset, drafts, calibration)))
+            options.append((subset, self._rates(num_seqs, num_tokens, subset, drafts)))
         chosen = max(range(len(options)), key=lambda c: (max(options[c][1]), -c))
         kept, rates = options[chosen]
         # Where the best keeps every token its cap allows, one token more (a probe's) is in the next cap's list.
@@ -245,10 +252,10 @@ class DraftLength:
         if n >= len(rates):
             kept = following[0]
         expected = 0.0
-        for neg_gain, _, r in kept[:n]:
+        for _, _, r, gain in kept[:n]:
             keep[r] += 1
             if drafts[r][2] != TREE_CLASS:
-                expected -= neg_gain
+                expected += gain
         self._realized *= 1 - _CALIBRATION_WEIGHT
         self._predicted = self._predicted * (1 - _CALIBRATION_WEIGHT) + expected
         return keep
@@ -279,14 +286,14 @@ class DraftLength:
             return num_tokens + num_drafts
         return self.step_tokens(num_seqs, num_tokens, num_drafts)
 
-    def _rates(self, num_seqs: int | None, num_tokens: int, ranked: list[tuple[float, int, int]],
-               drafts: list[tuple[int, float, int]], calibration: float) -> list[float]:
-        """[T]: the expected tokens per second of the step that keeps the first T of ranked, each gain scaled
-        by calibration (gain_scale)."""
+    def _rates(self, num_seqs: int | None, num_tokens: int, ranked: list[tuple[float, int, int, float]],
+               drafts: list[tuple[int, float, int]]) -> list[float]:
+        """[T]: the expected tokens per second of the step that keeps the first T of ranked (`choose`'s, gains
+        already scaled)."""
         rates = [num_tokens / self.times.estimate(self._run_tokens(num_seqs, num_tokens, 0))]
         tokens, depth = float(num_tokens), 0
-        for added, (neg_gain, i, r) in enumerate(ranked, 1):
-            tokens -= neg_gain * calibration
+        for added, (neg_gain, i, r, _) in enumerate(ranked, 1):
+            tokens -= neg_gain
             if drafts[r][2] <= MODEL_CLASS:
                 depth = max(depth, i + 1)
             run = self._run_tokens(num_seqs, num_tokens, added)
