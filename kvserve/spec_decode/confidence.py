@@ -15,8 +15,8 @@ j >= 2), and a later chain token given that all before it were accepted.
 A head may ship a table to start from instead (`read_calibration`: the JSON file next to the head, made by
 benchmarks/eagle_calibration.py from the engine's own drafting on held-out prompts). Started at the head's
 probability, a fresh engine trusted the shipped head's middle buckets, and its later chain tokens, too far
-until a few hundred drafts had corrected them: its first run of the benchmark's chat questions took ~10% more
-steps than the next.
+until a few hundred drafts had corrected them: its first run of the benchmark's chat questions took 7-10% more
+steps than the next (743 against 694, the mean of 10 fresh engines; 714 and 678 from the shipped table).
 """
 from __future__ import annotations
 

@@ -223,9 +223,9 @@ class DraftLength:
         # order: the first T of the list are the best T rows a step can add. Each entry: (-gain, position,
         # sequence, the gain before gain_scale). gain_scale is measured on the drafts `choose` sizes, so it
         # scales those; a tree's rows are sized by the head's confidence once drafted, and its class rate is
-        # already the head's own record (scaling it by lookup's shortfall had the head skip 10-25% of the
-        # steps it would have paid in at one stream of chat, and made runs of the same questions take
-        # 656-737 steps where they took 646-676 without).
+        # already the head's own record (scaled by lookup's shortfall, the head skipped up to a quarter of the
+        # steps at one stream of chat, and passes over the same questions took 656-737 steps where they took
+        # 646-676 without).
         gain_scale = self.gain_scale
         ranked: list[tuple[float, int, int, float]] = []
         for r, (avail, scale, draft_class) in enumerate(drafts):
