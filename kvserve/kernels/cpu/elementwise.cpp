@@ -27,9 +27,7 @@ inline Vec16 round_to(Vec16 v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else {
-    alignas(64) T tmp[16];
-    store(tmp, v, 16);
-    return load(tmp, 16);
+    return round_bf16(v);
   }
 }
 

@@ -87,13 +87,20 @@ inline Vec16 load(const c10::BFloat16* p, int64_t n) {
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
 }
 inline void store(float* p, Vec16 a, int64_t n) { _mm512_mask_storeu_ps(p, first_lanes(n), a.v); }
-inline void store(c10::BFloat16* p, Vec16 a, int64_t n) {
-  // Round to nearest even, as c10::BFloat16 does; NaN stays a (quiet) NaN.
+// a rounded to bfloat16 in the upper 16 bits of each lane (the lower ones not cleared): round to nearest even,
+// as c10::BFloat16 does; NaN stays a (quiet) NaN.
+inline __m512i bf16_bits(Vec16 a) {
   const __m512i bits = _mm512_castps_si512(a.v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-  _mm256_mask_storeu_epi16(p, first_lanes(n), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+}
+inline void store(c10::BFloat16* p, Vec16 a, int64_t n) {
+  _mm256_mask_storeu_epi16(p, first_lanes(n), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(a), 16)));
+}
+// What storing a to bfloat16 and loading it back gives, without the trip through memory.
+inline Vec16 round_bf16(Vec16 a) {
+  return {_mm512_castsi512_ps(_mm512_and_si512(bf16_bits(a), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
 }
 
 // 2^n for whole-number lanes n (scalef: p * 2^n in one instruction).
@@ -216,6 +223,11 @@ inline __m256i narrow_bf16(__m256 v) {
   const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
   return _mm256_srli_epi32(_mm256_castps_si256(_mm256_blendv_ps(
       _mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan)), 16);
+}
+// What storing a to bfloat16 and loading it back gives, without the trip through memory.
+inline Vec16 round_bf16(Vec16 a) {
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(narrow_bf16(a.lo), 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(narrow_bf16(a.hi), 16))};
 }
 inline void store(c10::BFloat16* p, Vec16 a, int64_t n) {
   // packus interleaves 128-bit lanes ([lo 0-3, hi 0-3, lo 4-7, hi 4-7]); the permute puts them in order.
