@@ -67,7 +67,47 @@ def test_a_request_with_failing_drafts_pauses_drafting(tiny_model_dirs):
         assert out.token_ids == ref["0"].outputs[0].token_ids
         counts[wrong] = engine.get_stats()
     bad, good = counts[1.0], counts[0.0]
-    # Always wrong: two drafts fill the window, then pauses of 8, 16, 32 steps with one draft between them.
-    assert bad.spec_num_accepted_tokens == 0 and bad.spec_num_drafts <= 6
+    # Always wrong: each draft tests one token (its first, rejected), so the average falls by 1/8 a draft: below
+    # 0.3 after ten drafts, then pauses of 8 and 16 steps with one draft between them, and one of 32 past the end.
+    assert bad.spec_num_accepted_tokens == 0 and bad.spec_num_drafts == 12
     # Always right: never paused, every step drafts as far as max_tokens allows.
     assert good.spec_num_accepted_tokens == good.spec_num_draft_tokens and good.spec_num_drafts >= 59 // 5
+
+
+class OneWrongDraft(ScriptedProposer):
+    """Drafts the known continuation, except its `bad`-th draft, whose every token is wrong."""
+
+    def __init__(self, continuations, bad: int) -> None:
+        super().__init__(continuations, wrong=0.0)
+        self.bad = bad
+
+    def propose(self, token_ids, max_tokens):
+        draft = super().propose(token_ids, max_tokens)
+        return [(t + 1) % self.vocab for t in draft] if self.calls == self.bad else draft
+
+
+def test_a_long_draft_rejected_at_its_first_token_does_not_pause_a_request(tiny_model_dirs):
+    """A draft's tokens after its first rejected one were never tested: one 16-token draft rejected at its first
+    token is one miss, not sixteen. Counted as sixteen, it took a copy whose every draft had been accepted to an
+    acceptance of 0 and paused it (a 16-token prompt-lookup draft on the default model's copies)."""
+    path, _ = tiny_model_dirs["llama"]
+    prompt = [random.Random(2).randrange(256) for _ in range(7)]
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    conts, ref = continuations(path, [prompt], params)
+    spec = {"method": "ngram", "num_speculative_tokens": 16, "disable_by_batch_size": None,
+            "min_acceptance_rate": 0.2, "acceptance_window": 16, "adaptive_draft_length": False}
+    engine = engine_for(path, spec)
+    engine.speculator.proposer = OneWrongDraft(conts, bad=3)
+    engine.add_request("r", prompt, params)
+    steps = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        steps += 1
+        if any(o.finished for o in outs):
+            assert outs[0].outputs[0].token_ids == ref["0"].outputs[0].token_ids
+    stats = engine.get_stats()
+    # Drafts 1-2 accepted whole (34 tokens after the prompt's), draft 3 rejected at its first token (1 token),
+    # then every step drafts again: no step after the prompt's went without a draft.
+    assert stats.spec_num_drafts == steps - 1
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens - 16
+    assert_no_leaks(engine)

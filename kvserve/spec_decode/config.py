@@ -66,9 +66,10 @@ class SpeculativeConfig:
     # The same limit for prompt lookup's drafts: disable_by_batch_size where given or for method "ngram";
     # for lookup in front of a model, ngram's default (lookup drafts are free to make, a model's are not).
     lookup_disable_by_batch_size: int | None = field(default=None, init=False)
-    # Per request: once at least acceptance_window draft tokens have been verified, a request whose recent
-    # acceptance (accepted / drafted, a moving average over about that many drafts) is below
+    # Per request: once at least acceptance_window draft tokens have been tested, a request whose recent
+    # acceptance (accepted / tested, a moving average over about that many tokens) is below
     # min_acceptance_rate stops drafting for a while: 8 steps, doubling while it stays low. 0 disables it.
+    # A draft's tokens are tested up to its first rejected one (draft_length.tested_tokens).
     min_acceptance_rate: float = 0.2
     acceptance_window: int = 16
     # Per step: carry only as many of the num_speculative_tokens draft tokens as this engine's measured step

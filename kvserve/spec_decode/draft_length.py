@@ -77,6 +77,14 @@ _CALIBRATION_PRIOR = 4.0      # tokens added to each side: scale 1 before any dr
 StepTokens = Callable[[int, int, int], int]
 
 
+def tested_tokens(num_drafted: int, num_accepted: int) -> int:
+    """The draft tokens a verification tested: each up to the first rejected one. Those after it were never
+    judged on their own (a token is accepted only with all before it), so an acceptance rate that counts them
+    as rejected falls with the draft's length: a 16-token draft rejected at its first token read as 16 misses,
+    and one such draft paused a copy that had every earlier draft accepted."""
+    return min(num_drafted, num_accepted + 1)
+
+
 class StepTimes:
     """Seconds of a forward step by the number of tokens in it: moving averages per count, forgotten once
     no step of that count has run for MAX_AGE steps (checked every MAX_AGE steps). The work behind a count
@@ -159,7 +167,7 @@ class DraftLength:
         self.max_length = max_length
         # Per draft class, P(draft token i accepted | the tokens before it were), None before it is observed.
         self.continue_rate: dict[int, list[float | None]] = {}
-        self.acceptance = 1.0         # accepted / drafted, a moving average over all sequences
+        self.acceptance = 1.0         # accepted / tested, a moving average over all sequences
         self.draft_seconds = 0.0      # the proposer's time per draft position
         self._since_probe = 0         # decisions since the last probe started
         self.probe_cost = PROBE_COST  # > 0 (inf: every PROBE_EVERY-th decision near the best, the rule before)
@@ -197,7 +205,7 @@ class DraftLength:
             rates[i] = old + _POSITION_WEIGHT * ((1.0 if i < num_accepted else 0.0) - old)
         # As a request's own acceptance counts it (speculator.py): a kept alternative as its first token.
         accepted = 1 if kept_alternative else num_accepted
-        self.acceptance += _POSITION_WEIGHT * (accepted / num_drafted - self.acceptance)
+        self.acceptance += _POSITION_WEIGHT * (accepted / tested_tokens(num_drafted, accepted) - self.acceptance)
         if draft_class != TREE_CLASS:  # a tree's rows are sized by the head's confidence, not by `choose`
             self._realized += num_accepted
 

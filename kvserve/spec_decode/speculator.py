@@ -32,7 +32,7 @@ from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.spec_decode.confidence import Calibration
 from kvserve.spec_decode.config import SpeculativeConfig
-from kvserve.spec_decode.draft_length import MODEL_CLASS, TREE_CLASS, DraftLength, StepTokens
+from kvserve.spec_decode.draft_length import MODEL_CLASS, TREE_CLASS, DraftLength, StepTokens, tested_tokens
 from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.eagle_proposer import EagleProposer
 from kvserve.spec_decode.ngram import Indents, NgramProposer
@@ -281,10 +281,11 @@ class Speculator:
                                kept_alternative > 0)
 
         cfg = self.config
-        # Each verified draft token moves the average by 1/window of the way to this draft's rate.
-        weight = min(1.0, num_drafted / cfg.acceptance_window)
-        state.acceptance += weight * (num_accepted / num_drafted - state.acceptance)
-        state.num_verified += num_drafted
+        # Each tested draft token moves the average by 1/window of the way to this draft's rate.
+        tested = tested_tokens(num_drafted, num_accepted)
+        weight = min(1.0, tested / cfg.acceptance_window)
+        state.acceptance += weight * (num_accepted / tested - state.acceptance)
+        state.num_verified += tested
         if cfg.min_acceptance_rate <= 0 or state.num_verified < cfg.acceptance_window:
             return
         if state.acceptance < cfg.min_acceptance_rate:

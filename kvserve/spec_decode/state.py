@@ -15,8 +15,8 @@ FIRST_PAUSE_STEPS = 8
 
 @dataclass
 class SpecState:
-    acceptance: float = 1.0      # moving average of accepted / drafted
-    num_verified: int = 0        # draft tokens verified so far
+    acceptance: float = 1.0      # moving average of accepted / tested (draft_length.tested_tokens)
+    num_verified: int = 0        # draft tokens tested so far
     paused_until: int = 0        # no drafts before this step
     pause_steps: int = FIRST_PAUSE_STEPS
     draft_class: int = 0         # the last draft's class (draft_length.py): n-gram drafts, their match length
