@@ -26,7 +26,8 @@ draft, draft-fixed, draft-always, the same with the draft model (--draft-model, 
 for the default model, k = --draft-k); eagle, eagle-fixed, eagle-always, eagle-unlimited, the same with the eagle head
 (--eagle-model, default: the shipped head, k = --eagle-k); eagle-lookup, the head with prompt lookup in
 front of it (lookup --prompt-lookup-min..max drafts where the last tokens occurred before, the head
-elsewhere; k = --eagle-lookup-k for both); eagle-b, eagle with a second head (--eagle-b-model, e.g. an
+elsewhere; k = --eagle-lookup-k for both); eagle-lookup-long, the head behind ngram-long's lookup (k and
+prompt_lookup_max --ngram-long-k); eagle-b, eagle with a second head (--eagle-b-model, e.g. an
 earlier one) for two heads side by side in one run, and eagle-b-fixed, eagle-b-always; eagle-tree, the head
 with alternatives to its first draft token (--eagle-tree, vLLM's speculative_token_tree), and its variants;
 eagle-tree2, a second tree beside it (--eagle-tree2); eagle-tree-lookup, prompt lookup in front of a tree
@@ -131,6 +132,9 @@ def method_config(method: str, args) -> dict | None:
         return None
     if method.startswith("draft"):
         cfg = {"method": "draft", "num_speculative_tokens": args.draft_k, "model": args.draft_model}
+    elif method.startswith("eagle-lookup-long"):
+        cfg = {"method": "eagle", "num_speculative_tokens": args.ngram_long_k, "model": args.eagle_model,
+               "prompt_lookup_max": args.ngram_long_k, "prompt_lookup_min": args.prompt_lookup_min}
     elif method.startswith("eagle-lookup"):
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_lookup_k, "model": args.eagle_model,
                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
@@ -421,7 +425,10 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
              f"draft k={args.draft_k} ({args.draft_model or 'the shipped draft'}); "
              f"eagle k={args.eagle_k} ({args.eagle_model or 'the shipped head'}"
              + (f"; eagle-lookup k={args.eagle_lookup_k}"
-                if any(m.startswith("eagle-lookup") for m in args.methods) else "")
+                if any(m.startswith("eagle-lookup") and not m.startswith("eagle-lookup-long") for m in args.methods)
+                else "")
+             + (f"; eagle-lookup-long k={args.ngram_long_k}, lookup {args.prompt_lookup_min}..{args.ngram_long_k}"
+                if "eagle-lookup-long" in args.methods else "")
              + (f"; eagle-tree-lookup {args.eagle_tree_lookup}" if "eagle-tree-lookup" in args.methods else "")
              + (f"; eagle-b: {args.eagle_b_model}" if any(m.startswith("eagle-b") for m in args.methods) else "")
              + "); "
@@ -458,7 +465,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-fixed", "eagle", "eagle-fixed"],
                     choices=["none", "none-control", "ngram-plain", "ngram-one-class", "ngram-one-length",
                              "ngram-long", "ngram-no-indents", "ngram-long-no-indents", "eagle-lookup",
-                             "eagle-lookup-plain", "eagle-tree-lookup",
+                             "eagle-lookup-plain", "eagle-lookup-long", "eagle-tree-lookup",
                              *(m + v for m in ("ngram", "draft", "eagle", "eagle-b", "eagle-tree", "eagle-tree2")
                                for v in ("", "-fixed", "-always", "-unlimited")),
                              *(m + DENSE_PROBES for m in ("ngram", "ngram-long", "draft", "eagle", "eagle-lookup",
