@@ -51,20 +51,32 @@ def test_no_drafts_in_steps_above_the_batch_size_limit(tiny_model_dirs):
         assert done[str(i)].outputs[0].token_ids == ref[str(i)].outputs[0].token_ids
 
 
-def test_a_request_with_failing_drafts_pauses_drafting(tiny_model_dirs):
+def one_request(tiny_model_dirs, seed: int, max_tokens: int):
+    """The tiny llama's path, a 7-token prompt, greedy params for it, {prompt: its continuation without
+    speculation} and that continuation."""
     path, _ = tiny_model_dirs["llama"]
-    prompt = [random.Random(1).randrange(256) for _ in range(7)]
-    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    prompt = [random.Random(seed).randrange(256) for _ in range(7)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     conts, ref = continuations(path, [prompt], params)
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None,
-            "min_acceptance_rate": 0.3, "acceptance_window": 8, "adaptive_draft_length": False}
+    return path, prompt, params, conts, ref["0"].outputs[0].token_ids
+
+
+def pausing_ngram(k: int, min_acceptance_rate: float, acceptance_window: int) -> dict:
+    """ngram drafting k tokens in every step that is not paused: no batch limit, no length rule."""
+    return {"method": "ngram", "num_speculative_tokens": k, "disable_by_batch_size": None,
+            "min_acceptance_rate": min_acceptance_rate, "acceptance_window": acceptance_window,
+            "adaptive_draft_length": False}
+
+
+def test_a_request_with_failing_drafts_pauses_drafting(tiny_model_dirs):
+    path, prompt, params, conts, ref = one_request(tiny_model_dirs, seed=1, max_tokens=60)
     counts = {}
     for wrong in (1.0, 0.0):
-        engine = engine_for(path, spec)
+        engine = engine_for(path, pausing_ngram(4, 0.3, 8))
         engine.speculator.proposer = ScriptedProposer(conts, wrong=wrong)
         engine.add_request("r", prompt, params)
         out = drain(engine)["r"].outputs[0]
-        assert out.token_ids == ref["0"].outputs[0].token_ids
+        assert out.token_ids == ref
         counts[wrong] = engine.get_stats()
     bad, good = counts[1.0], counts[0.0]
     # Always wrong: each draft tests one token (its first, rejected), so the average falls by 1/8 a draft: below
@@ -90,21 +102,15 @@ def test_a_long_draft_rejected_at_its_first_token_does_not_pause_a_request(tiny_
     """A draft's tokens after its first rejected one were never tested: one 16-token draft rejected at its first
     token is one miss, not sixteen. Counted as sixteen, it took a copy whose every draft had been accepted to an
     acceptance of 0 and paused it (a 16-token prompt-lookup draft on the default model's copies)."""
-    path, _ = tiny_model_dirs["llama"]
-    prompt = [random.Random(2).randrange(256) for _ in range(7)]
-    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
-    conts, ref = continuations(path, [prompt], params)
-    spec = {"method": "ngram", "num_speculative_tokens": 16, "disable_by_batch_size": None,
-            "min_acceptance_rate": 0.2, "acceptance_window": 16, "adaptive_draft_length": False}
-    engine = engine_for(path, spec)
+    path, prompt, params, conts, ref = one_request(tiny_model_dirs, seed=2, max_tokens=80)
+    engine = engine_for(path, pausing_ngram(16, 0.2, 16))
     engine.speculator.proposer = OneWrongDraft(conts, bad=3)
     engine.add_request("r", prompt, params)
-    steps = 0
+    steps, done = 0, []
     while engine.has_unfinished_requests():
-        outs = engine.step()
+        done += [o for o in engine.step() if o.finished]
         steps += 1
-        if any(o.finished for o in outs):
-            assert outs[0].outputs[0].token_ids == ref["0"].outputs[0].token_ids
+    assert [o.outputs[0].token_ids for o in done] == [ref]
     stats = engine.get_stats()
     # Drafts 1-2 accepted whole (34 tokens after the prompt's), draft 3 rejected at its first token (1 token),
     # then every step drafts again: no step after the prompt's went without a draft.
