@@ -388,8 +388,9 @@ def pooled_acceptance(runs: list[dict]) -> dict:
 def write_report(args, results: dict, device: torch.device, load_before: tuple[float, float, float]) -> None:
     """The table and results/<name>.{json,md} for the workloads measured so far (written after each one, so
     that a run cut short, as on a GPU lease, keeps what it finished)."""
-    lines = ["| workload | concurrency | method | output tokens per request | output tok/s | x none | x none per round | "
-             "TPOT median ms | TPOT x none | decode x none | first token median ms | steps | rejected rows | "
+    lines = ["| workload | concurrency | method | output tokens per request | output tok/s | x none | "
+             "x none per round | TPOT median ms | TPOT x none | decode x none | first token median ms | steps | "
+             "rejected rows | "
              "outside the model, ms per step | acceptance rate | mean acceptance length | acceptance by position | "
              "same |",
              "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
