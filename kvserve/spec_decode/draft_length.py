@@ -239,7 +239,9 @@ class DraftLength:
         for r, (avail, scale, draft_class) in enumerate(drafts):
             q = self.acceptance_by_position(draft_class)
             factor = 1.0 if draft_class == TREE_CLASS else gain_scale
-            ranked.extend((-min(1.0, q[i] * scale) * factor, i, r, min(1.0, q[i] * scale)) for i in range(avail))
+            for i in range(avail):
+                gain = min(1.0, q[i] * scale)
+                ranked.append((-gain * factor, i, r, gain))
         ranked.sort()
         # The model drafts every sequence it drafts for to the deepest of their kept tokens, and that time is
         # the same whatever else the step carries; so each cap on the model's depth is tried (a lookup

@@ -390,7 +390,8 @@ def load_eagle_head(path: str | Path | None, target: LoadedModel, dtype: torch.d
     model.load_weights(tensors)
     pack_float_weights(model)
     model.use_native_kernel()
-    if calibration_path(p).exists():
-        model.calibration = read_calibration(calibration_path(p))
+    table = calibration_path(p)
+    if table.exists():
+        model.calibration = read_calibration(table)
     return model.eval().requires_grad_(False)
 
