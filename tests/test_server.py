@@ -315,6 +315,8 @@ BAD_REQUESTS = [
     ("huge int", "/v1/completions", {**COMPLETION, "seed": 10**40}, "seed"),
     ("huge n", "/v1/completions", {**COMPLETION, "n": 10**6}, "n"),
     ("logprobs > 20", "/v1/completions", {**COMPLETION, "logprobs": 50}, "logprobs"),
+    ("top_logprobs > 20", "/v1/chat/completions", {**CHAT_REQ, "logprobs": True, "top_logprobs": 100}, "top_logprobs"),
+    ("top_logprobs < 0", "/v1/chat/completions", {**CHAT_REQ, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ("bad logit_bias", "/v1/completions", {**COMPLETION, "logit_bias": {"abc": 1}}, "logit_bias"),
     ("min_tokens > max_tokens", "/v1/completions", {**COMPLETION, "min_tokens": 10}, "min_tokens"),
     ("image content", "/v1/chat/completions",

@@ -84,6 +84,9 @@ class OpenAIServingChat(OpenAIServing):
             m, len(ids), requested, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            # Checked here, not by SamplingParams, which would name its own field (logprobs) in the error.
+            raise bad_request(f"top_logprobs must be an integer in [0, 20], got {req.top_logprobs}", "top_logprobs")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(m, req, max_tokens, num_top, None)
         self.check_admission(m, 1, req.priority)
