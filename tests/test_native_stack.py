@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.attention import torch_plan
@@ -42,13 +41,19 @@ def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
 
 
 def count_native_steps(llm: LLM) -> dict[str, int]:
-    """Wraps the model's stack to count the steps it ran and the steps it left to the layers."""
+    """Wraps the model's stack to count the steps it ran and the steps it left to the layers, and among the
+    native ones those that wanted some of their rows ("trimmed") and none of them ("no rows")."""
     stack = llm.engine.runner.model.native_stack
-    counts = {"native": 0, "layers": 0}
+    counts = {"native": 0, "layers": 0, "trimmed": 0, "no rows": 0}
 
     def counting(*args):
         out = stack(*args)
         counts["native" if out is not None else "layers"] += 1
+        out_rows = args[4] if len(args) > 4 else None
+        if out is not None and out_rows is not None:
+            assert len(out[0]) == len(out_rows) < len(args[0])
+            counts["trimmed"] += 1
+            counts["no rows"] += len(out_rows) == 0
         return out
 
     llm.engine.runner.model.native_stack = counting
@@ -63,9 +68,28 @@ def test_stack_matches_the_layers_bit_for_bit(tiny_dirs, arch: str, quantization
     assert model.native_stack is not None
     counts = count_native_steps(llm)
     native = run(llm)
-    assert counts["native"] > 0 and counts["layers"] == 0, counts
+    # Prompt chunks want one row (a prompt's last) or none; the last layer then runs those alone, while
+    # the layers run every row and the model keeps the sampled ones: the same bits either way.
+    assert counts["native"] > 0 and counts["layers"] == 0 and counts["trimmed"] > 0, counts
     model.native_stack = None
     assert run(llm) == native
+
+
+def test_a_prompt_chunk_that_samples_nothing_leaves_the_same_cache(tiny_dirs) -> None:
+    """A long prompt alone in chunks of 32: its first chunks sample no row, so the stack's last layer stops
+    after writing their K/V; what the later steps read from the cache, and so the output, is the layers'."""
+    llm = make_llm(tiny_dirs["llama"], quantization="int4")
+    counts = count_native_steps(llm)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    prompt = "A prompt longer than one step's budget of tokens, " * 4
+
+    def output() -> tuple[list[int], list]:
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        return out.token_ids, [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+    native = output()
+    assert counts["no rows"] >= 2 and counts["layers"] == 0, counts
+    llm.engine.runner.model.native_stack = None
+    assert output() == native
 
 
 def test_steps_it_does_not_cover_go_to_the_layers(tiny_dirs, monkeypatch) -> None:

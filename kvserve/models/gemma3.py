@@ -117,8 +117,8 @@ class Gemma3ForCausalLM(nn.Module):
             cfg.hidden_size, cfg.vocab_size, quant.method(["lm_head.weight"], output_layer=True), "lm_head.weight")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[KVCache]) -> torch.Tensor:
-        """input_ids, positions: [T] -> final-norm hidden states [T, hidden]."""
+                kv_caches: list[KVCache], out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final-norm hidden states [T, hidden] (of the rows out_rows, where given)."""
         x = self.embed_tokens.embed(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         residual = None
@@ -126,6 +126,8 @@ class Gemma3ForCausalLM(nn.Module):
         with forward_context(meta, kv_caches):  # where each layer's self.attn finds its cache and the step's plan
             for layer in self.layers:
                 x, residual = layer(positions, x, residual)
+        if out_rows is not None:
+            x, residual = x[out_rows], residual[out_rows]
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -96,17 +96,19 @@ class DecoderLayer(nn.Module):
 
 
 def run_decoder_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       kv_caches: list[KVCache]) -> tuple[torch.Tensor, torch.Tensor]:
+                       kv_caches: list[KVCache], out_rows: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """model.layers over the embedded x: in one native call where model.native_stack covers the step, else
-    one by one. (last layer's output, residual stream)."""
-    native = model.native_stack(x, positions, meta, kv_caches) if model.native_stack is not None else None
+    one by one. (last layer's output, residual stream), of the rows out_rows (ascending) where given."""
+    native = (model.native_stack(x, positions, meta, kv_caches, out_rows) if model.native_stack is not None
+              else None)
     if native is not None:
         return native
     residual = None
     with forward_context(meta, kv_caches):  # where each layer's self.attn finds its cache and the step's plan
         for layer in model.layers:
             x, residual = layer(positions, x, residual)
-    return x, residual
+    return (x, residual) if out_rows is None else (x[out_rows], residual[out_rows])
 
 
 class LlamaForCausalLM(nn.Module):
@@ -134,10 +136,14 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[KVCache],
+        out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] -> final-norm hidden states [T, hidden]."""
+        """input_ids, positions: [T] -> final-norm hidden states [T, hidden]; with out_rows ([K] ascending
+        row indices: the rows whose logits the step needs), [K, hidden], computed with less work where the
+        native stack runs (its last layer's attention and MLP for those rows alone)."""
         assert len(kv_caches) == len(self.layers)
-        x, residual = run_decoder_layers(self, self.embed_tokens.embed(input_ids), positions, meta, kv_caches)
+        x, residual = run_decoder_layers(self, self.embed_tokens.embed(input_ids), positions, meta, kv_caches,
+                                         out_rows)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

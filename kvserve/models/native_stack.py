@@ -67,8 +67,11 @@ class NativeDecoderStack:
         return cls(model, weights)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 kv_caches: list[KVCache]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(last layer's output, residual stream) as the layers return them, or None: run the layers."""
+                 kv_caches: list[KVCache], out_rows: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(last layer's output, residual stream) as the layers return them, or None: run the layers.
+        out_rows (ascending): those rows' only; the last layer then runs its attention, o projection and MLP
+        for them alone (a prompt chunk samples one row, or none)."""
         plan = meta.backend.kernel_only_plan(meta)
         if plan is None or not cpu_kernels.applies(x) or x.dtype != self.weights[0].dtype:
             return None
@@ -80,5 +83,7 @@ class NativeDecoderStack:
         v_scales = [a.v_scale if fp8 else 1.0 for a in self.attn_layers]
         self.op(x, residual, positions, self.weights, [c[0] for c in kv_caches], [c[1] for c in kv_caches],
                 self.rotary.cos_sin, batch.slot_mapping, rows.token, rows.seq, rows.len, batch.block_tables,
-                self.num_heads, self.eps, self.scale, self.windows, k_scales, v_scales, rows.last)
+                self.num_heads, self.eps, self.scale, self.windows, k_scales, v_scales, rows.last, out_rows)
+        if out_rows is not None:
+            return x[:len(out_rows)], residual[:len(out_rows)]
         return x, residual

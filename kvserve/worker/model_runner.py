@@ -234,11 +234,16 @@ class ModelRunner:
             [seq.block_table for seq, _ in sched.scheduled], slot_mapping, query_start_loc, seq_lens,
             self.block_size, dev, positions if tree else None,
             [len(drafts.get(seq.seq_id, ())) for seq, _ in sched.scheduled] if drafts else None))
+        # Only the sampled rows' hidden states, unless prompt logprobs need them all: a prompt chunk samples one
+        # row or none, and the model may then skip its last layer's attention and MLP for the others.
+        out_rows = (None if prompt_lp or len(sample_rows) == len(input_ids)
+                    else torch.tensor(sample_rows, dtype=torch.int64, device=dev))
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),
             meta,
             self.kv_caches,
+            out_rows,
         )
         for seq, row0, start, count in prompt_lp:
             logits = self.model.compute_logits(hidden[row0:row0 + count])
@@ -247,5 +252,6 @@ class ModelRunner:
                 logits, targets, seq.params.prompt_logprobs)
         if not sample_rows:
             return None, None
-        hidden = hidden[sample_rows]
+        if out_rows is None:
+            hidden = hidden[sample_rows]
         return self.model.compute_logits(hidden), hidden

@@ -22,7 +22,7 @@ TORCH_LIBRARY(KVSERVE_NS, m) {
   m.def("decoder_stack_(Tensor(a!) x, Tensor(b!) residual, Tensor positions, Tensor?[] weights, "
         "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor cos_sin, Tensor slots, Tensor row_token, "
         "Tensor row_seq, Tensor row_len, Tensor block_tables, int num_heads, float eps, float scale, "
-        "int[] windows, float[] k_scales, float[] v_scales, Tensor? row_last=None) -> ()");
+        "int[] windows, float[] k_scales, float[] v_scales, Tensor? row_last=None, Tensor? out_rows=None) -> ()");
   // dense_linear.cpp
   m.def("dense_linear(Tensor x, Tensor weight, ScalarType? out_dtype=None) -> Tensor");
   // eagle_head.cpp

@@ -15,15 +15,35 @@
 // multiple of 8 but not 16), and every attention row on the paged kernel.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/index_select.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "ops.h"
 
 namespace kvserve_cpu {
 inline namespace KVSERVE_NS {
+
+// The attention rows (row_token, row_seq, row_len, row_last as paged_attention_ takes them) whose token is wanted
+// (out_index[token] >= 0), in their order.
+static std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>> wanted_rows(
+    const std::vector<int64_t>& out_index, const at::Tensor& row_token, const at::Tensor& row_seq,
+    const at::Tensor& row_len, const std::optional<at::Tensor>& row_last) {
+  const int64_t R = row_token.size(0);
+  const int64_t* tok = row_token.data_ptr<int64_t>();
+  std::vector<int64_t> keep;
+  for (int64_t r = 0; r < R; ++r)
+    if (out_index[static_cast<size_t>(tok[r])] >= 0) keep.push_back(r);
+  at::Tensor idx = at::empty({static_cast<int64_t>(keep.size())}, row_token.options());
+  std::copy(keep.begin(), keep.end(), idx.data_ptr<int64_t>());
+  std::optional<at::Tensor> last;
+  if (row_last.has_value()) last = row_last->index_select(0, idx);
+  return {row_token.index_select(0, idx), row_seq.index_select(0, idx), row_len.index_select(0, idx), last};
+}
 
 // weights: kWeightsPerLayer entries per layer, in the order below; a q8 layer has no mins (None).
 constexpr int64_t kWeightsPerLayer = 14;
@@ -35,13 +55,15 @@ enum Weight : int64_t {
 // x [T, hidden] (in place: the last layer's output), residual [T, hidden] (out: the residual stream before
 // the last layer's MLP output is added), positions [T]; k_caches / v_caches: one per layer, head-major
 // ([Hkv, NB, bs, D]); the rest as paged_attention_ and cache_kv_ take them, per layer where a list.
+// out_rows [K] (ascending token indices): only those rows' outputs are wanted; they are x's and residual's
+// first K rows then, and the rest of both is left undefined.
 void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& positions,
                     const c10::List<std::optional<at::Tensor>>& weights, at::TensorList k_caches,
                     at::TensorList v_caches, const at::Tensor& cos_sin, const at::Tensor& slots,
                     const at::Tensor& row_token, const at::Tensor& row_seq, const at::Tensor& row_len,
                     const at::Tensor& block_tables, int64_t num_heads, double eps, double scale,
                     at::IntArrayRef windows, at::ArrayRef<double> k_scales, at::ArrayRef<double> v_scales,
-                    const std::optional<at::Tensor>& row_last) {
+                    const std::optional<at::Tensor>& row_last, const std::optional<at::Tensor>& out_rows) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == L * kWeightsPerLayer &&
               static_cast<int64_t>(v_caches.size()) == L && static_cast<int64_t>(windows.size()) == L &&
@@ -58,8 +80,25 @@ void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::T
   };
   auto mins = [&](int64_t layer, Weight i) { return weights.get(layer * kWeightsPerLayer + i); };
 
+  // out_rows: only these rows' outputs are wanted (the rows a step samples). Every layer's K and V are still
+  // needed for every row, but the last layer's attention, o projection and MLP only for the wanted rows.
+  const int64_t K = out_rows.has_value() ? out_rows->size(0) : T;
+  std::vector<int64_t> out_index;  // token -> its place in out_rows, -1 where not wanted
+  if (out_rows.has_value()) {
+    TORCH_CHECK(out_rows->dim() == 1 && out_rows->scalar_type() == at::kLong && out_rows->is_contiguous(),
+                "decoder_stack_: out_rows [K] int64");
+    out_index.assign(static_cast<size_t>(T), -1);
+    const int64_t* o = out_rows->data_ptr<int64_t>();
+    for (int64_t i = 0; i < K; ++i) {
+      TORCH_CHECK(o[i] >= 0 && o[i] < T && (i == 0 || o[i] > o[i - 1]),
+                  "decoder_stack_: out_rows must be ascending token indices in [0, ", T, ")");
+      out_index[static_cast<size_t>(o[i])] = i;
+    }
+  }
+
   at::Tensor h = x;  // the running layer output; x's storage is written back at the end
   residual.zero_();
+  at::Tensor res = residual;  // the residual stream of the rows still computed (all but in a trimmed last layer)
   for (int64_t l = 0; l < L; ++l) {
     fused_add_rms_norm_(h, residual, w(l, kInputNorm), eps);
     const at::Tensor qkv = quant_linear_tiled(h, w(l, kQkvQs), w(l, kQkvScales), mins(l, kQkvMins));
@@ -71,15 +110,26 @@ void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::T
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, Hkv, D});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv, D});
     cache_kv_(k, v, k_caches[l], v_caches[l], slots, k_scales[l], v_scales[l]);
-    const at::Tensor attn = at::empty({T, num_heads, D}, h.options());
-    paged_attention_(q, attn, k_caches[l], v_caches[l], row_token, row_seq, row_len, block_tables, scale,
-                     windows[l], k_scales[l], v_scales[l], row_last);
-    h = quant_linear_tiled(attn.view({T, q_size}), w(l, kOQs), w(l, kOScales), mins(l, kOMins));
-    fused_add_rms_norm_(h, residual, w(l, kPostNorm), eps);
+    at::Tensor attn = at::empty({T, num_heads, D}, h.options());
+    if (l < L - 1 || !out_rows.has_value()) {
+      paged_attention_(q, attn, k_caches[l], v_caches[l], row_token, row_seq, row_len, block_tables, scale,
+                       windows[l], k_scales[l], v_scales[l], row_last);
+    } else {
+      if (K == 0) break;  // a prompt chunk that samples nothing: its K/V were all it had to leave
+      const auto [tok, seq, len, last] = wanted_rows(out_index, row_token, row_seq, row_len, row_last);
+      paged_attention_(q, attn, k_caches[l], v_caches[l], tok, seq, len, block_tables, scale, windows[l],
+                       k_scales[l], v_scales[l], last);
+      attn = attn.index_select(0, *out_rows);  // each row computed as it would be among all of them
+      res = residual.index_select(0, *out_rows);
+    }
+    h = quant_linear_tiled(attn.view({attn.size(0), q_size}), w(l, kOQs), w(l, kOScales), mins(l, kOMins));
+    fused_add_rms_norm_(h, res, w(l, kPostNorm), eps);
     const at::Tensor gate_up = quant_linear_tiled(h, w(l, kGateUpQs), w(l, kGateUpScales), mins(l, kGateUpMins));
     h = quant_linear_tiled(silu_and_mul(gate_up), w(l, kDownQs), w(l, kDownScales), mins(l, kDownMins));
   }
-  x.copy_(h);
+  if (K == 0) return;
+  x.narrow(0, 0, h.size(0)).copy_(h);
+  if (!res.is_same(residual)) residual.narrow(0, 0, K).copy_(res);
 }
 
 }  // namespace KVSERVE_NS

@@ -35,7 +35,7 @@ void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::T
                     const at::Tensor& row_token, const at::Tensor& row_seq, const at::Tensor& row_len,
                     const at::Tensor& block_tables, int64_t num_heads, double eps, double scale,
                     at::IntArrayRef windows, at::ArrayRef<double> k_scales, at::ArrayRef<double> v_scales,
-                    const std::optional<at::Tensor>& row_last);
+                    const std::optional<at::Tensor>& row_last, const std::optional<at::Tensor>& out_rows);
 
 // dense_linear.cpp
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, std::optional<at::ScalarType> out_dtype);

@@ -1,0 +1,84 @@
+"""A prompt's prefill with the last layer run for the sampled rows alone, against every row, in one engine.
+
+A prefill step samples one row per prompt that it finishes, and a chunk that does not finish its prompt
+samples none. Every layer's K and V are needed for every row, but the last layer's attention, o projection
+and MLP only for the sampled rows, so the native decoder stack skips them for the rest (the runner passes
+the model out_rows). The other arm wraps the model so that it computes every row and keeps the sampled
+ones afterwards, as before. Both arms take turns on the same fresh prompt (prefix caching off), and the
+first tokens must agree.
+
+    python benchmarks/prefill_last_layer.py [--lengths 64 256 1024 4096]   # results/prefill_last_layer_<isa>.*
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+from common import prefill_seconds, report
+from kvserve import LLM
+from kvserve.kernels import cpu as cpu_kernels
+
+
+def every_row(model):
+    """model.forward computing every row, then keeping out_rows: the engine before the last layer was trimmed."""
+    forward = model.forward
+
+    def call(input_ids, positions, meta, kv_caches, out_rows=None):
+        hidden = forward(input_ids, positions, meta, kv_caches)
+        return hidden if out_rows is None else hidden[out_rows]
+    return call
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", nargs="+", type=int, default=[64, 256, 1024, 4096], help="prompt tokens")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024, help="the chunk size (the engine's default)")
+    ap.add_argument("--name", default="prefill_last_layer")
+    args = ap.parse_args()
+    isa = cpu_kernels.isa()
+    assert isa, "the native kernels did not build on this machine"
+    llm = LLM(max_num_seqs=4, kv_cache_memory=1 << 30, enable_prefix_caching=False,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    model = llm.engine.runner.model
+    assert model.native_stack is not None, "the default model runs the native decoder stack"
+    trimmed, untrimmed = model.forward, every_row(model)
+    rng = random.Random(0)
+    prefill_seconds(llm, [rng.randrange(100, 40000) for _ in range(256)])  # warm-up
+
+    results: dict = {"points": []}
+    rows = []
+    for n in args.lengths:
+        seconds: dict[str, list[float]] = {"sampled rows": [], "every row": []}
+        for k in range(args.rounds):
+            prompt = [rng.randrange(100, 40000) for _ in range(n)]
+            tokens = []
+            for arm in (("sampled rows", "every row") if k % 2 == 0 else ("every row", "sampled rows")):
+                model.forward = trimmed if arm == "sampled rows" else untrimmed
+                s, token = prefill_seconds(llm, prompt)
+                seconds[arm].append(s)
+                tokens.append(token)
+            assert tokens[0] == tokens[1], f"the arms disagree on a {n}-token prompt's first token: {tokens}"
+        model.forward = trimmed
+        new, old = statistics.median(seconds["sampled rows"]), statistics.median(seconds["every row"])
+        results["points"].append({"prompt_tokens": n, "seconds": seconds, "median_s": {"sampled rows": new,
+                                                                                     "every row": old}})
+        rows.append(f"| {n} | {1000 * old:.1f} | {1000 * new:.1f} | {old / new:.3f}x |")
+        print(rows[-1], flush=True)
+
+    table = "\n".join(["| prompt tokens | every row, median ms | sampled rows, median ms | speed-up |",
+                       "|---:|---:|---:|---:|", *rows])
+    setup = (f"Model: the default SmolLM2-135M-Instruct (dtype auto: {str(llm.engine.dtype)[6:]}, quantization auto), "
+             f"{len(model.layers)} layers; one request of random prompt tokens at a time, max_tokens 1, chunks of "
+             f"{args.max_num_batched_tokens} tokens, prefix caching off; {args.rounds} rounds, the two arms taking "
+             f"turns on the same prompt (first tokens equal in every round). Time to the first token (the whole "
+             f"prefill). 'every row': the last layer's attention and MLP for every prompt token, the model keeping "
+             f"the sampled row after; 'sampled rows': for the sampled row alone (none in a chunk that does not "
+             f"finish its prompt).")
+    report(args.name, "Prefill with the last layer for the sampled rows alone", args, setup, table, results,
+           isa=isa, script="prefill_last_layer")
+
+
+if __name__ == "__main__":
+    main()
