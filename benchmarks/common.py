@@ -53,6 +53,27 @@ def prefill_seconds(llm, prompt: list[int]) -> tuple[float, int]:
     return time.perf_counter() - t0, out.outputs[0].token_ids[0]
 
 
+def add_prefill_options(ap, lengths: list[int], rounds: int, name: str) -> None:
+    """The options of a script that times one prompt's prefill alone (prefill_engine runs it)."""
+    ap.add_argument("--lengths", nargs="+", type=int, default=lengths, help="prompt tokens")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024, help="the chunk size (the engine's default)")
+    ap.add_argument("--name", default=name)
+
+
+def prefill_engine(args):
+    """The default model for prefill_seconds: prefix caching off, chunks of --max-num-batched-tokens, on the
+    native kernels (which the scripts compare settings of). -> (LLM, the kernels' ISA)."""
+    from kvserve import LLM
+    from kvserve.kernels import cpu as cpu_kernels
+
+    isa = cpu_kernels.isa()
+    assert isa, "the native kernels did not build on this machine"
+    llm = LLM(max_num_seqs=4, kv_cache_memory=1 << 30, enable_prefix_caching=False,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    return llm, isa
+
+
 def machine_info() -> dict:
     cpu = platform.processor()
     try:

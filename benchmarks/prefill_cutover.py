@@ -13,25 +13,17 @@ import argparse
 import random
 import statistics
 
-from common import prefill_seconds, report
-from kvserve import LLM
+from common import add_prefill_options, prefill_engine, prefill_seconds, report
 from kvserve.attention import torch_plan
-from kvserve.kernels import cpu as cpu_kernels
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cutovers", nargs="+", type=int, default=[1024, 2048, 4096], help="tokens of context")
-    ap.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096, 6144], help="prompt tokens")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=1024, help="the chunk size (the engine's default)")
-    ap.add_argument("--name", default="prefill_cutover")
+    add_prefill_options(ap, [2048, 4096, 6144], 3, "prefill_cutover")
     args = ap.parse_args()
-    isa = cpu_kernels.isa()
-    assert isa, "the native kernels did not build on this machine"
+    llm, isa = prefill_engine(args)
     shipped = torch_plan._KERNEL_MAX_PREFILL_CONTEXT[isa]
-    llm = LLM(max_num_seqs=4, kv_cache_memory=1 << 30, enable_prefix_caching=False,
-              max_num_batched_tokens=args.max_num_batched_tokens)
     rng = random.Random(0)
     prefill_seconds(llm, [rng.randrange(100, 40000) for _ in range(256)])  # warm-up
 

@@ -15,9 +15,7 @@ import argparse
 import random
 import statistics
 
-from common import prefill_seconds, report
-from kvserve import LLM
-from kvserve.kernels import cpu as cpu_kernels
+from common import add_prefill_options, prefill_engine, prefill_seconds, report
 
 
 def every_row(model):
@@ -32,15 +30,9 @@ def every_row(model):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", nargs="+", type=int, default=[64, 256, 1024, 4096], help="prompt tokens")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=1024, help="the chunk size (the engine's default)")
-    ap.add_argument("--name", default="prefill_last_layer")
+    add_prefill_options(ap, [64, 256, 1024, 4096], 7, "prefill_last_layer")
     args = ap.parse_args()
-    isa = cpu_kernels.isa()
-    assert isa, "the native kernels did not build on this machine"
-    llm = LLM(max_num_seqs=4, kv_cache_memory=1 << 30, enable_prefix_caching=False,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+    llm, isa = prefill_engine(args)
     model = llm.engine.runner.model
     assert model.native_stack is not None, "the default model runs the native decoder stack"
     trimmed, untrimmed = model.forward, every_row(model)
