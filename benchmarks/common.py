@@ -61,16 +61,17 @@ def add_prefill_options(ap, lengths: list[int], rounds: int, name: str) -> None:
     ap.add_argument("--name", default=name)
 
 
-def prefill_engine(args):
-    """The default model for prefill_seconds: prefix caching off, chunks of --max-num-batched-tokens, on the
-    native kernels (which the scripts compare settings of). -> (LLM, the kernels' ISA)."""
+def prefill_engine(args, model: str | None = None):
+    """A model (None: the default one) for prefill_seconds: prefix caching off, chunks of
+    --max-num-batched-tokens, on the native kernels (which the scripts compare settings of). -> (LLM, the
+    kernels' ISA)."""
     from kvserve import LLM
     from kvserve.kernels import cpu as cpu_kernels
 
     isa = cpu_kernels.isa()
     assert isa, "the native kernels did not build on this machine"
-    llm = LLM(max_num_seqs=4, kv_cache_memory=1 << 30, enable_prefix_caching=False,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(**({"model": model} if model else {}), max_num_seqs=4, kv_cache_memory=1 << 30,
+              enable_prefix_caching=False, max_num_batched_tokens=args.max_num_batched_tokens)
     return llm, isa
 
 

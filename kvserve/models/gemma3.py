@@ -56,14 +56,16 @@ class Gemma3Attention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx,
                                    cfg.sliding_window if sliding else None, scale=scalar ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """out_rows: the rows whose output is wanted (all by default); every row's K/V goes to the cache."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        out = self.attn(q, k, v)
+        return self.o_proj(out if out_rows is None else out[out_rows])
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -78,16 +80,17 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, quant, f"{prefix}.mlp", act=GeluTanhAndMul())
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                out_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's (post-normed) output, not yet added to the residual stream; None
-        residual: the first layer, x is the scaled embedding."""
+        residual: the first layer, x is the scaled embedding. out_rows: only those rows after the attention
+        (a last layer whose step samples a few rows)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.post_attention_layernorm(self.self_attn(positions, x))
-        x, residual = self.pre_feedforward_layernorm(x, residual)
+        x = self.post_attention_layernorm(self.self_attn(positions, x, out_rows))
+        x, residual = self.pre_feedforward_layernorm(x, residual if out_rows is None else residual[out_rows])
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
@@ -124,10 +127,8 @@ class Gemma3ForCausalLM(nn.Module):
         residual = None
         assert len(kv_caches) == len(self.layers)
         with forward_context(meta, kv_caches):  # where each layer's self.attn finds its cache and the step's plan
-            for layer in self.layers:
-                x, residual = layer(positions, x, residual)
-        if out_rows is not None:
-            x, residual = x[out_rows], residual[out_rows]
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(positions, x, residual, out_rows if i == len(self.layers) - 1 else None)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

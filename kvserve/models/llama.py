@@ -43,7 +43,8 @@ class Attention(nn.Module):
         self.rotary = rotary  # shared by all layers; owned by the model
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx, cfg.sliding_window)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """out_rows: the rows whose output is wanted (all by default); every row's K/V goes to the cache."""
         T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         # Views of the fused projection, no copies: the kernels read heads at any token stride.
@@ -53,7 +54,8 @@ class Attention(nn.Module):
             q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
         else:  # q's and k's heads sit side by side: one rotation pass over both
             self.rotary.rotate_(positions, qkv[:, :self.q_size + self.kv_size].view(T, H + Hkv, D))
-        return self.o_proj(self.attn(q, k, v))
+        out = self.attn(q, k, v)
+        return self.o_proj(out if out_rows is None else out[out_rows])
 
 
 class MLP(nn.Module):
@@ -80,18 +82,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, quant, f"{prefix}.mlp")
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                out_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream (the add is fused into
-        this layer's first norm); None residual: the first layer, x is the embedding."""
+        this layer's first norm); None residual: the first layer, x is the embedding. out_rows: only those rows
+        after the attention (a last layer whose step samples a few rows)."""
         if residual is None:
             # The first layer too adds to a (zero) residual: its norm then runs the same code as the native
             # decoder stack's (kvserve/models/native_stack.py), so the two paths agree bit for bit; the
             # quantized layers' 8-bit activations would turn a last-bit difference into visible ones.
             residual = torch.zeros_like(x)
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x = self.self_attn(positions, x, out_rows)
+        x, residual = self.post_attention_layernorm(x, residual if out_rows is None else residual[out_rows])
         return self.mlp(x), residual
 
 
@@ -105,10 +108,11 @@ def run_decoder_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tenso
     if native is not None:
         return native
     residual = None
+    last = len(model.layers) - 1
     with forward_context(meta, kv_caches):  # where each layer's self.attn finds its cache and the step's plan
-        for layer in model.layers:
-            x, residual = layer(positions, x, residual)
-    return (x, residual) if out_rows is None else (x[out_rows], residual[out_rows])
+        for i, layer in enumerate(model.layers):
+            x, residual = layer(positions, x, residual, out_rows if i == last else None)
+    return x, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -139,8 +143,8 @@ class LlamaForCausalLM(nn.Module):
         out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final-norm hidden states [T, hidden]; with out_rows ([K] ascending
-        row indices: the rows whose logits the step needs), [K, hidden], computed with less work where the
-        native stack runs (its last layer's attention and MLP for those rows alone)."""
+        row indices: the rows whose logits the step needs), [K, hidden]: the last layer's o projection and MLP
+        (in the native stack its attention too) run for those rows alone."""
         assert len(kv_caches) == len(self.layers)
         x, residual = run_decoder_layers(self, self.embed_tokens.embed(input_ids), positions, meta, kv_caches,
                                          out_rows)
