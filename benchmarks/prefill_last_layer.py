@@ -3,9 +3,9 @@
 A prefill step samples one row per prompt that it finishes, and a chunk that does not finish its prompt
 samples none. Every layer's K and V are needed for every row, but the last layer's o projection and MLP
 (and on the native decoder stack its attention too) only for the sampled rows, so the model skips them for
-the rest (the runner passes it out_rows). The other arm wraps the model so that it computes every row and
-keeps the sampled ones afterwards, as before. Both arms take turns on the same fresh prompt (prefix caching
-off), and the first tokens must agree.
+the rest (the runner passes it out_rows). The other arm (runner.sampled_rows_only False) has the model
+compute every row and keeps the sampled ones afterwards, as before. Both arms take turns on the same fresh
+prompt (prefix caching off), and the first tokens must agree.
 
     python benchmarks/prefill_last_layer.py [--lengths 64 256 1024 4096]   # results/prefill_last_layer_<isa>.*
     python benchmarks/prefill_last_layer.py --model gemma3-270m --name prefill_last_layer_gemma3   # the layers
@@ -19,16 +19,6 @@ import statistics
 from common import add_prefill_options, prefill_engine, prefill_seconds, report
 
 
-def every_row(model):
-    """model.forward computing every row, then keeping out_rows: the engine before the last layer was trimmed."""
-    forward = model.forward
-
-    def call(input_ids, positions, meta, kv_caches, out_rows=None):
-        hidden = forward(input_ids, positions, meta, kv_caches)
-        return hidden if out_rows is None else hidden[out_rows]
-    return call
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a model name or path (default: the default model)")
@@ -37,7 +27,6 @@ def main() -> None:
     llm, isa = prefill_engine(args, args.model)
     model = llm.engine.runner.model
     native = getattr(model, "native_stack", None) is not None
-    trimmed, untrimmed = model.forward, every_row(model)
     rng = random.Random(0)
     prefill_seconds(llm, [rng.randrange(100, 40000) for _ in range(256)])  # warm-up
 
@@ -49,12 +38,12 @@ def main() -> None:
             prompt = [rng.randrange(100, 40000) for _ in range(n)]
             tokens = []
             for arm in (("sampled rows", "every row") if k % 2 == 0 else ("every row", "sampled rows")):
-                model.forward = trimmed if arm == "sampled rows" else untrimmed
+                llm.engine.runner.sampled_rows_only = arm == "sampled rows"
                 s, token = prefill_seconds(llm, prompt)
                 seconds[arm].append(s)
                 tokens.append(token)
             assert tokens[0] == tokens[1], f"the arms disagree on a {n}-token prompt's first token: {tokens}"
-        model.forward = trimmed
+        llm.engine.runner.sampled_rows_only = True
         new, old = statistics.median(seconds["sampled rows"]), statistics.median(seconds["every row"])
         results["points"].append({"prompt_tokens": n, "seconds": seconds, "median_s": {"sampled rows": new,
                                                                                      "every row": old}})

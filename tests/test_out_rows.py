@@ -1,8 +1,8 @@
 """A step's forward for its sampled rows alone: the runner passes the model out_rows (a prompt chunk samples
 its last row or none), and the model's last layer runs its o projection and MLP (the native stack its
 attention too) for those rows only. The same tokens and log-probabilities, bit for bit, as a forward of
-every row whose sampled rows are kept afterwards; on the native stack and on the layers, for Llama-family
-models and Gemma 3."""
+every row whose sampled rows are kept afterwards (runner.sampled_rows_only False); on the native stack and on
+the layers, for Llama-family models and Gemma 3."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,16 +25,6 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     return {arch: root / arch for arch in ("llama", "qwen3")}
 
 
-def every_row(model):
-    """model.forward computing every row, then keeping out_rows (what the engine did before)."""
-    forward = model.forward
-
-    def call(input_ids, positions, meta, kv_caches, out_rows=None):
-        hidden = forward(input_ids, positions, meta, kv_caches)
-        return hidden if out_rows is None else hidden[out_rows]
-    return call
-
-
 def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
     """The prompts in one batch, then a long one alone (its first chunks sample nothing)."""
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
@@ -55,8 +45,9 @@ def compare(llm: LLM) -> None:
     alone = run(llm)
     # Prompt chunks shared steps with decodes, and some sampled nothing.
     assert any(k < n for n, k in trimmed) and any(k == 0 for _, k in trimmed), trimmed
-    model.forward = every_row(model)
-    assert run(llm) == alone
+    llm.engine.runner.sampled_rows_only = False  # every row, the sampled ones kept after (as before)
+    trimmed.clear()
+    assert run(llm) == alone and not trimmed
 
 
 @pytest.mark.parametrize("arch,quantization,native", [("llama", "int4", True), ("llama", "int4", False),

@@ -59,6 +59,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graphs = None  # StepGraphs once capture_graphs ran (CUDA, Triton backend)
         self.keep_hidden = False  # return the sampled rows' hidden states (the eagle head reads them)
+        # The model's last layer for the sampled rows alone (out_rows); False: for every row, the sampled ones kept
+        # after (the same bits, more work: what benchmarks/prefill_last_layer.py and the tests compare against).
+        self.sampled_rows_only = True
         self.last_step_tokens = 0  # the tokens the last step ran: a captured graph's padded shape, else its own
         if device.type == "cpu":
             cpu_kernels.available()  # build (or load) the native kernel now, not in a first request's step
@@ -236,7 +239,7 @@ class ModelRunner:
             [len(drafts.get(seq.seq_id, ())) for seq, _ in sched.scheduled] if drafts else None))
         # Only the sampled rows' hidden states, unless prompt logprobs need them all: a prompt chunk samples one
         # row or none, and the model may then skip its last layer's attention and MLP for the others.
-        out_rows = (None if prompt_lp or len(sample_rows) == len(input_ids)
+        out_rows = (None if prompt_lp or len(sample_rows) == len(input_ids) or not self.sampled_rows_only
                     else torch.tensor(sample_rows, dtype=torch.int64, device=dev))
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
