@@ -29,15 +29,15 @@ namespace kvserve_cpu {
 inline namespace KVSERVE_NS {
 
 // The attention rows (row_token, row_seq, row_len, row_last as paged_attention_ takes them) whose token is wanted
-// (out_index[token] >= 0), in their order.
+// (wanted[token]), in their order.
 static std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>> wanted_rows(
-    const std::vector<int64_t>& out_index, const at::Tensor& row_token, const at::Tensor& row_seq,
+    const std::vector<bool>& wanted, const at::Tensor& row_token, const at::Tensor& row_seq,
     const at::Tensor& row_len, const std::optional<at::Tensor>& row_last) {
   const int64_t R = row_token.size(0);
   const int64_t* tok = row_token.data_ptr<int64_t>();
   std::vector<int64_t> keep;
   for (int64_t r = 0; r < R; ++r)
-    if (out_index[static_cast<size_t>(tok[r])] >= 0) keep.push_back(r);
+    if (wanted[static_cast<size_t>(tok[r])]) keep.push_back(r);
   at::Tensor idx = at::empty({static_cast<int64_t>(keep.size())}, row_token.options());
   std::copy(keep.begin(), keep.end(), idx.data_ptr<int64_t>());
   std::optional<at::Tensor> last;
@@ -83,16 +83,16 @@ void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::T
   // out_rows: only these rows' outputs are wanted (the rows a step samples). Every layer's K and V are still
   // needed for every row, but the last layer's attention, o projection and MLP only for the wanted rows.
   const int64_t K = out_rows.has_value() ? out_rows->size(0) : T;
-  std::vector<int64_t> out_index;  // token -> its place in out_rows, -1 where not wanted
+  std::vector<bool> wanted;  // per token: in out_rows
   if (out_rows.has_value()) {
     TORCH_CHECK(out_rows->dim() == 1 && out_rows->scalar_type() == at::kLong && out_rows->is_contiguous(),
                 "decoder_stack_: out_rows [K] int64");
-    out_index.assign(static_cast<size_t>(T), -1);
+    wanted.assign(static_cast<size_t>(T), false);
     const int64_t* o = out_rows->data_ptr<int64_t>();
     for (int64_t i = 0; i < K; ++i) {
       TORCH_CHECK(o[i] >= 0 && o[i] < T && (i == 0 || o[i] > o[i - 1]),
                   "decoder_stack_: out_rows must be ascending token indices in [0, ", T, ")");
-      out_index[static_cast<size_t>(o[i])] = i;
+      wanted[static_cast<size_t>(o[i])] = true;
     }
   }
 
@@ -116,7 +116,7 @@ void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::T
                        windows[l], k_scales[l], v_scales[l], row_last);
     } else {
       if (K == 0) break;  // a prompt chunk that samples nothing: its K/V were all it had to leave
-      const auto [tok, seq, len, last] = wanted_rows(out_index, row_token, row_seq, row_len, row_last);
+      const auto [tok, seq, len, last] = wanted_rows(wanted, row_token, row_seq, row_len, row_last);
       paged_attention_(q, attn, k_caches[l], v_caches[l], tok, seq, len, block_tables, scale, windows[l],
                        k_scales[l], v_scales[l], last);
       attn = attn.index_select(0, *out_rows);  // each row computed as it would be among all of them
