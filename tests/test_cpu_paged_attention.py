@@ -32,21 +32,23 @@ def reference(q, k_cache, v_cache, tables, row_seq, row_len, scale, window, row_
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
                                                (torch.bfloat16, torch.float8_e4m3fn)],
                          ids=["f32", "bf16", "bf16_fp8cache"])
-@pytest.mark.parametrize("D,H,Hkv,window", [(64, 9, 3, 0), (64, 9, 3, 530), (256, 4, 1, 0)])
+@pytest.mark.parametrize("D,H,Hkv,window", [(64, 9, 3, 0), (64, 9, 3, 2070), (256, 4, 1, 0)])
 def test_long_chunk_rows_computed_together_give_each_rows_own_bits(isa, dtype, cache_dtype, D, H, Hkv, window):
-    """A long prompt chunk's rows (a run of 32 or more with 512 keys or more in view) are taken in groups that
-    share each block of keys: every row must still compute what it computes alone, bit for bit (the engine's
-    outputs must not depend on which rows share a step), and match float64 attention. Another sequence's rows
-    sit between two runs of the first."""
+    """A long prompt chunk's rows (a run of 32 or more) are taken in groups that share each block of keys where
+    2048 keys or more are in view (two rows at a time where both see a whole block), in pairs below that: every
+    row must still compute what it computes alone, bit for bit (the engine's outputs must not depend on which rows
+    share a step), and match float64 attention. Another sequence's rows sit between two runs of the first; a third
+    run starts a prompt, and a fourth crosses 2048 keys (and, with the window, rows' first keys differ)."""
     ops = native_ops(isa)
     g = torch.Generator().manual_seed(5)
-    bs, NB, prefix, new = 16, 96, 560, 40
+    bs, NB, prefix, new = 16, 280, 2060, 40
     k_cache = torch.randn(Hkv, NB, bs, D, generator=g).to(cache_dtype or dtype)
     v_cache = torch.randn(Hkv, NB, bs, D, generator=g).to(cache_dtype or dtype)
     perm = torch.randperm(NB, generator=g).tolist()
-    tables = [perm[:40], perm[40:80]]  # two sequences of up to 640 tokens, blocks scattered
-    row_seq = [0] * new + [1] * 3 + [0] * new
-    row_len = list(range(prefix + 1, prefix + new + 1)) + [100, 101, 102] + [prefix + new] * new
+    tables = [perm[:140], perm[140:]]  # two sequences of up to 2240 tokens, blocks scattered
+    row_seq = [0] * new + [1] * 3 + [0] * new + [1] * 37 + [0] * 40
+    row_len = (list(range(prefix + 1, prefix + new + 1)) + [100, 101, 102] + [prefix + new] * new
+               + list(range(1, 38)) + list(range(2031, 2071)))
     T = len(row_seq)
     q = torch.randn(T, H, D, generator=g).to(dtype)
     tokens = torch.arange(T)

@@ -8,10 +8,11 @@
 // Why a kernel: the torch path gathers every decode row's K/V into a padded copy and runs two batched
 // matmuls over it (~45% of a decode step at batch 64), and torch's CPU flash attention ran prefill at
 // ~35 GFLOP/s. Here each (row, KV head) reads its K and V once, with no copy and no padding, and the G
-// query heads sharing the KV head reuse each converted K/V row from registers. A prefill sequence's
-// K/V is re-read by each of its rows: from cache for short contexts (64 KB per head for 256 bfloat16
-// tokens); past that, a long chunk's rows share each block of keys (attend_rows). A verification step's rows
-// go two at a time, each K/V row widened once for both (attend_pair). (Taking its 5 rows together measured
+// query heads sharing the KV head reuse each converted K/V row from registers. A sequence's rows (a prompt
+// chunk's, a verification step's) go two at a time, each K/V row widened once for both (attend_pair), and
+// re-read by each pair: from cache for short contexts (64 KB per head for 256 bfloat16 tokens); past 2048
+// keys a long chunk's rows share each block of keys, two at a time within it (attend_rows). (Taking a
+// verification step's 5 rows together measured
 // slower: 3 items on 2 threads instead of 15, and their K/V were in cache. So did converting the keys all its
 // rows see to float32 once, into an L1 chunk every row read, with the run
 // split for the threads: 0.79-0.93x for 5-17 rows over 400 or 2,000 bfloat16 keys, 2 threads, the Intel Xeon;
@@ -50,10 +51,16 @@ constexpr int64_t kChunk = 16;     // keys scored together (one vector of scores
 // kKeyBlock keys at a time (attend_rows): 1.3-1.7x the speed for a 2048-token chunk after 2048-6144 cached
 // tokens with the blocks scattered through the pool (Intel Xeon, AVX-512, benchmarks/prefill_attention.py;
 // 8 or 32 rows a group measured slower), ~1.04x end to end where a fresh prompt's blocks lie in order. Rows
-// with fewer keys are taken one by one (their K/V stay in cache anyway), and so are runs of fewer than
-// kMinRunRows rows of a sequence: a verification step's rows would make too few work items for the threads.
+// with fewer keys go in pairs (attend_pair), as a verification step's do: their K/V stay in cache, and a pair
+// widens each K/V row once for both rows. Against rows one by one (and groups from 512 keys, as before), one
+// layer of the default model's prompt attention ran 1.05x for 32 prompts of 64 tokens, 1.16x for 8 of 256,
+// 1.22x for 4 of 512, and, with two rows at a time inside the groups from 2048 keys, 1.15-1.29x for 2048-token
+// chunks after 0-6144 cached tokens (Intel Xeon, AVX-512; 1.12-1.19x with AVX2 forced). Pairs alone beat those
+// groups up to ~2048 keys (2 x 256 after 768: 1.28x), and lost past it (after 6144: 0.85x).
+// Runs of fewer than kMinRunRows rows of a sequence are never grouped: a verification step's rows would make
+// too few work items for the threads.
 constexpr int64_t kGroupRows = 16;
-constexpr int64_t kGroupMinKeys = 512;
+constexpr int64_t kGroupMinKeys = 2048;
 constexpr int64_t kKeyBlock = 256;  // a multiple of kChunk
 constexpr int64_t kMinRunRows = 32;
 // Shorter runs (a verification step's rows) go two rows at a time from kPairFromRows rows up (attend_pair), for
@@ -282,9 +289,10 @@ void attend_pair(const RowRef<T>* rows, const C* k_cache, const C* v_cache, cons
 // Rows of one sequence, one KV head: for each row, scores for the G query heads over its visible keys,
 // softmax, then P @ V. A single row takes its keys in one range; several rows take them kKeyBlock at a time,
 // each row in turn over the same block, so that a long context's K and V come from L1/L2 once per block and
-// rows instead of from L3 or DRAM once per row. Every row's arithmetic is the same either way (blocks are
-// multiples of score_keys' 16 keys, and accumulate_pv adds in key order), so its bits do not depend on
-// which rows share its call. Two rows of a verification step go together (attend_pair).
+// rows instead of from L3 or DRAM once per row; within a block, two rows that both see all of it and neither of
+// whose last keys it holds go together, as attend_pair takes them. Every row's arithmetic is the same either way
+// (blocks are multiples of score_keys' 16 keys, and accumulate_pv adds in key order), so its bits do not depend
+// on which rows share its call. Two rows alone go to attend_pair.
 // The cache (C) holds q's dtype, or float8 e4m3 holding K / k_scale and V / v_scale.
 template <typename T, typename C, int kC>
 void attend_rows(const RowRef<T>* rows, int64_t R, const C* k_cache, const C* v_cache, const int64_t* table,
@@ -300,54 +308,78 @@ void attend_rows(const RowRef<T>* rows, int64_t R, const C* k_cache, const C* v_
   for (int64_t r = 0; r < R; ++r) ld = std::max(ld, rows[r].len - rows[r].first);
   const int64_t step = R == 1 ? ld : kKeyBlock;
   scores.resize(static_cast<size_t>(R * G * ld));
-  // Calls f(r, b0, m, last_at, last_range) for each row's keys [first + b0, first + b0 + m), a block of keys at a
-  // time, each row in turn. The last of them is stored in place (last_at), unless it is the row's key len - 1.
+  auto keys_of = [&](int64_t r) { return rows[r].len - rows[r].first; };
+  // Calls f(r, pair, b0, m, last_at, last_range) for each row's keys [first + b0, first + b0 + m), a block of keys
+  // at a time, each row in turn; the last of them is stored at last_at (in place unless it is the row's key
+  // len - 1). pair: rows r and r + 1 take the block together (attend_pair's sharing of each widened K/V row), where
+  // both see all of it and it holds neither's last key.
   auto for_each_range = [&](auto&& f) {
     for (int64_t b0 = 0; b0 < ld; b0 += step)
       for (int64_t r = 0; r < R; ++r) {
-        const RowRef<T>& row = rows[r];
-        const int64_t n = row.len - row.first;
+        const int64_t n = keys_of(r);
         if (b0 >= n) continue;
         const int64_t m = std::min(step, n - b0);
-        f(r, b0, m, b0 + m == n ? row.last_at : row.first + b0 + m - 1, b0 + m == n);
+        if (kPairs<kC> && R > 1 && r + 1 < R && rows[r + 1].first == rows[r].first && b0 + m < n &&
+            b0 + m < keys_of(r + 1)) {
+          f(r, true, b0, m, rows[r].first + b0 + m - 1, false);
+          ++r;
+          continue;
+        }
+        f(r, false, b0, m, b0 + m == n ? rows[r].last_at : rows[r].first + b0 + m - 1, b0 + m == n);
       }
+  };
+  auto load_queries = [&](int64_t r, Vec16 (*qv)[kC]) {
+    for (int64_t g = 0; g < G; ++g)
+      for (int c = 0; c < kC; ++c) qv[g][c] = load16(rows[r].q + g * D + c * 16) * broadcast(scale);
   };
 
   // Pass 1: scores[r][g][t - first] = q_g . k_t.
-  for_each_range([&](int64_t r, int64_t b0, int64_t m, int64_t last_at, bool) {
-    const RowRef<T>& row = rows[r];
-    Vec16 qv[kMaxGroup][kC];
-    for (int64_t g = 0; g < G; ++g)
-      for (int c = 0; c < kC; ++c) qv[g][c] = load16(row.q + g * D + c * 16) * broadcast(scale);
+  for_each_range([&](int64_t r, bool pair, int64_t b0, int64_t m, int64_t last_at, bool) {
+    Vec16 qv[kPairs<kC> ? 2 : 1][kMaxGroup][kC];
+    load_queries(r, qv[0]);
+    if constexpr (kPairs<kC>) {
+      if (pair) load_queries(r + 1, qv[1]);
+    }
     for_head_blocks<kHeadBlock<kC>>(G, [&](auto heads, int64_t g0) {
       constexpr int kN = decltype(heads)::value;
-      const Vec16* q[kN];
-      float* s[kN];
-      for (int j = 0; j < kN; ++j) q[j] = qv[g0 + j], s[j] = scores.data() + (r * G + g0 + j) * ld + b0;
-      score_keys<C, kC, kN>(q, k_cache, table, head_base, bs, row.first + b0, m, last_at, s);
+      const Vec16* q[2 * kN];
+      float* s[2 * kN];
+      for (int i = 0; i < (pair ? 2 : 1); ++i)
+        for (int j = 0; j < kN; ++j)
+          q[i * kN + j] = qv[i][g0 + j], s[i * kN + j] = scores.data() + ((r + i) * G + g0 + j) * ld + b0;
+      if constexpr (kPairs<kC>) {
+        if (pair) return score_keys<C, kC, 2 * kN>(q, k_cache, table, head_base, bs, rows[r].first + b0, m, last_at, s);
+      }
+      score_keys<C, kC, kN>(q, k_cache, table, head_base, bs, rows[r].first + b0, m, last_at, s);
     });
   });
 
   // Softmax over each head's scores, in place; inv_sum is applied to the output at the end.
   float inv_sum[kGroupRows][kMaxGroup];
   for (int64_t r = 0; r < R; ++r)
-    softmax_rows(scores.data() + r * G * ld, ld, rows[r].len - rows[r].first, G, v_scale, inv_sum[r]);
+    softmax_rows(scores.data() + r * G * ld, ld, keys_of(r), G, v_scale, inv_sum[r]);
 
   // Pass 2: out_g = inv_sum[g] * sum_t p[g][t] v_t (a single row keeps its accumulators in registers).
   if (R > 1) accs.resize(static_cast<size_t>(R * G * D));
-  for_each_range([&](int64_t r, int64_t b0, int64_t m, int64_t last_at, bool last_range) {
+  for_each_range([&](int64_t r, bool pair, int64_t b0, int64_t m, int64_t last_at, bool last_range) {
     for_head_blocks<kHeadBlock<kC>>(G, [&](auto heads, int64_t g0) {
       constexpr int kN = decltype(heads)::value;
-      const float* p[kN];
-      float* acc[kN];
-      T* out[kN];
-      for (int j = 0; j < kN; ++j) {
-        p[j] = scores.data() + (r * G + g0 + j) * ld + b0;
-        acc[j] = R > 1 ? accs.data() + (r * G + g0 + j) * D : nullptr;
-        out[j] = rows[r].out + (g0 + j) * D;
+      const float* p[2 * kN];
+      float* acc[2 * kN];
+      T* out[2 * kN];
+      for (int i = 0; i < (pair ? 2 : 1); ++i)
+        for (int j = 0; j < kN; ++j) {
+          p[i * kN + j] = scores.data() + ((r + i) * G + g0 + j) * ld + b0;
+          acc[i * kN + j] = R > 1 ? accs.data() + ((r + i) * G + g0 + j) * D : nullptr;
+          out[i * kN + j] = rows[r + i].out + (g0 + j) * D;
+        }
+      if constexpr (kPairs<kC>) {
+        if (pair)
+          return accumulate_pv<T, C, kC, 2 * kN>(v_cache, table, head_base, bs, rows[r].first + b0, m, last_at, p,
+                                                 acc, b0 == 0, nullptr, nullptr);
       }
       accumulate_pv<T, C, kC, kN>(v_cache, table, head_base, bs, rows[r].first + b0, m, last_at, p, acc, b0 == 0,
-                                  last_range ? out : nullptr, inv_sum[r] + g0);
+                                    last_range ? out : nullptr, inv_sum[r] + g0);
     });
   });
 }
@@ -373,8 +405,8 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   constexpr int64_t D = kC * 16;
   // Row groups: in a run of at least kMinRunRows consecutive rows of one sequence (a prompt chunk, not a
-  // verification step), rows that see kGroupMinKeys keys or more, up to kGroupRows a group; in a shorter run of
-  // kPairFromRows or more (a verification step), pairs of rows.
+  // verification step), rows that see kGroupMinKeys keys or more, up to kGroupRows a group; other rows of a run of
+  // kPairFromRows or more, pairs.
   auto visible = [&](int64_t r) {
     return window > 0 ? std::min<int64_t>(rows.len[r], window) : rows.len[r];
   };
@@ -386,8 +418,8 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
     for (int64_t r = run; r < end; ++r) {
       const int64_t g = group_start.empty() ? -1 : group_start.back();
       const bool joins =
-          end - run >= kMinRunRows
-              ? g >= run && r - g < kGroupRows && visible(r) >= kGroupMinKeys && visible(g) >= kGroupMinKeys
+          end - run >= kMinRunRows && visible(r) >= kGroupMinKeys
+              ? g >= run && r - g < kGroupRows && visible(g) >= kGroupMinKeys
               : kPairs<kC> && window <= 0 && end - run >= kPairFromRows && (r - run) % 2 == 1;
       if (!joins) group_start.push_back(r);
     }
