@@ -119,7 +119,8 @@ def test_verification_rows_computed_in_pairs_give_each_rows_own_bits(isa, dtype,
                          ids=["f32", "bf16", "f32_fp8cache", "bf16_fp8cache", "f32_bf16cache", "bf16_f32cache"])
 @pytest.mark.parametrize("D,H,Hkv,bs,window", [(64, 9, 3, 16, 0), (128, 8, 1, 16, 0), (16, 4, 2, 4, 0),
                                                 (32, 6, 6, 8, 20), (64, 16, 1, 16, 37),
-                                                (256, 4, 1, 16, 24)])  # Gemma 3 270M's heads, a window
+                                                (256, 4, 1, 16, 24),  # Gemma 3 270M's heads, a window
+                                                (128, 6, 2, 16, 0), (256, 6, 2, 16, 0)])  # 3 heads a KV head: 2 + 1
 @pytest.mark.parametrize("qkv_view", [False, True], ids=["q_contiguous", "q_in_qkv"])
 @pytest.mark.parametrize("spread", [2, 1], ids=["rows_apart", "rows_adjacent"])
 def test_kernel_matches_float64_reference(isa, dtype, cache_dtype, D, H, Hkv, bs, window, qkv_view, spread) -> None:

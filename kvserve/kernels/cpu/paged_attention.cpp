@@ -140,10 +140,12 @@ void score_keys(const Vec16* const* q, const C* k_cache, const int64_t* table, i
 // 2 threads, 18 layers' caches in turn) 1.12x at one decode row of 512 tokens and 1.16x for a 256-row prefill
 // chunk.
 // Narrower passes for 64-wide heads (two vectors of three heads) measured 0.93-0.95x at one decode row.
+// Heads of 128 or more, whose queries go several at a time (kHeadBlock), take as many vectors a pass as leave
+// the accumulators of all kN queries in at most 16 of AVX-512's registers (8 of AVX2's).
 #ifdef KVSERVE_VEC_AVX512
-template <int kC> constexpr int kPvWidth = kC;
+template <int kC, int kN> constexpr int kPvWidth = kC <= 4 ? kC : std::min(kC, std::max(1, 16 / kN));
 #else
-template <int kC> constexpr int kPvWidth = kC < 4 ? kC : 4;
+template <int kC, int kN> constexpr int kPvWidth = kC < 4 ? kC : kC == 4 ? 4 : std::min(4, std::max(1, 8 / kN));
 #endif
 template <typename T, typename C, int kC, int kN>
 void accumulate_pv(const C* v_cache, const int64_t* table, int64_t head_base, int64_t bs, int64_t first, int64_t n,
@@ -153,7 +155,7 @@ void accumulate_pv(const C* v_cache, const int64_t* table, int64_t head_base, in
   // out[i] = inv_sum[i] * acc[i]; else acc_io keeps them for the next keys. The same multiply-adds on the same
   // values whether a row's keys come in one call or in consecutive ranges (attend_rows), so the same bits.
   constexpr int64_t D = kC * 16;
-  constexpr int kW = kPvWidth<kC>;
+  constexpr int kW = kPvWidth<kC, kN>;
   for (int c0 = 0; c0 < kC; c0 += kW) {
     Vec16 acc[kN][kW];
     for (int h = 0; h < kN; ++h)
@@ -201,18 +203,21 @@ struct RowRef {
 };
 
 // Calls f(std::integral_constant<int, n>{}, g0) for the query heads [g0, g0 + n) of a KV head's G: blocks of kB,
-// then the rest one at a time. A count known at compile time: indexed by a run-time count, queries and
-// accumulators stayed in memory, a load (and in pass 2 a store) around every multiply-add.
+// then the rest in blocks of kB / 2, kB / 4, ..., 1. A count known at compile time: indexed by a run-time count,
+// queries and accumulators stayed in memory, a load (and in pass 2 a store) around every multiply-add.
 template <int kB, typename F>
-inline void for_head_blocks(int64_t G, F&& f) {
-  int64_t g0 = 0;
+inline void for_head_blocks(int64_t G, F&& f, int64_t g0 = 0) {
   for (; g0 + kB <= G; g0 += kB) f(std::integral_constant<int, kB>{}, g0);
-  for (; g0 < G; ++g0) f(std::integral_constant<int, 1>{}, g0);
+  if constexpr (kB > 1) {
+    if (g0 < G) for_head_blocks<kB / 2>(G, f, g0);
+  }
 }
 
 // Query heads per score_keys / accumulate_pv call for one row: kC = D / 16 vectors per K/V row, fixed at compile
-// time so a row lives in registers beside its heads' queries.
-template <int kC> constexpr int kHeadBlock = kC <= 4 ? 12 / kC : 1;
+// time so a row lives in registers beside its heads' queries. Heads of 128 or more go four at a time although their
+// queries then sit in L1, not in registers: each K/V row is widened from bfloat16 once for the four instead of once
+// per head, which had been most of a wide head's work (a K row of 256 is 32 instructions to widen, 16 to multiply).
+template <int kC> constexpr int kHeadBlock = kC <= 4 ? 12 / kC : 4;
 
 // Two rows of one sequence that see the same first key (a verification step's), one KV head. Over the keys both
 // see, [first, shared), each K and V row is loaded and widened once for both rows' query heads; each row's own
