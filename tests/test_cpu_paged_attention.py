@@ -38,7 +38,8 @@ def test_long_chunk_rows_computed_together_give_each_rows_own_bits(isa, dtype, c
     2048 keys or more are in view (two rows at a time where both see a whole block), in pairs below that: every
     row must still compute what it computes alone, bit for bit (the engine's outputs must not depend on which rows
     share a step), and match float64 attention. Another sequence's rows sit between two runs of the first; a third
-    run starts a prompt, and a fourth crosses 2048 keys (and, with the window, rows' first keys differ)."""
+    run starts a prompt, a fourth crosses 2048 keys (and, with the window, rows' first keys differ), and in a fifth
+    short rows follow a full group of long ones."""
     ops = native_ops(isa)
     g = torch.Generator().manual_seed(5)
     bs, NB, prefix, new = 16, 280, 2060, 40
@@ -46,9 +47,11 @@ def test_long_chunk_rows_computed_together_give_each_rows_own_bits(isa, dtype, c
     v_cache = torch.randn(Hkv, NB, bs, D, generator=g).to(cache_dtype or dtype)
     perm = torch.randperm(NB, generator=g).tolist()
     tables = [perm[:140], perm[140:]]  # two sequences of up to 2240 tokens, blocks scattered
-    row_seq = [0] * new + [1] * 3 + [0] * new + [1] * 37 + [0] * 40
+    row_seq = [0] * new + [1] * 3 + [0] * new + [1] * 37 + [0] * 40 + [1] * 36
     row_len = (list(range(prefix + 1, prefix + new + 1)) + [100, 101, 102] + [prefix + new] * new
-               + list(range(1, 38)) + list(range(2031, 2071)))
+               + list(range(1, 38)) + list(range(2031, 2071))
+               # lengths that do not rise (a tree's): a full group of 16 long rows, then short rows
+               + [100] + list(range(2100, 2116)) + list(range(101, 120)))
     T = len(row_seq)
     q = torch.randn(T, H, D, generator=g).to(dtype)
     tokens = torch.arange(T)

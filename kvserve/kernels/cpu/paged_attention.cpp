@@ -411,7 +411,8 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
   constexpr int64_t D = kC * 16;
   // Row groups: in a run of at least kMinRunRows consecutive rows of one sequence (a prompt chunk, not a
   // verification step), rows that see kGroupMinKeys keys or more, up to kGroupRows a group; other rows of a run of
-  // kPairFromRows or more, pairs.
+  // kPairFromRows or more, pairs: a row joins the one before it where that one started a group of its own (in a
+  // long run whose lengths do not rise, a tree's, the group before may be a full one).
   auto visible = [&](int64_t r) {
     return window > 0 ? std::min<int64_t>(rows.len[r], window) : rows.len[r];
   };
@@ -425,7 +426,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
       const bool joins =
           end - run >= kMinRunRows && visible(r) >= kGroupMinKeys
               ? g >= run && r - g < kGroupRows && visible(g) >= kGroupMinKeys
-              : kPairs<kC> && window <= 0 && end - run >= kPairFromRows && (r - run) % 2 == 1;
+              : kPairs<kC> && window <= 0 && end - run >= kPairFromRows && (r - run) % 2 == 1 && g == r - 1;
       if (!joins) group_start.push_back(r);
     }
   }
