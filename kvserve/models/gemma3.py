@@ -17,12 +17,11 @@ import torch
 from torch import nn
 
 from kvserve.attention.backend import AttentionMetadata, KVCache
-from kvserve.attention.forward_context import forward_context
 from kvserve.config import ModelConfig
 from kvserve.layers.activation import GeluTanhAndMul
 from kvserve.layers.attention import PagedAttention
 from kvserve.layers.linear import ColumnLinear, LinearBase, QKVLinear, RowLinear, VocabEmbedding
-from kvserve.models.llama import MLP
+from kvserve.models.llama import MLP, run_decoder_layers
 from kvserve.layers.norm import GemmaRMSNorm
 from kvserve.layers.quantization import QuantConfig
 from kvserve.layers.quantization.methods import Loaded
@@ -116,6 +115,9 @@ class Gemma3ForCausalLM(nn.Module):
                                quant, f"model.layers.{i}", i)
             for i, kind in enumerate(layer_types))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # No native decoder stack covers Gemma's layers (its norms, q/k norms, GELU): run_decoder_layers runs
+        # them one by one.
+        self.native_stack = None
         self.lm_head: LinearBase = self.embed_tokens if cfg.tie_word_embeddings else ColumnLinear(
             cfg.hidden_size, cfg.vocab_size, quant.method(["lm_head.weight"], output_layer=True), "lm_head.weight")
 
@@ -124,11 +126,8 @@ class Gemma3ForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final-norm hidden states [T, hidden] (of the rows out_rows, where given)."""
         x = self.embed_tokens.embed(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        residual = None
         assert len(kv_caches) == len(self.layers)
-        with forward_context(meta, kv_caches):  # where each layer's self.attn finds its cache and the step's plan
-            for i, layer in enumerate(self.layers):
-                x, residual = layer(positions, x, residual, out_rows if i == len(self.layers) - 1 else None)
+        x, residual = run_decoder_layers(self, x, positions, meta, kv_caches, out_rows)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
