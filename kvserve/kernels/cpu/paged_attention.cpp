@@ -202,6 +202,13 @@ struct RowRef {
   int64_t first, len, last_at;  // visible keys [first, len); key len - 1 stored at last_at
 };
 
+// A row's G query heads (kC vectors each), scaled: what score_keys multiplies the keys by.
+template <int kC, typename T>
+inline void load_queries(const T* q, int64_t G, float scale, Vec16 (*qv)[kC]) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < kC; ++c) qv[g][c] = load16(q + (g * kC + c) * 16) * broadcast(scale);
+}
+
 // Calls f(std::integral_constant<int, n>{}, g0) for the query heads [g0, g0 + n) of a KV head's G: blocks of kB,
 // then the rest in blocks of kB / 2, kB / 4, ..., 1. A count known at compile time: indexed by a run-time count,
 // queries and accumulators stayed in memory, a load (and in pass 2 a store) around every multiply-add.
@@ -238,9 +245,7 @@ void attend_pair(const RowRef<T>* rows, const C* k_cache, const C* v_cache, cons
   scores.resize(static_cast<size_t>(2 * G * ld));
   accs.resize(static_cast<size_t>(2 * G * D));
   Vec16 qv[2][kMaxGroup][kC];
-  for (int r = 0; r < 2; ++r)
-    for (int64_t g = 0; g < G; ++g)
-      for (int c = 0; c < kC; ++c) qv[r][g][c] = load16(rows[r].q + g * D + c * 16) * broadcast(scale);
+  for (int r = 0; r < 2; ++r) load_queries<kC>(rows[r].q, G, scale, qv[r]);
   auto s_row = [&](int r, int64_t g) { return scores.data() + (r * G + g) * ld; };
   auto acc_row = [&](int r, int64_t g) { return accs.data() + (r * G + g) * D; };
 
@@ -333,17 +338,13 @@ void attend_rows(const RowRef<T>* rows, int64_t R, const C* k_cache, const C* v_
         f(r, false, b0, m, b0 + m == n ? rows[r].last_at : rows[r].first + b0 + m - 1, b0 + m == n);
       }
   };
-  auto load_queries = [&](int64_t r, Vec16 (*qv)[kC]) {
-    for (int64_t g = 0; g < G; ++g)
-      for (int c = 0; c < kC; ++c) qv[g][c] = load16(rows[r].q + g * D + c * 16) * broadcast(scale);
-  };
 
   // Pass 1: scores[r][g][t - first] = q_g . k_t.
   for_each_range([&](int64_t r, bool pair, int64_t b0, int64_t m, int64_t last_at, bool) {
     Vec16 qv[kPairs<kC> ? 2 : 1][kMaxGroup][kC];
-    load_queries(r, qv[0]);
+    load_queries<kC>(rows[r].q, G, scale, qv[0]);
     if constexpr (kPairs<kC>) {
-      if (pair) load_queries(r + 1, qv[1]);
+      if (pair) load_queries<kC>(rows[r + 1].q, G, scale, qv[1]);
     }
     for_head_blocks<kHeadBlock<kC>>(G, [&](auto heads, int64_t g0) {
       constexpr int kN = decltype(heads)::value;
@@ -395,7 +396,18 @@ struct Rows {
   const int64_t* len;    // keys [len - window, len) are visible
   const int64_t* last;   // where key len - 1 is stored (null: at len - 1)
   int64_t count;
+
+  int64_t visible(int64_t r, int64_t window) const { return window > 0 ? std::min(len[r], window) : len[r]; }
 };
+
+// Row r's RowRef for KV head h: its G query heads in q (tokens q_stride apart) and in out ([T, H, D]).
+template <typename T>
+inline RowRef<T> row_ref(const Rows& rows, int64_t r, int64_t h, const T* qp, T* op, int64_t q_stride, int64_t H,
+                         int64_t G, int64_t D, int64_t window) {
+  const int64_t len = rows.len[r];
+  return {qp + rows.token[r] * q_stride + h * G * D, op + (rows.token[r] * H + h * G) * D,
+          window > 0 ? std::max<int64_t>(0, len - window) : 0, len, rows.last != nullptr ? rows.last[r] : len - 1};
+}
 
 // Fewer (row, KV head) items than threads (a decode step of one sequence of a model with one KV head, Gemma 3's:
 // the second thread sat idle through attention). Each item is split in two without changing a bit: its scores
@@ -411,14 +423,9 @@ void attend_split(const T* qp, T* op, int64_t q_stride, const C* kp, const C* vp
   constexpr int64_t D = kC * 16;
   const int64_t items = rows.count * Hkv;
   int64_t ld = 0;
-  for (int64_t r = 0; r < rows.count; ++r) ld = std::max(ld, std::min(rows.len[r], window > 0 ? window : rows.len[r]));
+  for (int64_t r = 0; r < rows.count; ++r) ld = std::max(ld, rows.visible(r, window));
   std::vector<float> scores(static_cast<size_t>(items * G * ld)), inv_sums(static_cast<size_t>(items * G));
-  auto item_row = [&](int64_t i) {
-    const int64_t r = i / Hkv, h = i % Hkv, len = rows.len[r];
-    return RowRef<T>{qp + rows.token[r] * q_stride + h * G * D, op + (rows.token[r] * H + h * G) * D,
-                     window > 0 ? std::max<int64_t>(0, len - window) : 0, len,
-                     rows.last != nullptr ? rows.last[r] : len - 1};
-  };
+  auto item_row = [&](int64_t i) { return row_ref(rows, i / Hkv, i % Hkv, qp, op, q_stride, H, G, D, window); };
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(dynamic, 1)
@@ -430,8 +437,7 @@ void attend_split(const T* qp, T* op, int64_t q_stride, const C* kp, const C* vp
       if (m <= 0) continue;
       const int64_t last_at = b0 + m == n ? row.last_at : row.first + b0 + m - 1;
       Vec16 qv[kMaxGroup][kC];
-      for (int64_t g = 0; g < G; ++g)
-        for (int c = 0; c < kC; ++c) qv[g][c] = load16(row.q + g * D + c * 16) * broadcast(scale);
+      load_queries<kC>(row.q, G, scale, qv);
       for_head_blocks<kHeadBlock<kC>>(G, [&](auto heads, int64_t g0) {
         constexpr int kN = decltype(heads)::value;
         const Vec16* q[kN];
@@ -482,9 +488,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
   // verification step), rows that see kGroupMinKeys keys or more, up to kGroupRows a group; other rows of a run of
   // kPairFromRows or more, pairs: a row joins the one before it where that one started a group of its own (in a
   // long run whose lengths do not rise, a tree's, the group before may be a full one).
-  auto visible = [&](int64_t r) {
-    return window > 0 ? std::min<int64_t>(rows.len[r], window) : rows.len[r];
-  };
+  auto visible = [&](int64_t r) { return rows.visible(r, window); };
   std::vector<int64_t> group_start;
   group_start.reserve(static_cast<size_t>(rows.count) + 1);  // one allocation per call (every layer, every step)
   for (int64_t run = 0, end = 0; run < rows.count; run = end) {
@@ -501,15 +505,15 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
   }
   group_start.push_back(rows.count);
   const int64_t groups = static_cast<int64_t>(group_start.size()) - 1, items = groups * Hkv;
-  // Items are (row group, KV head) pairs of very different cost (a prefill's rows grow along its prompt), so
-  // threads take them dynamically rather than in the equal contiguous ranges of at::parallel_for. Chunks
-  // of 4 keep the hand-out cheap in big steps; a step of a few rows takes items one at a time, else the
-  // first thread takes a whole decode row's 3-4 heads and the others wait.
   const int64_t threads = at::get_num_threads();
   if (items < threads && groups == rows.count) {
     return attend_split<T, C, kC>(qp, op, q_stride, kp, vp, rows, tables, W, NB, bs, H, Hkv, G, window,
                                   static_cast<float>(scale * k_scale), static_cast<float>(v_scale), threads);
   }
+  // Items are (row group, KV head) pairs of very different cost (a prefill's rows grow along its prompt), so
+  // threads take them dynamically rather than in the equal contiguous ranges of at::parallel_for. Chunks
+  // of 4 keep the hand-out cheap in big steps; a step of a few rows takes items one at a time, else the
+  // first thread takes a whole decode row's 3-4 heads and the others wait.
   const int chunk = items >= 16 * threads ? 4 : 1;
 #pragma omp parallel num_threads(threads)
   {
@@ -518,12 +522,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& out, const at::
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t i = 0; i < items; ++i) {
       const int64_t g = i / Hkv, h = i % Hkv, r0 = group_start[g], R = group_start[g + 1] - r0;
-      for (int64_t j = 0; j < R; ++j) {
-        const int64_t r = r0 + j, len = rows.len[r];
-        refs[j] = {qp + rows.token[r] * q_stride + h * G * D, op + (rows.token[r] * H + h * G) * D,
-                   window > 0 ? std::max<int64_t>(0, len - window) : 0, len,
-                   rows.last != nullptr ? rows.last[r] : len - 1};
-      }
+      for (int64_t j = 0; j < R; ++j) refs[j] = row_ref(rows, r0 + j, h, qp, op, q_stride, H, G, D, window);
       attend_rows<T, C, kC>(refs, R, kp, vp, tables + rows.seq[r0] * W, h * NB, bs, G,
                             static_cast<float>(scale * k_scale), static_cast<float>(v_scale), scores, accs);
     }
