@@ -33,9 +33,9 @@ def make_llm(path: Path, **kw) -> LLM:
                enable_prefix_caching=False, **kw)
 
 
-def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
+def run(llm: LLM, prompts: list[str] = PROMPTS) -> list[tuple[list[int], list[float]]]:
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
             for o in outs]
 
@@ -80,16 +80,11 @@ def test_a_prompt_chunk_that_samples_nothing_leaves_the_same_cache(tiny_dirs) ->
     after writing their K/V; what the later steps read from the cache, and so the output, is the layers'."""
     llm = make_llm(tiny_dirs["llama"], quantization="int4")
     counts = count_native_steps(llm)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
-    prompt = "A prompt longer than one step's budget of tokens, " * 4
-
-    def output() -> tuple[list[int], list]:
-        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-        return out.token_ids, [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
-    native = output()
+    prompt = ["A prompt longer than one step's budget of tokens, " * 4]
+    native = run(llm, prompt)
     assert counts["no rows"] >= 2 and counts["layers"] == 0, counts
     llm.engine.runner.model.native_stack = None
-    assert output() == native
+    assert run(llm, prompt) == native
 
 
 def test_steps_it_does_not_cover_go_to_the_layers(tiny_dirs, monkeypatch) -> None:
