@@ -812,15 +812,21 @@ def test_abort_mid_tree_speculation_frees_everything(tiny_model_dirs, heads, mon
     assert counts["kept"] > 0
 
 
-def modelled_step_times(engine, row_ms: float) -> None:
-    """The step times the draft-length rule reads, of a modelled machine without real time's noise: 1 ms a
-    step and row_ms for each token beyond the first, every size known from the start (a size not yet timed is
-    estimated from its neighbours and tried, and which ones a run meets first depends on real time)."""
+def modelled_step_times(engine, row_ms: float, draft_ms: float = 0.05) -> None:
+    """The step and drafting times the draft-length rule reads, of a modelled machine without real time's noise:
+    1 ms a step and row_ms for each token beyond the first, every size known from the start (a size not yet
+    timed is estimated from its neighbours and tried, and which ones a run meets first depends on real time),
+    and draft_ms for each token the head drafts. Real drafting time made the rule's choices depend on the
+    host: with 1 ms more a drafted token, as a slow host's torch path takes, the head torn between two tokens
+    had no alternative kept."""
     observe = engine.speculator.observe_step
     seconds = lambda n: 1e-3 + row_ms * 1e-3 * (n - 1)  # noqa: E731
     for n in range(1, 129):
         engine.speculator.length.times.observe(n, seconds(n))
     engine.speculator.observe_step = lambda n, _seconds: observe(n, seconds(n))
+    length = engine.speculator.length
+    observe_drafting = length.observe_drafting
+    length.observe_drafting = lambda _seconds, depth: observe_drafting(depth * draft_ms * 1e-3, depth)
 
 
 def head_unsure(engine, monkeypatch, how: str) -> None:
