@@ -23,7 +23,8 @@ METHODS = ("ngram", "draft", "eagle")
 # vLLM's name for a standalone draft model, so that a config written for vLLM runs unchanged.
 METHOD_ALIASES = {"draft_model": "draft"}
 
-# Above this many sequences decoding in a step, nobody drafts (vLLM's disable_by_batch_size); per method,
+# Above this many running sequences in a step (prefilling ones included), nobody drafts (vLLM's
+# disable_by_batch_size); per method,
 # measured on a quiet 2-core AVX-512 machine with every method's engine taking turns at each point
 # (benchmarks/results/speculative.md, speculative_c2_c3.md; drafting in every step against none; runs of
 # identical work differ by up to ~20% on this host, so read the trend, not single cells):
@@ -60,7 +61,8 @@ class SpeculativeConfig:
     # draft checkpoint made by train_draft.py (kvserve/spec_decode/draft_format.py). None: the draft shipped
     # for the default model.
     model: str | None = None
-    # Per step: no drafting when more sequences than this decode (None: always draft). Not given (-1): the
+    # Per step: no drafting when more sequences than this are running, prefilling ones included (None: always
+    # draft). Not given (-1): the
     # method's measured default (DEFAULT_DISABLE_BY_BATCH_SIZE for ngram, DRAFT_DEFAULT_... for draft, eagle).
     disable_by_batch_size: int | None = _METHOD_DEFAULT
     # The same limit for prompt lookup's drafts: disable_by_batch_size where given or for method "ngram";

@@ -27,7 +27,8 @@ the step: a copy in a long match drafts while a chat beside it does not.
 
 A draft's class says how far to trust it before it is verified: for prompt lookup, the length of the
 n-gram its continuation follows (replayed on the default model's copies, a 4-token draft after a 4-gram
-had 3.2 tokens accepted on average, after a single token 0.6), for a model's drafts always 0. Acceptance
+had 3.2 tokens accepted on average, after a single token 0.6), for a model's drafts MODEL_CLASS (0), or
+TREE_CLASS for a greedy request's eagle draft of more than one token (below). Acceptance
 by position is kept per class, so a step drafts long after a long match and little or nothing after a
 short one. It is kept as the rate at which token i is accepted where all before it were: a position not
 yet drafted in a class is assumed to continue at the rate of the last one that was (the first at 1.0, so
@@ -58,7 +59,7 @@ from collections.abc import Callable
 
 _TIME_WEIGHT = 0.2        # moving-average weight of a new step time
 _POSITION_WEIGHT = 1 / 32  # ... of one draft's outcome at a position
-MODEL_CLASS = 0           # the class of a draft model's (or eagle head's) drafts; prompt lookup's are n >= 1
+MODEL_CLASS = 0           # a draft model's or eagle head's drafts (a greedy eagle tree's: TREE_CLASS); lookup: n >= 1
 # A greedy request's eagle draft as a token tree: with alternatives to its first token where the config has them,
 # or with the rule a chain of k > 1, the rows sized by the head's confidence (speculator.py).
 TREE_CLASS = -1
@@ -200,7 +201,7 @@ class DraftLength:
         kept (a token tree's; then num_accepted is 0: the chain's first token was rejected)."""
         rates = self.continue_rate.setdefault(draft_class, [None] * self.max_length)
         # Token i's outcome given all before it were accepted is seen for i up to the first rejection.
-        for i in range(min(num_drafted, num_accepted + 1)):
+        for i in range(tested_tokens(num_drafted, num_accepted)):
             old = rates[i] if rates[i] is not None else (rates[i - 1] if i else 1.0)
             rates[i] = old + _POSITION_WEIGHT * ((1.0 if i < num_accepted else 0.0) - old)
         # As a request's own acceptance counts it (speculator.py): a kept alternative as its first token.

@@ -59,9 +59,7 @@ class DraftLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits over the full vocabulary, -inf outside vocab_ids."""
-        out = torch.full((hidden.shape[0], self.config.vocab_size), float("-inf"), device=hidden.device)
-        out[:, self.vocab_ids] = self.lm_head(hidden).float()
-        return out
+        return full_vocab_logits(self.lm_head(hidden).float(), self.vocab_ids, self.config.vocab_size)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -82,6 +80,13 @@ def draft_quantization(engine_quantization: str, device: torch.device) -> str:
     measured 2.4 ms in int8 against 18-36 ms in float32 on the 2-core AVX2 machine, loaded), unless the
     engine runs unquantized ("none": exact float comparisons in tests) or on a GPU."""
     return "int8" if device.type == "cpu" and engine_quantization != "none" else "none"
+
+
+def full_vocab_logits(logits: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over a reduced vocabulary [N, len(vocab_ids)] -> over the full one, -inf outside vocab_ids."""
+    out = torch.full((logits.shape[0], vocab_size), float("-inf"), device=logits.device)
+    out[:, vocab_ids] = logits
+    return out
 
 
 def target_embedding(target: LoadedModel, what: str, path: str | Path, made_for: str, hidden_size: int,

@@ -105,8 +105,7 @@ class DraftProposer:
         if not jobs:
             return
         drafts: dict[int, list[int]] = {seq.seq_id: [] for seq, _, _ in jobs}
-        generators = {seq.seq_id: clone_generator(seq.generator) for seq, _, _ in jobs
-                      if seq.generator is not None and not seq.params.greedy}
+        generators = draft_generators([seq for seq, _, _ in jobs])
         for j in range(max(k for _, _, k in jobs)):
             active = [(seq, state) for seq, state, k in jobs if k > j]
             rows = []
@@ -184,6 +183,13 @@ def draft_sampling_inputs(seqs: list[Sequence], drafts: dict[int, list[int]],
         eos_token_ids=eos_token_ids,
         noise=noise,
     )
+
+
+def draft_generators(seqs: list[Sequence]) -> dict[int, torch.Generator]:
+    """Copies of the seeded sampled requests' generators, keyed by seq_id: a draft draws the noise the target
+    will draw at each position without advancing the request's own generator."""
+    return {seq.seq_id: clone_generator(seq.generator) for seq in seqs
+            if seq.generator is not None and not seq.params.greedy}
 
 
 def clone_generator(g: torch.Generator) -> torch.Generator:

@@ -42,7 +42,7 @@ from kvserve.models.loader import LoadedModel
 from kvserve.models.native_stack import tiled_weight
 from kvserve.sampling.sampler import argmax
 from kvserve.spec_decode.confidence import CalibrationFileError, calibration_path, read_calibration
-from kvserve.spec_decode.draft_model import target_embedding
+from kvserve.spec_decode.draft_model import full_vocab_logits, target_embedding
 from kvserve.spec_decode.draft_format import has_metadata, read_with_config, save_with_config
 from kvserve.spec_decode.draft_reference import ReferenceTensors, rope, rms_norm
 from kvserve.spec_decode.eagle_graphs import HeadGraphs
@@ -262,9 +262,7 @@ class EagleHead(nn.Module):
 
     def full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the head's vocabulary [N, len(vocab_ids)] -> over the full one, -inf outside vocab_ids."""
-        out = torch.full((logits.shape[0], self.config.vocab_size), float("-inf"), device=logits.device)
-        out[:, self.vocab_ids] = logits
-        return out
+        return full_vocab_logits(logits, self.vocab_ids, self.config.vocab_size)
 
     def greedy_tokens(self, normed: torch.Tensor) -> torch.Tensor:
         """step()'s normed features [N, hidden] -> [N] the head's most likely tokens (full-vocabulary ids)."""

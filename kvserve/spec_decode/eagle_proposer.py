@@ -23,7 +23,7 @@ from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.sampling.sampler import Sampler, argmax, reads_token_ids
 from kvserve.spec_decode.confidence import Calibration, TreeDraft
-from kvserve.spec_decode.draft_proposer import clone_generator, draft_sampling_inputs
+from kvserve.spec_decode.draft_proposer import draft_generators, draft_sampling_inputs
 from kvserve.spec_decode.eagle_head import EagleHead
 from kvserve.spec_decode.state import spec_state
 
@@ -50,6 +50,11 @@ class EagleProposer:
         state = seq.spec_state
         return state is not None and state.feature is not None and state.feature_num_tokens == seq.num_tokens
 
+    def _inputs(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's input for each sequence: the target's state for its last token, and that token."""
+        feature = torch.stack([seq.spec_state.feature for seq in seqs])
+        return feature, torch.tensor([seq.token_ids[-1] for seq in seqs], dtype=torch.int64, device=self.device)
+
     @torch.inference_mode()
     def fill(self, sched: SchedulerOutput, to_draft: dict[int, int]) -> None:
         """Draft to_draft[seq_id] tokens for each of those sequences, into sched.spec_token_ids (replacing
@@ -59,10 +64,8 @@ class EagleProposer:
         if not jobs:
             return
         drafts: dict[int, list[int]] = {seq.seq_id: [] for seq, _ in jobs}
-        generators = {seq.seq_id: clone_generator(seq.generator) for seq, _ in jobs
-                      if seq.generator is not None and not seq.params.greedy}
-        feature = torch.stack([seq.spec_state.feature for seq, _ in jobs])
-        tokens = torch.tensor([seq.token_ids[-1] for seq, _ in jobs], dtype=torch.int64, device=self.device)
+        generators = draft_generators([seq for seq, _ in jobs])
+        feature, tokens = self._inputs([seq for seq, _ in jobs])
         greedy = [seq.params.greedy for seq, _ in jobs]
         rows = list(range(len(jobs)))  # which jobs are still drafting, as rows of feature/tokens
         for j in range(max(k for _, k in jobs)):
@@ -88,8 +91,7 @@ class EagleProposer:
         """Greedy requests' trees, before the schedule: per sequence, the head's first choices for up to
         depths[i] tokens, drawing each next one only while the chain so far gains at least min_gain by
         calibration (always without one), and its next num_alternatives choices for the first token."""
-        feature = torch.stack([seq.spec_state.feature for seq in seqs])
-        tokens = torch.tensor([seq.token_ids[-1] for seq in seqs], dtype=torch.int64, device=self.device)
+        feature, tokens = self._inputs(seqs)
         k = 1 + num_alternatives
         rates, floor = (calibration.chain_rates(), min_gain) if calibration is not None else ([1.0, 1.0], -math.inf)
         made = self.model.draft_chains(feature, tokens, k, depths, rates, floor)

@@ -115,9 +115,8 @@ class Speculator:
         average = max(self.length.acceptance, 1e-3)
         # A sequence's acceptance against the average, once it has a record (a copy drafts better than chat).
         drafts = [(len(seq.spec_token_ids),
-                   seq.spec_state.acceptance / average
-                   if seq.spec_state is not None and seq.spec_state.num_verified >= window else 1.0,
-                   seq.spec_state.draft_class if seq.spec_state is not None else 0)
+                   seq.spec_state.acceptance / average if seq.spec_state.num_verified >= window else 1.0,
+                   seq.spec_state.draft_class)
                   for seq in drafting]
         keep = self.length.choose(self._tokens_without_drafts(running), drafts, len(running))
         for seq, n in zip(drafting, keep):

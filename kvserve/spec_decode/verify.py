@@ -8,9 +8,10 @@ generator), and the drafts are accepted while they equal those samples:
 
 - greedy: the samples are the argmaxes, so the accepted run plus the first mismatch (or the bonus token
   after k accepted drafts) is token for token what non-speculative decoding emits;
-- sampling, draft model (method "draft"): the draft samples draft j with the very noise the target uses
-  at row j (draft_proposer.py), so "accept iff equal" still emits exactly the target's own samples; the
-  draft's probabilities never enter, and a seeded request emits what non-speculative decoding emits;
+- sampling, a model's drafts (methods "draft" and "eagle"): the model samples draft j with the very noise the
+  target uses at row j (draft_proposer.py, eagle_proposer.py), so "accept iff equal" still emits exactly the
+  target's own samples; the draft's probabilities never enter, and a seeded request emits what
+  non-speculative decoding emits;
 - sampling: a proposer that is certain of its drafts (n-gram: probability one) is verified exactly by
   rejection sampling, which accepts draft t with probability p(t) and otherwise samples p with t removed,
   renormalised. Sampling x ~ p and accepting iff x == t realises that rule: P(accept) = p(t), and on a
