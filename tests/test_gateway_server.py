@@ -203,12 +203,12 @@ async def _ttft(c: httpx.AsyncClient, body: dict) -> float:
 def test_full_queue_is_429_and_interactive_requests_are_not_starved(server, http):
     """On `large` (one replica, 2 places, of which 1 is kept for priority <= 0): a burst of background
     generations (priority 1) takes one place and fills the line; one more is refused with 429 and
-    Retry-After; interactive requests still start at once, with a p99 TTFT within 5x of an idle server's."""
+    Retry-After; interactive requests still start at once, with a median TTFT within 5x of an idle server's."""
     wait_idle(http)
     short = {"model": "large", "prompt": "Quick question?", "max_tokens": 4, "ignore_eos": True}
     long = {"model": "large", "prompt": "Write at length.", "max_tokens": 400, "ignore_eos": True, "priority": 1}
 
-    async def main() -> tuple[list[float], list[float], httpx.Response, float]:
+    async def main() -> tuple[list[float], list[float], httpx.Response, float, bool]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as c:
             idle = [await _ttft(c, short) for _ in range(8)]
             burst = [asyncio.create_task(c.post("/v1/completions", json=long)) for _ in range(1 + MAX_WAITING)]
@@ -220,12 +220,20 @@ def test_full_queue_is_429_and_interactive_requests_are_not_starved(server, http
             refused = await c.post("/v1/completions", json=long)
             busy = [await _ttft(c, short) for _ in range(8)]
             still_waiting = metric_samples(http)[("kvserve:gateway_queue_requests", (("model_name", "large"),))]
+            # The checks need the running background request to outlast them: one that ended (400 tokens of the
+            # tiny model, ~0.4 s on a fast host) let a waiter in, and the line and the refusal moved with it.
+            outlasted = not any(t.done() for t in burst)
             for t in burst:
                 t.cancel()
             await asyncio.gather(*burst, return_exceptions=True)
-            return idle, busy, refused, still_waiting
+            return idle, busy, refused, still_waiting, outlasted
 
-    idle, busy, refused, still_waiting = asyncio.run(main())
+    for _ in range(3):  # a run whose background request ended too soon says nothing: run it again
+        idle, busy, refused, still_waiting, outlasted = asyncio.run(main())
+        if outlasted:
+            break
+        wait_idle(http)
+    assert outlasted, "the background generation ended before the checks, three times over: make it longer"
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
     assert refused.json()["error"]["type"] == "RateLimitError"
     assert still_waiting == MAX_WAITING        # the interactive requests went past the background line
