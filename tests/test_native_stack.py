@@ -80,11 +80,11 @@ def test_a_prompt_chunk_that_samples_nothing_leaves_the_same_cache(tiny_dirs) ->
     after writing their K/V; what the later steps read from the cache, and so the output, is the layers'."""
     llm = make_llm(tiny_dirs["llama"], quantization="int4")
     counts = count_native_steps(llm)
-    prompt = ["A prompt longer than one step's budget of tokens, " * 4]
-    native = run(llm, prompt)
+    prompts = ["A prompt longer than one step's budget of tokens, " * 4]
+    native = run(llm, prompts)
     assert counts["no rows"] >= 2 and counts["layers"] == 0, counts
     llm.engine.runner.model.native_stack = None
-    assert run(llm, prompt) == native
+    assert run(llm, prompts) == native
 
 
 def test_steps_it_does_not_cover_go_to_the_layers(tiny_dirs, monkeypatch) -> None:
