@@ -28,11 +28,12 @@ def test_variant_compiles(isa: str, tmp_path: Path) -> None:
     assert [o.name for o in objects] == [f"{s.stem}.{isa}.o" for s in cpu_kernels.sources()]
 
 
-def chosen_in_subprocess(**env: str) -> tuple[str, str]:
-    """("<isa()> <ops().name>", or "None -" for the torch path) in a fresh process with `env` set, and
-    its stderr."""
-    code = ("from kvserve.kernels import cpu as k; i = k.isa(); "
-            "print(i, k.ops().name if i else '-')")
+CHOSEN = "from kvserve.kernels import cpu as k; i = k.isa(); print(i, k.ops().name if i else '-')"
+
+
+def chosen_in_subprocess(code: str = CHOSEN, **env: str) -> tuple[str, str]:
+    """What `code` prints (by default "<isa()> <ops().name>", or "None -" for the torch path) in a fresh
+    process with `env` set, and its stderr."""
     full_env = {k: v for k, v in os.environ.items() if k not in ("KVSERVE_CPU_ISA", "KVSERVE_CPU_KERNELS")}
     full_env.update(env, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True,
@@ -54,6 +55,25 @@ def test_environment_choice_is_honoured() -> None:
         chosen, stderr = chosen_in_subprocess(KVSERVE_CPU_ISA="avx512")
         assert chosen == f"{best} kvserve_{best}"
         assert "lacks it" in stderr
+
+
+def test_amx_mode_is_honoured() -> None:
+    """amx is a mode of the avx512 build (bfloat16 float weights on AMX tiles): on by default where the CPU has
+    AMX-BF16, off under KVSERVE_CPU_ISA=avx512, and refused with a warning (the best supported instead) where
+    the CPU lacks it."""
+    if not cpu_kernels.have_compiler() or not cpu_kernels.cpu_supports("avx2"):
+        pytest.skip("needs a C++ compiler and an AVX2 + FMA + F16C CPU")
+    code = "from kvserve.kernels import cpu as k; print(k.describe())"
+    best = next(isa for isa in cpu_kernels.ISAS if cpu_kernels.cpu_supports(isa))
+    if cpu_kernels.cpu_supports("amx"):
+        assert chosen_in_subprocess(code)[0] == "avx512 + amx"
+        assert chosen_in_subprocess(code, KVSERVE_CPU_ISA="amx")[0] == "avx512 + amx"
+        assert chosen_in_subprocess(code, KVSERVE_CPU_ISA="avx512")[0] == "avx512"
+    else:
+        assert chosen_in_subprocess(code)[0] == best
+        chosen, stderr = chosen_in_subprocess(code, KVSERVE_CPU_ISA="amx")
+        assert chosen == best and "lacks it" in stderr
+    assert chosen_in_subprocess(code, KVSERVE_CPU_ISA="avx2")[0] == "avx2"
 
 
 def test_unknown_isa_is_an_error(monkeypatch) -> None:

@@ -113,10 +113,10 @@ class VocabEmbedding(ColumnLinear):
 
 
 def pack_float_weights(model: nn.Module) -> int:
-    """Re-lay float bf16 weights for oneDNN (see FloatMethod); after tying. Returns how many were packed."""
+    """Re-lay float bf16 weights for AMX or oneDNN (see FloatMethod); after tying. Returns how many were packed."""
     packed = 0
     for m in model.modules():
         if isinstance(m, LinearBase) and isinstance(m.method, FloatMethod):
             m.method.pack(m)
-            packed += m.packed_weight is not None
+            packed += m.packed_weight is not None or m.amx_weight is not None
     return packed

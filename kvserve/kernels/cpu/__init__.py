@@ -5,14 +5,16 @@ Variants ("ISAs"), best first:
   VNNI's byte dot products are what the quantized matmuls use; the AVX-512 CPUs without it (Skylake-SP/X,
   2017) run the avx2 variant;
 - "avx2": AVX2 + FMA + F16C.
+On a CPU with AMX-BF16 (Intel Sapphire Rapids and later) the avx512 build also multiplies bfloat16 float
+weights on AMX tiles (dense_linear_amx.cpp): "amx" below is that mode of the avx512 build, not a build.
 Each is its own extension, kvserve_cpu_<isa>, built from every *.cpp in this folder with
 -DKVSERVE_NS=kvserve_<isa>, so its ops land in torch.ops.kvserve_<isa> and both variants can be loaded
 into one process (the tests compare them with the torch path).
 
-Which one runs: KVSERVE_CPU_ISA=avx512|avx2|none forces one (none: the torch paths only); unset or "auto":
-the best this CPU supports. A forced ISA this CPU lacks logs a warning and falls back to the auto choice
-(loading it would die of an illegal instruction). KVSERVE_CPU_KERNELS=0 is kept as an alias for none,
-and wins over KVSERVE_CPU_ISA. Call sites check applies(t), then call ops().<op>(...).
+Which one runs: KVSERVE_CPU_ISA=amx|avx512|avx2|none forces one (none: the torch paths only; avx512: that
+build without AMX); unset or "auto": the best this CPU supports. A forced ISA this CPU lacks logs a warning
+and falls back to the auto choice (loading it would die of an illegal instruction). KVSERVE_CPU_KERNELS=0 is
+kept as an alias for none, and wins over KVSERVE_CPU_ISA. Call sites check applies(t), then call ops().<op>(...).
 
 The build is cached by torch (under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), so only the first
 process on a machine pays for it (the avx2 variant: ~60 s on the 2-core dev machine; bindings.cpp says why
@@ -38,7 +40,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-ISAS = ("avx512", "avx2")  # best first
+ISAS = ("avx512", "avx2")  # the builds, best first
+MODES = ("amx", *ISAS)  # what KVSERVE_CPU_ISA may ask for, best first
 # -fopenmp: at::parallel_for is inlined from ATen's headers as an OpenMP region; without the flag it
 # runs on one thread. The library resolves to the libgomp torch has already loaded.
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
@@ -49,7 +52,8 @@ _ISA_FLAGS = {
 # /proc/cpuinfo flags each variant needs; torch's capability names where /proc is absent.
 _CPU_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "fma", "f16c"},
               "avx2": {"avx2", "fma", "f16c"}}
-_TORCH_CAPABILITIES = {"avx512": {"AVX512"}, "avx2": {"AVX2", "AVX512"}}
+_CPU_FLAGS["amx"] = _CPU_FLAGS["avx512"] | {"amx_tile", "amx_bf16"}
+_TORCH_CAPABILITIES = {"amx": set(), "avx512": {"AVX512"}, "avx2": {"AVX2", "AVX512"}}  # amx: from /proc only
 
 
 def applies(t: torch.Tensor) -> bool:
@@ -72,6 +76,24 @@ def ops() -> torch._ops._OpNamespace:
 
 
 @functools.cache
+def amx() -> bool:
+    """Whether bfloat16 float weights run on AMX tiles (dense_linear_amx.cpp): the avx512 build, on a CPU with
+    AMX-BF16 whose tile state Linux grants this process, unless KVSERVE_CPU_ISA asks for avx512 or less."""
+    if isa() != "avx512" or requested_isa() not in ("auto", "amx") or not cpu_supports("amx"):
+        return False
+    if not ops().amx_bf16_ready():
+        logger.warning("AMX off: Linux refused this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
+        return False
+    return True
+
+
+def describe() -> str:
+    """The kernels in use, as benchmarks state them: "avx512 + amx", "avx512", "avx2" or "none"."""
+    chosen = isa()
+    return "none" if chosen is None else f"{chosen} + amx" if amx() else chosen
+
+
+@functools.cache
 def isa() -> str | None:
     """The variant in use ("avx512" or "avx2"), built and registered; None: the torch paths."""
     wanted = requested_isa()
@@ -81,6 +103,8 @@ def isa() -> str | None:
     if wanted != "auto" and not cpu_supports(wanted):
         logger.warning("KVSERVE_CPU_ISA=%s, but this CPU lacks it: choosing the best it supports", wanted)
         wanted = "auto"
+    if wanted == "amx":  # a mode of the avx512 build (amx())
+        wanted = "avx512"
     candidates = [wanted] if wanted != "auto" else [i for i in ISAS if cpu_supports(i)]
     if not candidates:
         logger.info("CPU kernels off: this CPU has neither AVX-512 nor AVX2 + FMA + F16C")
@@ -92,12 +116,12 @@ def isa() -> str | None:
 
 
 def requested_isa() -> str:
-    """What the environment asks for: "auto", "none" or one of ISAS."""
+    """What the environment asks for: "auto", "none" or one of MODES."""
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
         return "none"
     wanted = os.environ.get("KVSERVE_CPU_ISA", "auto").strip().lower() or "auto"
-    if wanted not in ("auto", "none", *ISAS):
-        raise ValueError(f"KVSERVE_CPU_ISA={wanted!r}: expected one of auto, none, {', '.join(ISAS)}")
+    if wanted not in ("auto", "none", *MODES):
+        raise ValueError(f"KVSERVE_CPU_ISA={wanted!r}: expected one of auto, none, {', '.join(MODES)}")
     return wanted
 
 

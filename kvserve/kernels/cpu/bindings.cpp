@@ -25,6 +25,9 @@ TORCH_LIBRARY(KVSERVE_NS, m) {
         "int[] windows, float[] k_scales, float[] v_scales, Tensor? row_last=None, Tensor? out_rows=None) -> ()");
   // dense_linear.cpp
   m.def("dense_linear(Tensor x, Tensor weight, ScalarType? out_dtype=None) -> Tensor");
+  // dense_linear_amx.cpp
+  m.def("amx_bf16_ready() -> bool", &kvserve_cpu::amx_bf16_ready);  // no tensors: no dispatch key
+  m.def("dense_linear_amx(Tensor x, Tensor packed, ScalarType? out_dtype=None) -> Tensor");
   // eagle_head.cpp
   m.def("eagle_step(Tensor feature, Tensor embedding, Tensor?[] weights, float eps) -> (Tensor, Tensor)");
   m.def("eagle_greedy_step(Tensor feature, Tensor embedding, Tensor?[] weights, Tensor vocab_ids, float eps) "
@@ -66,6 +69,7 @@ TORCH_LIBRARY_IMPL(KVSERVE_NS, CPU, m) {
   m.impl("apply_penalties_", &apply_penalties_);
   m.impl("decoder_stack_", &decoder_stack_);
   m.impl("dense_linear", &dense_linear);
+  m.impl("dense_linear_amx", &dense_linear_amx);
   m.impl("eagle_step", &eagle_step);
   m.impl("eagle_greedy_step", &eagle_greedy_step);
   m.impl("eagle_top_step", &eagle_top_step);

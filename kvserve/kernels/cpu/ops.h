@@ -40,6 +40,10 @@ void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::T
 // dense_linear.cpp
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, std::optional<at::ScalarType> out_dtype);
 
+// dense_linear_amx.cpp
+bool amx_bf16_ready();
+at::Tensor dense_linear_amx(const at::Tensor& x, const at::Tensor& packed, std::optional<at::ScalarType> out_dtype);
+
 // eagle_head.cpp
 std::tuple<at::Tensor, at::Tensor> eagle_step(const at::Tensor& feature, const at::Tensor& embedding,
                                               const c10::List<std::optional<at::Tensor>>& weights, double eps);

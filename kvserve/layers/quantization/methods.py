@@ -65,12 +65,17 @@ class FloatMethod:
     rows to torch moved the speculation tests' logprobs through the fp8 KV calibration's prefill).
     Elsewhere, bf16 on CPU is re-laid once for oneDNN: torch's dense bf16 F.linear re-packs the weight inside
     every call, and packing at load measured 1.1-2x faster per GEMM on an AVX-512 machine
-    (benchmarks/results/linear_packing.md)."""
+    (benchmarks/results/linear_packing.md).
+
+    On a CPU with AMX-BF16 (cpu_kernels.amx()), bf16 weights whose shape fits AMX's tiles (out_features % 16,
+    in_features % 32) are instead re-laid once for dense_linear_amx.cpp, which computes every row alike too,
+    and the unpacked copy is dropped (a tied embedding reads its rows from the packed one)."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype, self.device = dtype, device
         use_kernel = device.type == "cpu" and kernel_available(dtype)
         self.kernel = cpu_kernels.ops().dense_linear if use_kernel else None  # None: torch's matmuls
+        self.amx = use_kernel and dtype == torch.bfloat16 and cpu_kernels.amx()
 
     @property
     def use_kernel(self) -> bool:
@@ -83,14 +88,20 @@ class FloatMethod:
         weight = torch.cat(shards) if len(shards) > 1 else shards[0]
         layer.weight = nn.Parameter(weight.to(self.device).contiguous(), requires_grad=False)
         layer.packed_weight = None
+        layer.register_buffer("amx_weight", None, persistent=False)
 
     def pack(self, layer: nn.Module) -> None:
-        """After tying (an LM head shares the embedding's unpacked weight), pack for oneDNN where it pays."""
+        """After tying (an LM head shares the embedding's unpacked weight), pack for AMX or oneDNN where it pays."""
         w = layer.weight
-        if not self.use_kernel and can_pack(w):
+        if self.amx and w.dtype == torch.bfloat16 and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0:
+            layer.amx_weight = amx_pack(w.detach())
+            layer.weight = None  # the packed copy is the only one (embedding() reads its rows there)
+        elif not self.use_kernel and can_pack(w):
             layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if layer.amx_weight is not None:  # bf16 in: a float32 caller's activations are rounded first
+            return cpu_kernels.ops().dense_linear_amx(x.to(torch.bfloat16), layer.amx_weight, out_dtype)
         if self.kernel is not None:
             return self.kernel(x, layer.weight, out_dtype)  # float32 sums, rounded once to out_dtype
         if layer.packed_weight is not None:
@@ -100,7 +111,22 @@ class FloatMethod:
         return y if out_dtype is None else y.to(out_dtype)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        if layer.amx_weight is not None:
+            return amx_rows(layer.amx_weight, ids)
         return F.embedding(ids, layer.weight)
+
+
+def amx_pack(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] -> dense_linear_amx.cpp's layout [N/16, K/32, 16, 16, 2]: per 16 rows and 32 columns an AMX B
+    tile, whose row i holds each of the 16 rows' values at columns 2i and 2i + 1."""
+    n, k = w.shape
+    return w.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def amx_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ids of the weight amx_pack packed (an embedding lookup): [*ids.shape, K]."""
+    rows = packed[ids // 16, :, :, ids % 16, :]  # the indexed dims first: [*ids.shape, K/32, 16, 2]
+    return rows.reshape(*ids.shape, -1)
 
 
 def rounds_by_step_shape(model: nn.Module) -> bool:
