@@ -454,7 +454,7 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
         setup = (f"GPU: {torch.cuda.get_device_name(device)} (torch {torch.__version__}, CUDA graphs for decode and "
                  f"verification steps; \"outside the model\" is not measured on a GPU). {setup}")
     else:
-        setup = f"CPU kernels: {(cpu_kernels.isa() or 'none (torch paths)').upper()}. {setup}"
+        setup = f"CPU kernels: {cpu_kernels.describe().replace('none', 'none (torch paths)').upper()}. {setup}"
     report(args.name, "Speculative decoding", args, setup, "\n".join(lines), saved, script="speculative")
 
 
