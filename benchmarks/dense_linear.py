@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -91,32 +92,48 @@ def switch_float_layers(model, to_torch: bool, kernel) -> None:
                 layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
 
 
-def engine(args, ops) -> tuple[list[str], dict]:
-    lines = ["| dtype | measure | torch | kernel | kernel x torch |", "|---|---|---:|---:|---:|"]
-    results: dict = {}
+def engine_measures(llm: LLM, args) -> dict[str, Callable[[], float]]:
+    """What the engine tables measure: a --prompt-tokens prompt's prefill alone (seconds), and greedy decoding of
+    --max-tokens tokens for 1 and --streams requests of 16-token prompts (output tok/s). The same prompts each
+    call."""
     g = torch.Generator().manual_seed(1)
     long_prompt = torch.randint(1000, 20000, (args.prompt_tokens,), generator=g).tolist()
     short = [torch.randint(1000, 20000, (16,), generator=g).tolist() for _ in range(args.streams)]
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    def decode(n: int) -> float:
+        t0 = time.perf_counter()
+        outs = llm.generate(short[:n], greedy, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+    return {f"prefill {args.prompt_tokens} tokens, s": lambda: prefill_seconds(llm, long_prompt)[0],
+            "decode, 1 stream, tok/s": lambda: decode(1),
+            f"decode, {args.streams} streams, tok/s": lambda: decode(args.streams)}
+
+
+def measured_in_turns(measures: dict[str, Callable[[], float]], methods: dict[str, Callable[[], None]],
+                      rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Each method (a switch of the engine's layers) takes its turn at every measure, in each of rounds rounds."""
+    times = {meth: {m: [] for m in measures} for meth in methods}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for meth, switch in methods.items():
+                switch()
+                for m, fn in measures.items():
+                    times[meth][m].append(fn())
+    return times
+
+
+def engine(args, ops) -> tuple[list[str], dict]:
+    lines = ["| dtype | measure | torch | kernel | kernel x torch |", "|---|---|---:|---:|---:|"]
+    results: dict = {}
     for name in args.dtypes:
         llm = LLM(quantization="none", dtype=name, enable_prefix_caching=False)
         model = llm.engine.runner.model
-
-        def decode(n: int) -> float:
-            t0 = time.perf_counter()
-            outs = llm.generate(short[:n], greedy, use_tqdm=False)
-            return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
-
-        measures = {f"prefill {args.prompt_tokens} tokens, s": lambda: prefill_seconds(llm, long_prompt)[0],
-                    "decode, 1 stream, tok/s": lambda: decode(1),
-                    f"decode, {args.streams} streams, tok/s": lambda: decode(args.streams)}
-        times = {meth: {m: [] for m in measures} for meth in ("torch", "kernel")}
-        with torch.inference_mode():
-            for _ in range(args.rounds):
-                for meth in times:
-                    switch_float_layers(model, meth == "torch", ops.dense_linear)
-                    for m, fn in measures.items():
-                        times[meth][m].append(fn())
+        measures = engine_measures(llm, args)
+        times = measured_in_turns(measures, {
+            "torch": lambda: switch_float_layers(model, True, ops.dense_linear),
+            "kernel": lambda: switch_float_layers(model, False, ops.dense_linear)}, args.rounds)
         for m in measures:
             t, k = statistics.median(times["torch"][m]), statistics.median(times["kernel"][m])
             ratio = t / k if m.startswith("prefill") else k / t  # > 1: the kernel is faster
@@ -139,6 +156,9 @@ def main() -> None:
     args = ap.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("dense_linear.py times a native CPU kernel, and none is built here")
+    if cpu_kernels.amx() and "bfloat16" in args.dtypes and "engine" in args.what:
+        raise SystemExit("here the engine's bfloat16 layers run on AMX (dense_linear_amx.py compares them): set "
+                         "KVSERVE_CPU_ISA=avx512 to time dense_linear")
     ops = cpu_kernels.ops()
     tables, results = [], {}
     if "parts" in args.what:

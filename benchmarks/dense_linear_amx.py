@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from common import prefill_seconds, report
-from dense_linear import LAYERS, SHAPES, VOCAB, torch_linear
-from kvserve import LLM, SamplingParams
+from common import report
+from dense_linear import LAYERS, SHAPES, VOCAB, engine_measures, measured_in_turns, torch_linear
+from kvserve import LLM
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.quantization.methods import FloatMethod, amx_pack, amx_rows
 
@@ -81,32 +81,15 @@ def switch(layers: list, to_amx: bool) -> None:
 
 def engine(args) -> tuple[list[str], dict]:
     lines = ["| measure | dense_linear | AMX | AMX x dense_linear |", "|---|---:|---:|---:|"]
-    g = torch.Generator().manual_seed(1)
-    long_prompt = torch.randint(1000, 20000, (args.prompt_tokens,), generator=g).tolist()
-    short = [torch.randint(1000, 20000, (16,), generator=g).tolist() for _ in range(args.streams)]
-    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm = LLM(quantization="none", dtype="bfloat16", enable_prefix_caching=False)
     model = llm.engine.runner.model
     layers = [(m, m.amx_weight, torch.nn.Parameter(amx_rows(m.amx_weight, torch.arange(m.output_size)),
                                                    requires_grad=False))
               for m in model.modules() if isinstance(getattr(m, "method", None), FloatMethod)]
     assert layers and all(packed is not None for _, packed, _ in layers), "the engine did not pack for AMX"
-
-    def decode(n: int) -> float:
-        t0 = time.perf_counter()
-        outs = llm.generate(short[:n], greedy, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
-
-    measures = {f"prefill {args.prompt_tokens} tokens, s": lambda: prefill_seconds(llm, long_prompt)[0],
-                "decode, 1 stream, tok/s": lambda: decode(1),
-                f"decode, {args.streams} streams, tok/s": lambda: decode(args.streams)}
-    times = {meth: {m: [] for m in measures} for meth in ("dense_linear", "amx")}
-    with torch.inference_mode():
-        for _ in range(args.rounds):
-            for meth in times:
-                switch(layers, meth == "amx")
-                for m, fn in measures.items():
-                    times[meth][m].append(fn())
+    measures = engine_measures(llm, args)
+    times = measured_in_turns(measures, {"dense_linear": lambda: switch(layers, False),
+                                         "amx": lambda: switch(layers, True)}, args.rounds)
     switch(layers, True)
     for m in measures:
         d, a = statistics.median(times["dense_linear"][m]), statistics.median(times["amx"][m])
