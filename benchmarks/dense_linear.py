@@ -44,6 +44,31 @@ def torch_linear(w: torch.Tensor):
     return lambda x: F.linear(x, w)
 
 
+def random_model(dtype: torch.dtype, g: torch.Generator) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+    """The default model's float projections at random (LAYERS layers, each its own) and an LM head."""
+    weights = [{p: (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype) for p, (n, k) in SHAPES.items()}
+               for _ in range(LAYERS)]
+    return weights, (torch.randn(VOCAB, 576, generator=g) * 576 ** -0.5).to(dtype)
+
+
+def parts_in_turns(methods: dict, m: int, dtype: torch.dtype, rounds: int, g: torch.Generator) -> dict:
+    """Seconds of each method's pass over the layers ("layers") and of its LM head ("head") at m rows, the methods
+    in turn within each round. methods: name -> (per layer {projection: x -> y}, LM head x -> y)."""
+    xs = {p: torch.randn(m, k, generator=g).to(dtype) for p, (_, k) in SHAPES.items()}
+    xh = torch.randn(m, 576, generator=g).to(dtype)
+    times = {meth: {"layers": [], "head": []} for meth in methods}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for meth, (layers, lm_head) in methods.items():
+                for part, fn in (("layers", lambda: [f(xs[p]) for layer in layers for p, f in layer.items()]),
+                                 ("head", lambda: lm_head(xh))):
+                    fn()  # warm-up: the weights of the other methods passed by in between
+                    t0 = time.perf_counter()
+                    fn()
+                    times[meth][part].append(time.perf_counter() - t0)
+    return times
+
+
 def parts(args, ops) -> tuple[list[str], dict]:
     g = torch.Generator().manual_seed(0)
     lines = ["| dtype | rows | layers, torch ms | layers, kernel ms | kernel x torch | LM head, torch ms | "
@@ -51,33 +76,21 @@ def parts(args, ops) -> tuple[list[str], dict]:
     results: dict = {}
     for name in args.dtypes:
         dtype = getattr(torch, name)
-        weights = [{p: (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype) for p, (n, k) in SHAPES.items()}
-                   for _ in range(LAYERS)]
-        head = (torch.randn(VOCAB, 576, generator=g) * 576 ** -0.5).to(dtype)
+        weights, head = random_model(dtype, g)
         with torch.inference_mode():
             methods = {"torch": ([{p: torch_linear(w) for p, w in layer.items()} for layer in weights],
                                  torch_linear(head)),
                        "kernel": ([{p: (lambda x, w=w: ops.dense_linear(x, w)) for p, w in layer.items()}
                                    for layer in weights], lambda x: ops.dense_linear(x, head))}
-            for m in args.rows:
-                xs = {p: torch.randn(m, k, generator=g).to(dtype) for p, (_, k) in SHAPES.items()}
-                xh = torch.randn(m, 576, generator=g).to(dtype)
-                times = {meth: {"layers": [], "head": []} for meth in methods}
-                for _ in range(args.rounds):
-                    for meth, (layers, lm_head) in methods.items():
-                        for part, fn in (("layers", lambda: [f(xs[p]) for layer in layers for p, f in layer.items()]),
-                                         ("head", lambda: lm_head(xh))):
-                            fn()  # warm-up: the weights of the other method passed by in between
-                            t0 = time.perf_counter()
-                            fn()
-                            times[meth][part].append(time.perf_counter() - t0)
-                med = {meth: {part: statistics.median(v) for part, v in parts.items()} for meth, parts in times.items()}
-                t, k = med["torch"], med["kernel"]
-                lines.append(f"| {name} | {m} | {1e3 * t['layers']:.2f} | {1e3 * k['layers']:.2f} | "
-                             f"{t['layers'] / k['layers']:.2f} | {1e3 * t['head']:.2f} | {1e3 * k['head']:.2f} | "
-                             f"{t['head'] / k['head']:.2f} |")
-                print(lines[-1], flush=True)
-                results[f"{name}/{m}"] = {"median_s": med, "all_s": times}
+        for m in args.rows:
+            times = parts_in_turns(methods, m, dtype, args.rounds, g)
+            med = {meth: {part: statistics.median(v) for part, v in ps.items()} for meth, ps in times.items()}
+            t, k = med["torch"], med["kernel"]
+            lines.append(f"| {name} | {m} | {1e3 * t['layers']:.2f} | {1e3 * k['layers']:.2f} | "
+                         f"{t['layers'] / k['layers']:.2f} | {1e3 * t['head']:.2f} | {1e3 * k['head']:.2f} | "
+                         f"{t['head'] / k['head']:.2f} |")
+            print(lines[-1], flush=True)
+            results[f"{name}/{m}"] = {"median_s": med, "all_s": times}
     return lines, results
 
 

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from common import report
-from dense_linear import LAYERS, SHAPES, VOCAB, engine_measures, measured_in_turns, torch_linear
+from dense_linear import engine_measures, measured_in_turns, parts_in_turns, random_model, torch_linear
 from kvserve import LLM
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.quantization.methods import FloatMethod, amx_pack, amx_rows
@@ -36,9 +35,7 @@ def parts(args, ops) -> tuple[list[str], dict]:
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     results: dict = {}
     bf16 = torch.bfloat16
-    weights = [{p: (torch.randn(n, k, generator=g) * k ** -0.5).to(bf16) for p, (n, k) in SHAPES.items()}
-               for _ in range(LAYERS)]
-    head = (torch.randn(VOCAB, 576, generator=g) * 576 ** -0.5).to(bf16)
+    weights, head = random_model(bf16, g)
 
     def amx(w: torch.Tensor):
         packed = amx_pack(w)
@@ -49,27 +46,16 @@ def parts(args, ops) -> tuple[list[str], dict]:
 
     methods = {name: ([{p: make(w) for p, w in layer.items()} for layer in weights], make(head))
                for name, make in (("dense_linear", dense), ("amx", amx), ("torch", torch_linear))}
-    with torch.inference_mode():
-        for m in args.rows:
-            xs = {p: torch.randn(m, k, generator=g).to(bf16) for p, (_, k) in SHAPES.items()}
-            xh = torch.randn(m, 576, generator=g).to(bf16)
-            times = {meth: {"layers": [], "head": []} for meth in methods}
-            for _ in range(args.rounds):
-                for meth, (layers, lm_head) in methods.items():
-                    for part, fn in (("layers", lambda: [f(xs[p]) for layer in layers for p, f in layer.items()]),
-                                     ("head", lambda: lm_head(xh))):
-                        fn()  # warm-up: the other methods' weights passed by in between
-                        t0 = time.perf_counter()
-                        fn()
-                        times[meth][part].append(time.perf_counter() - t0)
-            med = {meth: {part: statistics.median(v) for part, v in ps.items()} for meth, ps in times.items()}
-            cells = []
-            for part in ("layers", "head"):
-                d, a, t = (med[meth][part] for meth in ("dense_linear", "amx", "torch"))
-                cells += [f"{1e3 * d:.2f}", f"{1e3 * a:.2f}", f"{1e3 * t:.2f}", f"{d / a:.2f}", f"{t / a:.2f}"]
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
-            print(lines[-1], flush=True)
-            results[str(m)] = {"median_s": med, "all_s": times}
+    for m in args.rows:
+        times = parts_in_turns(methods, m, bf16, args.rounds, g)
+        med = {meth: {part: statistics.median(v) for part, v in ps.items()} for meth, ps in times.items()}
+        cells = []
+        for part in ("layers", "head"):
+            d, a, t = (med[meth][part] for meth in ("dense_linear", "amx", "torch"))
+            cells += [f"{1e3 * d:.2f}", f"{1e3 * a:.2f}", f"{1e3 * t:.2f}", f"{d / a:.2f}", f"{t / a:.2f}"]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+        results[str(m)] = {"median_s": med, "all_s": times}
     return lines, results
 
 
