@@ -125,12 +125,6 @@ def command_options(options: dict) -> str:
     return "".join(" " + w for w in words)
 
 
-def _kernels_use_amx() -> bool:
-    from kvserve.kernels import cpu as cpu_kernels
-
-    return cpu_kernels.amx()
-
-
 def report(name: str, title: str, args, setup: str, table: str, results: dict, isa: str | None = None,
            script: str | None = None) -> None:
     """Print the table and save it as results/<name>.json and .md, with the command that reproduces it
@@ -143,9 +137,13 @@ def report(name: str, title: str, args, setup: str, table: str, results: dict, i
     switches = ("KVSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
     forced = "".join(f"{k}={os.environ[k]} " for k in switches if os.environ.get(k))
     cmd = f"{forced}python benchmarks/{script or name}.py" + command_options(vars(args))
-    # AMX is a mode of the avx512 build (bfloat16 float weights on its tiles): said where it was on.
-    amx = isa == "avx512" and _kernels_use_amx()
-    kernels = f" CPU kernels: {isa.upper()}{' + AMX' if amx else ''}." if isa else ""
+    kernels = ""
+    if isa:
+        from kvserve.kernels import cpu as cpu_kernels
+
+        # AMX is a mode of the avx512 build (bfloat16 float weights on its tiles): said where it was on.
+        amx = " + AMX" if isa == "avx512" and cpu_kernels.amx() else ""
+        kernels = f" CPU kernels: {isa.upper()}{amx}."
     md = (f"# {title}\n\nCommand: `{cmd}` (git {git_rev()})\n\nMachine: {info['cpu']}, {info['cores']} cores, "
           f"torch {info['torch']} ({info['torch_threads']} threads).{kernels} {setup}\n\n{table}\n")
     data = {"args": vars(args), "machine": info, "git": git_rev(), "results": results}

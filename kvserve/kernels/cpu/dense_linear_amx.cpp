@@ -11,7 +11,7 @@
 // sixteen partial sums and adds them as a tree. So a layer takes one kernel for good, chosen at load
 // (kvserve/layers/quantization/methods.py, FloatMethod).
 //
-// Layout (pack_amx in methods.py): W [N, K] as [N/16, K/32, 16, 16, 2]: for tile t (weight rows 16t ..) and
+// Layout (amx_pack in methods.py): W [N, K] as [N/16, K/32, 16, 16, 2]: for tile t (weight rows 16t ..) and
 // k-step s (K values 32s ..), an AMX B tile of 16 rows of 64 bytes, row i holding, for each of the 16 weight
 // rows, the pair of values at K 32s + 2i and + 1 ("VNNI" order). N % 16 == 0 and K % 32 == 0.
 #include <ATen/core/Tensor.h>
@@ -66,6 +66,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void configure(int64_t R) {
   asm volatile("ldtilecfg %0" ::"m"(cfg));
 }
 
+// A function of its own: gemm's parallel_for lambda is not compiled for AMX, so the intrinsic cannot be inlined there.
 __attribute__((target("amx-tile"))) void release() { _tile_release(); }
 
 // Sums of R rows of x (ld values apart) with G (1 or kGroup) weight tiles from w, over S k-steps, into
@@ -133,7 +134,7 @@ void gemm(const c10::BFloat16* x, const c10::BFloat16* w, int64_t M, int64_t K, 
             store(y + (m + r) * N + (t0 + j) * 16, load16(out[r] + 16 * j), 16);
       }
     }
-    if (configured) release();  // the lambda is not compiled for AMX: the intrinsic cannot be inlined here
+    if (configured) release();
   });
 }
 
