@@ -1,6 +1,6 @@
 """The native decoder stack (kvserve/models/native_stack.py) against the decoder layers run one by one:
 the same tokens and the same log-probabilities, bit for bit, over prefill, chunked prefill and decode
-steps of a mixed batch; and the stack declines what it does not cover."""
+steps of a mixed batch, with quantized and with float weights; and the stack declines what it does not cover."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,9 +27,9 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     return dirs
 
 
-def make_llm(path: Path, **kw) -> LLM:
+def make_llm(path: Path, dtype: str = "float32", **kw) -> LLM:
     # A small token budget splits the longer prompts into chunks that share steps with decodes.
-    return LLM(model=str(path), dtype="float32", max_num_batched_tokens=32, num_kv_blocks=64,
+    return LLM(model=str(path), dtype=dtype, max_num_batched_tokens=32, num_kv_blocks=64,
                enable_prefix_caching=False, **kw)
 
 
@@ -75,6 +75,24 @@ def test_stack_matches_the_layers_bit_for_bit(tiny_dirs, arch: str, quantization
     assert run(llm) == native
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_float_weights_match_the_layers_bit_for_bit(tiny_dirs, dtype: str) -> None:
+    """Unquantized weights (an HF model as stored) run in the stack on the kernels FloatMethod uses: bfloat16
+    ones on AMX tiles where the CPU has AMX-BF16 (the tiny model's shapes fit them), else dense_linear."""
+    llm = make_llm(tiny_dirs["llama"], dtype=dtype, quantization="none")
+    model = llm.engine.runner.model
+    assert model.native_stack is not None
+    on_amx = dtype == "bfloat16" and cpu_kernels.amx()
+    projections = [w for w in model.native_stack.weights if w is not None and w.dim() > 1]
+    assert len(projections) == 4 * len(model.layers)
+    assert all(w.dim() == (5 if on_amx else 2) for w in projections), [tuple(w.shape) for w in projections]
+    counts = count_native_steps(llm)
+    native = run(llm)
+    assert counts["native"] > 0 and counts["layers"] == 0 and counts["trimmed"] > 0, counts
+    model.native_stack = None
+    assert run(llm) == native
+
+
 def test_a_prompt_chunk_that_samples_nothing_leaves_the_same_cache(tiny_dirs) -> None:
     """A long prompt alone in chunks of 32: its first chunks sample no row, so the stack's last layer stops
     after writing their K/V; what the later steps read from the cache, and so the output, is the layers'."""
@@ -99,9 +117,9 @@ def test_steps_it_does_not_cover_go_to_the_layers(tiny_dirs, monkeypatch) -> Non
     assert run(llm) == native
 
 
-@pytest.mark.parametrize("arch,quantization", [("llama", "none"), ("qwen2", "int8"), ("qwen3", "int8")])
+@pytest.mark.parametrize("arch,quantization", [("qwen2", "int8"), ("qwen2", "none"), ("qwen3", "int8")])
 def test_models_it_does_not_cover_have_no_stack(tiny_dirs, arch: str, quantization: str) -> None:
-    """Float weights, q/k/v biases (Qwen2) and q/k norms (Qwen3) run the layers."""
+    """q/k/v biases (Qwen2, quantized or float) and q/k norms (Qwen3) run the layers."""
     llm = make_llm(tiny_dirs[arch], quantization=quantization)
     assert llm.engine.runner.model.native_stack is None
     assert len(run(llm)) == len(PROMPTS)

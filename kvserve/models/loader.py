@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from kvserve.config import ModelConfig
-from kvserve.layers.linear import pack_float_weights
 from kvserve.layers.quantization import QuantConfig
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.gguf import GGUFTensor, gguf_model_config, iter_gguf_weights
@@ -82,5 +81,4 @@ def _build(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | GGUFTen
         if isinstance(m, RotaryEmbedding):
             m.reset_table(quant.device)
     model.load_weights(weights)
-    pack_float_weights(model)  # bf16 on CPU only; a no-op elsewhere
     return model.eval().requires_grad_(False)

@@ -5,8 +5,9 @@ its ~300 kernel calls as in the kernels themselves (benchmarks/results/step_prof
 the same kernels back to back from C++, so the layers' Python code (kvserve/models/llama.py) is the
 reference and the path for everything the op does not cover:
 - decided once, at load: CPU kernels built; no q/k norms, biases or per-layer windows that differ; every
-  projection quantized in the kernels' interleaved layout (a GGUF file kept quantized, or
-  --quantization int8/int4); SiLU MLPs;
+  projection on the kernels: quantized in their interleaved layout (a GGUF file kept quantized, or
+  --quantization int8/int4), or float weights (an HF model, or --quantization none) on dense_linear or
+  AMX tiles, as FloatMethod multiplies them; SiLU MLPs;
 - decided per step: every attention row of the step on the paged kernel (long prefills go to SDPA
   through the layers instead), activations float32 or bfloat16.
 """
@@ -20,7 +21,7 @@ from kvserve.attention.backend import FP8, AttentionMetadata, KVCache
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.linear import LinearBase
-from kvserve.layers.quantization.methods import BlockMethod
+from kvserve.layers.quantization.methods import BlockMethod, FloatMethod
 
 if TYPE_CHECKING:
     from kvserve.models.llama import LlamaForCausalLM
@@ -35,6 +36,18 @@ def tiled_weight(layer: LinearBase) -> list[torch.Tensor | None] | None:
         return None
     (w,) = segments
     return [w.qs, w.scales, w.mins]
+
+
+def stack_weight(layer: LinearBase) -> list[torch.Tensor | None] | None:
+    """A projection as decoder_stack_ takes it, else None: tiled_weight's three, or a float weight that
+    FloatMethod multiplies on the CPU kernels (its AMX tiles, or the [N, K] matrix) with no scales or mins.
+    Float models gain most: their ~210 module calls a step cost about as long as their matmuls."""
+    tiled = tiled_weight(layer)
+    if tiled is not None:
+        return tiled
+    if not isinstance(layer.method, FloatMethod) or not layer.method.use_kernel or layer.bias is not None:
+        return None
+    return [layer.amx_weight if layer.amx_weight is not None else layer.weight, None, None]
 
 
 class NativeDecoderStack:
@@ -59,7 +72,7 @@ class NativeDecoderStack:
         weights: list[torch.Tensor | None] = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            parts = [tiled_weight(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            parts = [stack_weight(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(p is None for p in parts) or type(mlp.act) is not SiluAndMul:
                 return None
             qkv, o, gate_up, down = parts

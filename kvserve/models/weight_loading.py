@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from kvserve.layers.linear import LinearBase
+from kvserve.layers.linear import LinearBase, pack_float_weights
 from kvserve.layers.quantization.methods import Loaded, as_float
 
 # Hugging Face projection name -> (our fused layer, shard index in it)
@@ -25,7 +25,8 @@ def linear_layers(model: nn.Module) -> list[LinearBase]:
 
 
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, Loaded]], tie_word_embeddings: bool) -> None:
-    """Route each tensor to its layer, then finalize every linear layer."""
+    """Route each tensor to its layer, then finalize every linear layer and re-lay float bf16 weights where
+    that pays (pack_float_weights, after tying): a native decoder stack built next takes the final tensors."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for name, tensor in weights:
@@ -60,6 +61,7 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, Loaded]], 
         raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
     for layer in layers:
         layer.finalize()
+    pack_float_weights(model)  # bf16 on CPU only; a no-op elsewhere
 
 
 def _owned_by_linear(model: nn.Module, param_name: str) -> bool:

@@ -20,7 +20,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.attention.backend import AttentionMetadata, KVCache
-from kvserve.layers.linear import ColumnLinear, VocabEmbedding, pack_float_weights
+from kvserve.layers.linear import ColumnLinear, VocabEmbedding
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantization import QuantConfig
 from kvserve.layers.rotary import RotaryEmbedding
@@ -115,7 +115,6 @@ def build_draft_lm(path: str | Path, target: LoadedModel, dtype: torch.dtype, de
         model = DraftLM(cfg, embed, tensors.pop("vocab_ids"), quant).to(dtype)
     model.rotary.reset_table(device)
     model.load_weights(tensors.items())
-    pack_float_weights(model)
     return model.eval().requires_grad_(False)
 
 

@@ -12,7 +12,8 @@
 //   x = a W_o; x, residual = add_rms_norm(x, residual); x = down(silu(gate) * up)
 // which is what kvserve/models/llama.py's DecoderLayer does for a model without q/k norms or biases,
 // weights in an interleaved quantized layout (quant_linear_x16.cpp, or quant_linear_x8.cpp where N is a
-// multiple of 8 but not 16), and every attention row on the paged kernel.
+// multiple of 8 but not 16) or float ones (dense_linear.cpp, or dense_linear_amx.cpp's tiles), and every
+// attention row on the paged kernel.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
@@ -45,7 +46,18 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>>
   return {row_token.index_select(0, idx), row_seq.index_select(0, idx), row_len.index_select(0, idx), last};
 }
 
-// weights: kWeightsPerLayer entries per layer, in the order below; a q8 layer has no mins (None).
+// One projection, as kvserve/layers/quantization/methods.py computes it: quantized tiles (scales present) on
+// quant_linear_tiled; a float weight [N, K] on dense_linear, or packed into AMX tiles [N/16, K/32, 16, 16, 2]
+// on dense_linear_amx (bfloat16 models only); out in x's dtype.
+static at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
+                          const std::optional<at::Tensor>& mins) {
+  if (scales.has_value()) return quant_linear_tiled(x, weight, *scales, mins);
+  if (weight.dim() == 5) return dense_linear_amx(x, weight, std::nullopt);  // bfloat16 in and out
+  return dense_linear(x, weight, std::nullopt);
+}
+
+// weights: kWeightsPerLayer entries per layer, in the order below; a q8 layer has no mins (None), and a float
+// layer neither scales nor mins: its Qs entry is the weight, as FloatMethod.apply multiplies it (project).
 constexpr int64_t kWeightsPerLayer = 14;
 enum Weight : int64_t {
   kInputNorm, kQkvQs, kQkvScales, kQkvMins, kOQs, kOScales, kOMins,
@@ -78,7 +90,11 @@ void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::T
     TORCH_CHECK(t.has_value(), "decoder_stack_: layer ", layer, " lacks weight ", static_cast<int64_t>(i));
     return *t;
   };
-  auto mins = [&](int64_t layer, Weight i) { return weights.get(layer * kWeightsPerLayer + i); };
+  // The projection whose first entry is i (its Qs): quantized or float, see project.
+  auto linear = [&](const at::Tensor& in, int64_t layer, Weight i) {
+    return project(in, w(layer, i), weights.get(layer * kWeightsPerLayer + i + 1),
+                   weights.get(layer * kWeightsPerLayer + i + 2));
+  };
 
   // out_rows: only these rows' outputs are wanted (the rows a step samples). Every layer's K and V are still
   // needed for every row, but the last layer's attention, o projection and MLP only for the wanted rows.
@@ -101,7 +117,7 @@ void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::T
   at::Tensor res = residual;  // the residual stream of the rows still computed (all but in a trimmed last layer)
   for (int64_t l = 0; l < L; ++l) {
     fused_add_rms_norm_(h, residual, w(l, kInputNorm), eps);
-    const at::Tensor qkv = quant_linear_tiled(h, w(l, kQkvQs), w(l, kQkvScales), mins(l, kQkvMins));
+    const at::Tensor qkv = linear(h, l, kQkvQs);
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_stack_: layer ", l, " qkv width ", qkv.size(1),
                 " does not match ", num_heads, " + 2 x ", Hkv, " heads of ", D);
     // q's and k's heads sit side by side in the fused projection: one rotation pass over both.
@@ -122,10 +138,10 @@ void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::T
       attn = attn.index_select(0, *out_rows);  // each row computed as it would be among all of them
       res = residual.index_select(0, *out_rows);
     }
-    h = quant_linear_tiled(attn.view({attn.size(0), q_size}), w(l, kOQs), w(l, kOScales), mins(l, kOMins));
+    h = linear(attn.view({attn.size(0), q_size}), l, kOQs);
     fused_add_rms_norm_(h, res, w(l, kPostNorm), eps);
-    const at::Tensor gate_up = quant_linear_tiled(h, w(l, kGateUpQs), w(l, kGateUpScales), mins(l, kGateUpMins));
-    h = quant_linear_tiled(silu_and_mul(gate_up), w(l, kDownQs), w(l, kDownScales), mins(l, kDownMins));
+    const at::Tensor gate_up = linear(h, l, kGateUpQs);
+    h = linear(silu_and_mul(gate_up), l, kDownQs);
   }
   if (K == 0) return;
   x.narrow(0, 0, h.size(0)).copy_(h);
