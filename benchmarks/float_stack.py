@@ -48,7 +48,8 @@ def main() -> None:
         for m in times["stack"]:
             # > 1: the stack is faster. Per round, the two methods ran minutes apart at most: this host's speed
             # drifts more than that over a run, so the ratio is the median of the rounds' ratios.
-            rounds = [a / b if m.startswith("prefill") else b / a for a, b in zip(times["layers"][m], times["stack"][m])]
+            pairs = zip(times["layers"][m], times["stack"][m])
+            rounds = [a / b if m.startswith("prefill") else b / a for a, b in pairs]
             a, b = statistics.median(times["layers"][m]), statistics.median(times["stack"][m])
             lines.append(f"| {name} | {m} | {a:.3g} | {b:.3g} | {statistics.median(rounds):.2f} | "
                          f"{min(rounds):.2f}-{max(rounds):.2f} |")
@@ -59,7 +60,8 @@ def main() -> None:
              "(model.native_stack = None); 'stack': the same layers in one native call. Prefill of a "
              f"{args.prompt_tokens}-token random prompt alone (s); decoding {args.max_tokens} tokens (ignore_eos) "
              f"for 1 and {args.streams} requests of 16-token prompts (output tok/s). Median of {args.rounds} rounds, "
-             "the methods in turn within each; 'stack x layers': the median of the rounds' ratios, > 1: the stack is faster.")
+             "the methods in turn within each; 'stack x layers': the median of the rounds' ratios, > 1: the stack is "
+             "faster.")
     isa = cpu_kernels.isa()
     report(args.name or "float_stack", "Float weights in the native decoder stack", args, setup,
            "\n".join(lines), results, isa=None if args.name else isa, script="float_stack")
