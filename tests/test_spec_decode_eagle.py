@@ -137,17 +137,22 @@ def test_a_loaded_head_keeps_its_weights_when_its_file_is_rewritten(tiny_model_d
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no native CPU kernels on this machine")
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_native_greedy_step_matches_the_layers_bit_for_bit(tiny_model_dirs, tmp_path, quantization):
+@pytest.mark.parametrize("dtype,quantization", [(torch.float32, "int8"), (torch.float32, "int4"),
+                                                (torch.float32, "none"), (torch.bfloat16, "none")])
+def test_native_greedy_step_matches_the_layers_bit_for_bit(tiny_model_dirs, tmp_path, dtype, quantization):
     """The head's greedy drafting step as one native call (kernels/cpu/eagle_head.cpp) gives the features
-    and tokens of its layers called one by one from Python, over two drafting steps."""
+    and tokens of its layers called one by one from Python, over two drafting steps: quantized heads, and
+    float ones (an unquantized engine's) on dense_linear or, in bfloat16 where the CPU has AMX-BF16, its tiles."""
     path, hf = tiny_model_dirs["llama"]
-    target_model = load_model(str(path), torch.float32, CPU)
+    target_model = load_model(str(path), dtype, CPU)
     ref = random_head(hf, list(range(256)), seed=3, inter=128)  # shapes the tiled kernels take
     file = tmp_path / "head.safetensors"
     save_head(file, ref.cfg, ref.state_tensors())
-    head = load_eagle_head(str(file), target_model, torch.float32, CPU, quantization=quantization)
+    head = load_eagle_head(str(file), target_model, dtype, CPU, quantization=quantization)
     assert head.native_weights is not None
+    if quantization == "none":
+        on_amx = dtype == torch.bfloat16 and cpu_kernels.amx()
+        assert [w.dim() for w in head.native_weights if w is not None and w.dim() > 1] == [5 if on_amx else 2] * 4
     feature = torch.randn(5, ref.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     tokens = torch.tensor([6, 23, 14, 31, 5])
     with torch.no_grad():
@@ -162,7 +167,7 @@ def test_native_greedy_step_matches_the_layers_bit_for_bit(tiny_model_dirs, tmp_
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no native CPU kernels on this machine")
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "none"])
 def test_native_top_step_is_a_softmax_and_top_k_of_the_heads_logits(tiny_model_dirs, tmp_path, quantization):
     """What a greedy tree is drafted from and sized by, in one native call: the head's k likeliest tokens (as
     full-vocabulary ids) and their probabilities, those of a softmax and top-k over its logits."""
@@ -189,15 +194,20 @@ def test_native_top_step_is_a_softmax_and_top_k_of_the_heads_logits(tiny_model_d
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no native CPU kernels on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_draft_chains_draw_the_trees_of_the_stepwise_loop(dtype):
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+def test_native_draft_chains_draw_the_trees_of_the_stepwise_loop(dtype, quantization):
     """A greedy request's tree in one native call (EagleHead.draft_chains): the same tokens, probabilities and
     chain lengths as top_step called a step at a time from Python, with chains stopped by their depth and by
     their calibrated gain at every length, and without a calibration (only depths stop them). On the default
-    model and its shipped head: the call embeds the drafted tokens itself, which needs the target's embedding
-    in a tiled layout (the tiny models' 260-token vocabularies are not)."""
-    target_model = load_model(default_model_path(), dtype, CPU)
-    head = load_eagle_head(None, target_model, dtype, CPU, head_quantization("auto", CPU))
+    model and its shipped head, quantized as the engine runs them or both unquantized: the call embeds the
+    drafted tokens itself, from the target's embedding in a tiled layout, or its float rows (in bfloat16 where
+    the CPU has AMX-BF16, from its tiles); the tiny models' 260-token vocabularies do not fit the tiles."""
+    target_model = load_model(default_model_path(), dtype, CPU, quantization=quantization)
+    head = load_eagle_head(None, target_model, dtype, CPU, head_quantization(quantization, CPU))
     assert head.native_embedding is not None
+    if quantization == "none":
+        on_amx = dtype == torch.bfloat16 and cpu_kernels.amx()
+        assert head.native_embedding[0].dim() == (5 if on_amx else 2) and head.native_embedding[1] is None
     proposer = EagleProposer(head, CPU, eos_token_ids=[0])
     rows = 12
     gen = torch.Generator().manual_seed(1)

@@ -27,27 +27,22 @@ if TYPE_CHECKING:
     from kvserve.models.llama import LlamaForCausalLM
 
 
-def tiled_weight(layer: LinearBase) -> list[torch.Tensor | None] | None:
-    """(qs, scales, mins) of a layer stored as one interleaved block weight, else None."""
-    segments = getattr(layer, "segments", None)
-    if not isinstance(layer.method, BlockMethod) or not layer.method.use_kernel or layer.bias is not None:
+def native_weight(layer: LinearBase) -> list[torch.Tensor | None] | None:
+    """A linear layer as the native ops that run a model's layers take it (kernels/cpu/ops.h's any_linear:
+    decoder_stack_ here, the eagle head's steps), else None: (qs, scales, mins) of one interleaved block
+    weight, or a float weight that FloatMethod multiplies on the CPU kernels (its AMX tiles, or the [N, K]
+    matrix) and two Nones. Float models gain most from the stack: decoding 1.4-1.6x at one stream
+    (benchmarks/results/float_stack_*.md)."""
+    method = layer.method
+    if not isinstance(method, (BlockMethod, FloatMethod)) or not method.use_kernel or layer.bias is not None:
         return None
+    if isinstance(method, FloatMethod):
+        return [layer.amx_weight if layer.amx_weight is not None else layer.weight, None, None]
+    segments = getattr(layer, "segments", None)
     if segments is None or len(segments) != 1 or not segments[0].interleaved:
         return None
     (w,) = segments
     return [w.qs, w.scales, w.mins]
-
-
-def stack_weight(layer: LinearBase) -> list[torch.Tensor | None] | None:
-    """A projection as decoder_stack_ takes it, else None: tiled_weight's three, or a float weight that
-    FloatMethod multiplies on the CPU kernels (its AMX tiles, or the [N, K] matrix) with no scales or mins.
-    Float models gain most: their ~210 module calls a step cost about as long as their matmuls."""
-    tiled = tiled_weight(layer)
-    if tiled is not None:
-        return tiled
-    if not isinstance(layer.method, FloatMethod) or not layer.method.use_kernel or layer.bias is not None:
-        return None
-    return [layer.amx_weight if layer.amx_weight is not None else layer.weight, None, None]
 
 
 class NativeDecoderStack:
@@ -72,7 +67,7 @@ class NativeDecoderStack:
         weights: list[torch.Tensor | None] = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            parts = [stack_weight(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            parts = [native_weight(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(p is None for p in parts) or type(mlp.act) is not SiluAndMul:
                 return None
             qkv, o, gate_up, down = parts

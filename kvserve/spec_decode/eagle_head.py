@@ -39,7 +39,7 @@ from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quantization import QuantConfig
 from kvserve.models.llama import MLP
 from kvserve.models.loader import LoadedModel
-from kvserve.models.native_stack import tiled_weight
+from kvserve.models.native_stack import native_weight
 from kvserve.sampling.sampler import argmax
 from kvserve.spec_decode.confidence import CalibrationFileError, calibration_path, read_calibration
 from kvserve.spec_decode.draft_model import full_vocab_logits, target_embedding
@@ -237,17 +237,18 @@ class EagleHead(nn.Module):
 
     def use_native_kernel(self) -> None:
         """After loading: greedy_step and head_logits_step run as one native call (kernels/cpu/eagle_head.cpp)
-        where the CPU kernels are built and every linear layer is in their tiled layout; else in Python."""
-        parts = [tiled_weight(layer) for layer in (self.fc, self.mlp.gate_up_proj, self.mlp.down_proj, self.lm_head)]
+        where the CPU kernels are built and multiply every linear layer (native_weight: quantized tiles, or float
+        weights on dense_linear or AMX tiles); else in Python."""
+        parts = [native_weight(layer) for layer in (self.fc, self.mlp.gate_up_proj, self.mlp.down_proj, self.lm_head)]
         if (any(p is None for p in parts) or type(self.mlp.act) is not SiluAndMul or self.vocab_ids.device.type != "cpu"
                 or not cpu_kernels.available() or not hasattr(cpu_kernels.ops(), "eagle_step")):
             return
         fc, gate_up, down, lm_head = parts
         self.native_weights = [*fc, self.mlp_norm.weight, *gate_up, *down, self.norm.weight, *lm_head]
-        # draft_chains embeds its own tokens: where the target's embedding is in a tiled layout, in this dtype.
+        # draft_chains embeds its own tokens: where the target's embedding is in a format it reads, in this dtype.
         embed = self._embed[0]
         if embed.method.dtype == self.norm.weight.dtype:
-            self.native_embedding = tiled_weight(embed)
+            self.native_embedding = native_weight(embed)
 
     def step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, hidden] features and [N] next tokens -> (the predicted next features, the same through the

@@ -35,7 +35,7 @@ TORCH_LIBRARY(KVSERVE_NS, m) {
   m.def("eagle_top_step(Tensor feature, Tensor embedding, Tensor?[] weights, Tensor vocab_ids, int k, float eps) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("eagle_draft_chains(Tensor feature, Tensor tokens, Tensor?[] weights, Tensor vocab_ids, Tensor embed_qs, "
-        "Tensor embed_scales, Tensor? embed_mins, int k, int[] depths, float[] rates, float min_gain, float eps) "
+        "Tensor? embed_scales, Tensor? embed_mins, int k, int[] depths, float[] rates, float min_gain, float eps) "
         "-> (Tensor, Tensor, Tensor)");
   // elementwise.cpp
   m.def("fused_add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");

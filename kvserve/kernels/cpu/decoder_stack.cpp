@@ -46,18 +46,8 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>>
   return {row_token.index_select(0, idx), row_seq.index_select(0, idx), row_len.index_select(0, idx), last};
 }
 
-// One projection, as kvserve/layers/quantization/methods.py computes it: quantized tiles (scales present) on
-// quant_linear_tiled; a float weight [N, K] on dense_linear, or packed into AMX tiles [N/16, K/32, 16, 16, 2]
-// on dense_linear_amx (bfloat16 models only); out in x's dtype.
-static at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
-                          const std::optional<at::Tensor>& mins) {
-  if (scales.has_value()) return quant_linear_tiled(x, weight, *scales, mins);
-  if (weight.dim() == 5) return dense_linear_amx(x, weight, std::nullopt);  // bfloat16 in and out
-  return dense_linear(x, weight, std::nullopt);
-}
-
 // weights: kWeightsPerLayer entries per layer, in the order below; a q8 layer has no mins (None), and a float
-// layer neither scales nor mins: its Qs entry is the weight, as FloatMethod.apply multiplies it (project).
+// layer neither scales nor mins: its Qs entry is the weight, as FloatMethod.apply multiplies it (any_linear).
 constexpr int64_t kWeightsPerLayer = 14;
 enum Weight : int64_t {
   kInputNorm, kQkvQs, kQkvScales, kQkvMins, kOQs, kOScales, kOMins,
@@ -90,9 +80,9 @@ void decoder_stack_(const at::Tensor& x, const at::Tensor& residual, const at::T
     TORCH_CHECK(t.has_value(), "decoder_stack_: layer ", layer, " lacks weight ", static_cast<int64_t>(i));
     return *t;
   };
-  // The projection whose first entry is i (its Qs): quantized or float, see project.
+  // The projection whose first entry is i (its Qs): quantized or float, see any_linear.
   auto linear = [&](const at::Tensor& in, int64_t layer, Weight i) {
-    return project(in, w(layer, i), weights.get(layer * kWeightsPerLayer + i + 1),
+    return any_linear(in, w(layer, i), weights.get(layer * kWeightsPerLayer + i + 1),
                    weights.get(layer * kWeightsPerLayer + i + 2));
   };
 

@@ -8,7 +8,7 @@
 //
 // With e the next token's embedding: x = fc([feature; e]); h = rms_norm(x); x += down(silu(gate) * up)(h);
 // token = vocab_ids[argmax(lm_head(rms_norm(x)))]. Weights in an interleaved quantized layout
-// (quant_linear_x16.cpp or quant_linear_x8.cpp).
+// (quant_linear_x16.cpp or quant_linear_x8.cpp), or float ones (a head loaded unquantized): ops.h's any_linear.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
@@ -30,7 +30,7 @@
 namespace kvserve_cpu {
 inline namespace KVSERVE_NS {
 
-// weights, in this order; a q8 layer has no mins (None).
+// weights, in this order; a q8 layer has no mins (None), a float one neither scales nor mins (any_linear).
 enum HeadWeight : int64_t {
   kFcQs, kFcScales, kFcMins, kMlpNorm, kGateUpQs, kGateUpScales, kGateUpMins,
   kDownQs, kDownScales, kDownMins, kNorm, kLmQs, kLmScales, kLmMins, kHeadWeights,
@@ -49,16 +49,18 @@ std::tuple<at::Tensor, at::Tensor> eagle_step(const at::Tensor& feature, const a
     TORCH_CHECK(t.has_value(), "eagle_step: lacks weight ", static_cast<int64_t>(i));
     return *t;
   };
-  auto mins = [&](HeadWeight i) { return weights.get(i); };
+  auto linear = [&](const at::Tensor& x, HeadWeight i) {  // i: the layer's first entry, its weight
+    return any_linear(x, w(i), weights.get(i + 1), weights.get(i + 2));
+  };
 
   // fused_add_rms_norm_(x, r): r += x; x = rms_norm(r). From a zero residual: x = rms_norm(fc), r = fc.
-  at::Tensor h = quant_linear_tiled(at::cat({feature, embedding}, 1), w(kFcQs), w(kFcScales), mins(kFcMins));
+  at::Tensor h = linear(at::cat({feature, embedding}, 1), kFcQs);
   at::Tensor x = at::zeros_like(h);
   fused_add_rms_norm_(h, x, w(kMlpNorm), eps);
-  const at::Tensor gate_up = quant_linear_tiled(h, w(kGateUpQs), w(kGateUpScales), mins(kGateUpMins));
-  at::Tensor normed = quant_linear_tiled(silu_and_mul(gate_up), w(kDownQs), w(kDownScales), mins(kDownMins));
+  const at::Tensor gate_up = linear(h, kGateUpQs);
+  at::Tensor normed = linear(silu_and_mul(gate_up), kDownQs);
   fused_add_rms_norm_(normed, x, w(kNorm), eps);  // x: the next feature; normed: what the LM head reads
-  at::Tensor logits = quant_linear_tiled(normed, w(kLmQs), w(kLmScales), mins(kLmMins));
+  at::Tensor logits = linear(normed, kLmQs);
   if (logits.scalar_type() != at::kFloat) logits = logits.to(at::kFloat);  // exact from bfloat16
   return {x, logits};
 }
@@ -140,12 +142,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_top_step(const at::Tensor& 
 // 234 -> 224 us a call, of two 366 -> 304, of three 492 -> 387.
 //
 // tokens [N] int64: each row's last token; embed_qs, embed_scales, embed_mins: the target's token embedding
-// in a tiled layout. -> (ids [N, k + D - 1] int64, probs [N, k + D - 1] float32, lengths [N] int64), D =
+// in any of any_embedding's formats. -> (ids [N, k + D - 1] int64, probs [N, k + D - 1] float32, lengths [N] int64), D =
 // max(depths): columns 0..k-1 the first step's choices (the chain's first token, then its alternatives),
 // columns k..k + lengths[n] - 2 the chain's later tokens; -1 and 0 past a row's chain.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_draft_chains(
     const at::Tensor& feature, const at::Tensor& tokens, const c10::List<std::optional<at::Tensor>>& weights,
-    const at::Tensor& vocab_ids, const at::Tensor& embed_qs, const at::Tensor& embed_scales,
+    const at::Tensor& vocab_ids, const at::Tensor& embed_qs, const std::optional<at::Tensor>& embed_scales,
     const std::optional<at::Tensor>& embed_mins, int64_t k, at::IntArrayRef depths, at::ArrayRef<double> rates,
     double min_gain, double eps) {
   const int64_t N = feature.size(0);
@@ -177,7 +179,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_draft_chains(
     return rates[kind * B + (at >= 0.0 ? std::min(static_cast<int64_t>(at), B - 1) : 0)];
   };
   auto embed = [&](const at::Tensor& t) {
-    return quant_embedding_tiled(t, embed_qs, embed_scales, embed_mins, feature.scalar_type());
+    return any_embedding(t, embed_qs, embed_scales, embed_mins, feature.scalar_type());
   };
 
   auto [x, logits] = eagle_step(feature.contiguous(), embed(tokens), weights, eps);

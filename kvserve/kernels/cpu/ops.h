@@ -7,6 +7,10 @@
 #include <ATen/core/Generator.h>
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/floor_divide.h>
+#include <ATen/ops/gather.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/remainder.h>
 
 #include <optional>
 #include <tuple>
@@ -55,7 +59,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_top_step(const at::Tensor& 
                                                               const at::Tensor& vocab_ids, int64_t k, double eps);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_draft_chains(
     const at::Tensor& feature, const at::Tensor& tokens, const c10::List<std::optional<at::Tensor>>& weights,
-    const at::Tensor& vocab_ids, const at::Tensor& embed_qs, const at::Tensor& embed_scales,
+    const at::Tensor& vocab_ids, const at::Tensor& embed_qs, const std::optional<at::Tensor>& embed_scales,
     const std::optional<at::Tensor>& embed_mins, int64_t k, at::IntArrayRef depths, at::ArrayRef<double> rates,
     double min_gain, double eps);
 
@@ -107,6 +111,30 @@ inline at::Tensor quant_embedding_tiled(const at::Tensor& ids, const at::Tensor&
                                         const std::optional<at::Tensor>& mins, at::ScalarType dtype) {
   if (wq.dim() == 4) return quant_embedding_x16(ids, wq, scales, mins, dtype);
   return quant_embedding_x8(ids, wq, scales, mins, dtype);
+}
+
+// A linear layer in any weight format the engine's CPU layers multiply on these kernels, as
+// kvserve/layers/quantization/methods.py does: quantized tiles (scales present) on quant_linear_tiled; a float
+// weight [N, K] on dense_linear, or one packed into AMX tiles [N/16, K/32, 16, 16, 2] on dense_linear_amx
+// (bfloat16 only). y in x's dtype. Native code that runs a model's layers (decoder_stack.cpp, eagle_head.cpp)
+// takes each layer as (weight, scales, mins), scales and mins None for a float weight.
+inline at::Tensor any_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
+                             const std::optional<at::Tensor>& mins) {
+  if (scales.has_value()) return quant_linear_tiled(x, weight, *scales, mins);
+  if (weight.dim() == 5) return dense_linear_amx(x, weight, std::nullopt);  // bfloat16 in and out
+  return dense_linear(x, weight, std::nullopt);
+}
+
+// An embedding's rows ids [n] in dtype, its weight in any of any_linear's formats (for a float one,
+// FloatMethod.embedding's rows: a packed row is spread over its block's tiles, lane id % 16 of each).
+inline at::Tensor any_embedding(const at::Tensor& ids, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
+                                const std::optional<at::Tensor>& mins, at::ScalarType dtype) {
+  if (scales.has_value()) return quant_embedding_tiled(ids, weight, *scales, mins, dtype);
+  if (weight.dim() == 2) return weight.index_select(0, ids).to(dtype);
+  const int64_t n = ids.size(0);
+  const at::Tensor blocks = weight.index_select(0, at::floor_divide(ids, 16));  // [n, K/32, 16, 16, 2]
+  const at::Tensor lane = at::remainder(ids, 16).view({n, 1, 1, 1, 1}).expand({n, weight.size(1), 16, 1, 2});
+  return blocks.gather(3, lane).reshape({n, -1}).to(dtype);
 }
 
 }  // namespace KVSERVE_NS
