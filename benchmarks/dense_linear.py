@@ -30,6 +30,7 @@ from common import prefill_seconds, report
 from kvserve import LLM, SamplingParams
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.quantization.methods import FloatMethod, can_pack
+from kvserve.models.native_stack import NativeDecoderStack
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 LAYERS = 30
@@ -96,13 +97,15 @@ def parts(args, ops) -> tuple[list[str], dict]:
 
 def switch_float_layers(model, to_torch: bool, kernel) -> None:
     """The model's float layers on torch's matmuls (a bfloat16 weight packed for oneDNN, as FloatMethod does
-    without the kernel) or on the kernel."""
+    without the kernel), one module at a time, or on the kernel, in the native decoder stack as a loaded model
+    runs them (rebuilt: it holds the weights it multiplies, and takes only layers on the kernel)."""
     for layer in model.modules():
         method = getattr(layer, "method", None)
         if isinstance(method, FloatMethod):
             method.kernel = None if to_torch else kernel
             if to_torch and layer.packed_weight is None and can_pack(layer.weight):
                 layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
+    model.native_stack = NativeDecoderStack.build(model)
 
 
 def engine_measures(llm: LLM, args) -> dict[str, Callable[[], float]]:

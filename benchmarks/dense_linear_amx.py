@@ -26,6 +26,7 @@ from dense_linear import engine_measures, measured_in_turns, parts_in_turns, ran
 from kvserve import LLM
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.quantization.methods import FloatMethod, amx_pack, amx_rows
+from kvserve.models.native_stack import NativeDecoderStack
 
 
 def parts(args, ops) -> tuple[list[str], dict]:
@@ -59,10 +60,12 @@ def parts(args, ops) -> tuple[list[str], dict]:
     return lines, results
 
 
-def switch(layers: list, to_amx: bool) -> None:
-    """The float layers on the AMX kernel (their packed weight) or on dense_linear (their weight unpacked)."""
+def switch(model, layers: list, to_amx: bool) -> None:
+    """The float layers on the AMX kernel (their packed weight) or on dense_linear (their weight unpacked); the
+    native decoder stack, which holds the weights it multiplies, rebuilt with them."""
     for layer, packed, unpacked in layers:
         layer.amx_weight, layer.weight = (packed, None) if to_amx else (None, unpacked)
+    model.native_stack = NativeDecoderStack.build(model)
 
 
 def engine(args) -> tuple[list[str], dict]:
@@ -74,9 +77,9 @@ def engine(args) -> tuple[list[str], dict]:
               for m in model.modules() if isinstance(getattr(m, "method", None), FloatMethod)]
     assert layers and all(packed is not None for _, packed, _ in layers), "the engine did not pack for AMX"
     measures = engine_measures(llm, args)
-    times = measured_in_turns(measures, {"dense_linear": lambda: switch(layers, False),
-                                         "amx": lambda: switch(layers, True)}, args.rounds)
-    switch(layers, True)
+    times = measured_in_turns(measures, {"dense_linear": lambda: switch(model, layers, False),
+                                         "amx": lambda: switch(model, layers, True)}, args.rounds)
+    switch(model, layers, True)
     for m in measures:
         d, a = statistics.median(times["dense_linear"][m]), statistics.median(times["amx"][m])
         ratio = d / a if m.startswith("prefill") else a / d  # > 1: AMX is faster

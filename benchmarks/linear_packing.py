@@ -33,9 +33,9 @@ def main() -> None:
             for name, (n, k) in SHAPES.items():
                 lin = nn.Linear(k, n, bias=False).to(torch.bfloat16)
                 method = FloatMethod(torch.bfloat16, torch.device("cpu"))
-                # FloatMethod's oneDNN path, as on a CPU without kvserve's kernels (with them it runs dense_linear:
-                # benchmarks/dense_linear.py).
-                method.kernel = None
+                # FloatMethod's oneDNN path, as on a CPU without kvserve's kernels (with them it runs dense_linear,
+                # benchmarks/dense_linear.py, or AMX tiles, dense_linear_amx.py).
+                method.kernel, method.amx = None, False
                 packed = ColumnLinear(k, n, method, name)
                 packed.weight_loader(0, lin.weight.detach())
                 packed.finalize()
