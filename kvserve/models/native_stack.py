@@ -10,6 +10,8 @@ reference and the path for everything the op does not cover:
   AMX tiles, as FloatMethod multiplies them; SiLU MLPs;
 - decided per step: every attention row of the step on the paged kernel (long prefills go to SDPA
   through the layers instead), activations float32 or bfloat16.
+Float models gain as much: the default model unquantized decoded 1.4-1.6x as fast at one stream in the stack
+(benchmarks/results/float_stack_*.md).
 """
 from __future__ import annotations
 
@@ -31,8 +33,7 @@ def native_weight(layer: LinearBase) -> list[torch.Tensor | None] | None:
     """A linear layer as the native ops that run a model's layers take it (kernels/cpu/ops.h's any_linear:
     decoder_stack_ here, the eagle head's steps), else None: (qs, scales, mins) of one interleaved block
     weight, or a float weight that FloatMethod multiplies on the CPU kernels (its AMX tiles, or the [N, K]
-    matrix) and two Nones. Float models gain most from the stack: decoding 1.4-1.6x at one stream
-    (benchmarks/results/float_stack_*.md)."""
+    matrix) and two Nones."""
     method = layer.method
     if not isinstance(method, (BlockMethod, FloatMethod)) or not method.use_kernel or layer.bias is not None:
         return None

@@ -142,9 +142,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_top_step(const at::Tensor& 
 // 234 -> 224 us a call, of two 366 -> 304, of three 492 -> 387.
 //
 // tokens [N] int64: each row's last token; embed_qs, embed_scales, embed_mins: the target's token embedding
-// in any of any_embedding's formats. -> (ids [N, k + D - 1] int64, probs [N, k + D - 1] float32, lengths [N] int64), D =
-// max(depths): columns 0..k-1 the first step's choices (the chain's first token, then its alternatives),
-// columns k..k + lengths[n] - 2 the chain's later tokens; -1 and 0 past a row's chain.
+// in any of any_embedding's formats (ops.h). -> (ids [N, k + D - 1] int64, probs [N, k + D - 1] float32,
+// lengths [N] int64), D = max(depths): columns 0..k-1 the first step's choices (the chain's first token, then
+// its alternatives), columns k..k + lengths[n] - 2 the chain's later tokens; -1 and 0 past a row's chain.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_draft_chains(
     const at::Tensor& feature, const at::Tensor& tokens, const c10::List<std::optional<at::Tensor>>& weights,
     const at::Tensor& vocab_ids, const at::Tensor& embed_qs, const std::optional<at::Tensor>& embed_scales,

@@ -127,8 +127,9 @@ inline at::Tensor any_linear(const at::Tensor& x, const at::Tensor& weight, cons
 
 // An embedding's rows ids [n] in dtype, its weight in any of any_linear's formats (for a float one,
 // FloatMethod.embedding's rows: a packed row is spread over its block's tiles, lane id % 16 of each).
-inline at::Tensor any_embedding(const at::Tensor& ids, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
-                                const std::optional<at::Tensor>& mins, at::ScalarType dtype) {
+inline at::Tensor any_embedding(const at::Tensor& ids, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& mins,
+                                at::ScalarType dtype) {
   if (scales.has_value()) return quant_embedding_tiled(ids, weight, *scales, mins, dtype);
   if (weight.dim() == 2) return weight.index_select(0, ids).to(dtype);
   const int64_t n = ids.size(0);
