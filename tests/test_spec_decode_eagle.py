@@ -177,6 +177,7 @@ def test_native_top_step_is_a_softmax_and_top_k_of_the_heads_logits(tiny_model_d
     file = tmp_path / "head.safetensors"
     save_head(file, ref.cfg, ref.state_tensors())
     head = load_eagle_head(str(file), target_model, torch.float32, CPU, quantization=quantization)
+    assert head.native_weights is not None  # top_step below is the native call
     feature = torch.randn(5, ref.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     tokens = torch.tensor([6, 23, 14, 31, 5])
     with torch.no_grad():

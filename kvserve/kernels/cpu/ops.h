@@ -116,12 +116,13 @@ inline at::Tensor quant_embedding_tiled(const at::Tensor& ids, const at::Tensor&
 // A linear layer in any weight format the engine's CPU layers multiply on these kernels, as
 // kvserve/layers/quantization/methods.py does: quantized tiles (scales present) on quant_linear_tiled; a float
 // weight [N, K] on dense_linear, or one packed into AMX tiles [N/16, K/32, 16, 16, 2] on dense_linear_amx
-// (bfloat16 only). y in x's dtype. Native code that runs a model's layers (decoder_stack.cpp, eagle_head.cpp)
+// (bfloat16 tiles: x rounded to bfloat16 first and y bfloat16, as FloatMethod.apply does; else y in x's
+// dtype). Native code that runs a model's layers (decoder_stack.cpp, eagle_head.cpp)
 // takes each layer as (weight, scales, mins), scales and mins None for a float weight.
 inline at::Tensor any_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
                              const std::optional<at::Tensor>& mins) {
   if (scales.has_value()) return quant_linear_tiled(x, weight, *scales, mins);
-  if (weight.dim() == 5) return dense_linear_amx(x, weight, std::nullopt);  // bfloat16 in and out
+  if (weight.dim() == 5) return dense_linear_amx(x.to(at::kBFloat16), weight, std::nullopt);
   return dense_linear(x, weight, std::nullopt);
 }
 

@@ -91,7 +91,10 @@ class FloatMethod:
         layer.register_buffer("amx_weight", None, persistent=False)
 
     def pack(self, layer: nn.Module) -> None:
-        """After tying (an LM head shares the embedding's unpacked weight), pack for AMX or oneDNN where it pays."""
+        """After tying (an LM head shares the embedding's unpacked weight), pack for AMX or oneDNN where it pays.
+        Once: a layer packed already (load_named_weights packs) is left as it is."""
+        if layer.amx_weight is not None or layer.packed_weight is not None:
+            return
         w = layer.weight
         if self.amx and w.dtype == torch.bfloat16 and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0:
             layer.amx_weight = amx_pack(w.detach())
