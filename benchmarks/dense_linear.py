@@ -127,6 +127,12 @@ def engine_measures(llm: LLM, args) -> dict[str, Callable[[], float]]:
             f"decode, {args.streams} streams, tok/s": lambda: decode(args.streams)}
 
 
+def speedup(measure: str, base: float, new: float) -> float:
+    """How many times as fast new is as base at one of engine_measures' measures (> 1: new is faster): the
+    prefill is timed in seconds, decoding in tok/s."""
+    return base / new if measure.startswith("prefill") else new / base
+
+
 def measured_in_turns(measures: dict[str, Callable[[], float]], methods: dict[str, Callable[[], None]],
                       rounds: int) -> dict[str, dict[str, list[float]]]:
     """Each method (a switch of the engine's layers) takes its turn at every measure, in each of rounds rounds."""
@@ -152,7 +158,7 @@ def engine(args, ops) -> tuple[list[str], dict]:
             "kernel": lambda: switch_float_layers(model, False, ops.dense_linear)}, args.rounds)
         for m in measures:
             t, k = statistics.median(times["torch"][m]), statistics.median(times["kernel"][m])
-            ratio = t / k if m.startswith("prefill") else k / t  # > 1: the kernel is faster
+            ratio = speedup(m, t, k)  # > 1: the kernel is faster
             lines.append(f"| {name} | {m} | {t:.3g} | {k:.3g} | {ratio:.2f} |")
             print(lines[-1], flush=True)
         results[name] = times

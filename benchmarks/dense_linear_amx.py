@@ -22,7 +22,8 @@ import statistics
 import torch
 
 from common import report
-from dense_linear import engine_measures, measured_in_turns, parts_in_turns, random_model, torch_linear
+from dense_linear import (engine_measures, measured_in_turns, parts_in_turns, random_model, speedup,
+                          torch_linear)
 from kvserve import LLM
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.quantization.methods import FloatMethod, amx_pack, amx_rows
@@ -82,7 +83,7 @@ def engine(args) -> tuple[list[str], dict]:
     switch(model, layers, True)
     for m in measures:
         d, a = statistics.median(times["dense_linear"][m]), statistics.median(times["amx"][m])
-        ratio = d / a if m.startswith("prefill") else a / d  # > 1: AMX is faster
+        ratio = speedup(m, d, a)  # > 1: AMX is faster
         lines.append(f"| {m} | {d:.3g} | {a:.3g} | {ratio:.2f} |")
         print(lines[-1], flush=True)
     return lines, times

@@ -18,7 +18,7 @@ import argparse
 import statistics
 
 from common import report
-from dense_linear import engine_measures, measured_in_turns
+from dense_linear import engine_measures, measured_in_turns, speedup
 from kvserve import LLM
 from kvserve.kernels import cpu as cpu_kernels
 
@@ -48,8 +48,7 @@ def main() -> None:
         for m in times["stack"]:
             # > 1: the stack is faster. Per round, the two methods ran minutes apart at most: this host's speed
             # drifts more than that over a run, so the ratio is the median of the rounds' ratios.
-            pairs = zip(times["layers"][m], times["stack"][m])
-            rounds = [a / b if m.startswith("prefill") else b / a for a, b in pairs]
+            rounds = [speedup(m, a, b) for a, b in zip(times["layers"][m], times["stack"][m])]
             a, b = statistics.median(times["layers"][m]), statistics.median(times["stack"][m])
             lines.append(f"| {name} | {m} | {a:.3g} | {b:.3g} | {statistics.median(rounds):.2f} | "
                          f"{min(rounds):.2f}-{max(rounds):.2f} |")
