@@ -190,7 +190,8 @@ def test_a_tree_is_judged_as_its_chain_and_its_kept_alternatives_count_as_accept
     chain's first token rejected, and an accepted draft for the engine-wide acceptance."""
     p = DraftLength(2)
     for step in range(200):
-        p.record(2, 0, TREE_CLASS, kept_alternative=step % 2 == 0)
+        kept = step % 2 == 0
+        p.record(2, int(kept), TREE_CLASS, kept_alternative=kept)  # a kept alternative: 1 accepted token
     assert p.acceptance_by_position(TREE_CLASS)[0] < 0.01
     assert p.acceptance == pytest.approx(0.25, abs=0.02)  # 1 of 2 drafted, every other step
 

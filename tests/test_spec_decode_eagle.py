@@ -807,6 +807,36 @@ def test_tree_drafts_count_every_token_and_keep_requests_drafting(tiny_model_dir
     assert s.spec_num_drafts >= 4 * 11, s
 
 
+def test_tree_drafts_stop_at_max_model_len(tiny_model_dirs, heads, monkeypatch):
+    """Trees up to the context limit: a step's rows, the alternatives stored past the chain included, never
+    reach past max_model_len, yet a tree two tokens from it still carries an alternative beside its one chain
+    token (the step's last slot is then the limit's last); the output is the non-speculative one, ended by the
+    length limit."""
+    path, _ = tiny_model_dirs["llama"]
+    limit = 37
+    ps = prompts(7, [9, 14, 11, 20, 16, 6])
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    waves = [[(str(i), p, params) for i, p in enumerate(ps)]]
+    ref = run(make_engine(path, max_model_len=limit), waves)
+    engine = make_engine(path, tree_spec(heads["right"], CHAIN_AND_ALTERNATIVES), max_model_len=limit)
+    second_choice_first(engine, monkeypatch)
+    ends: list[tuple[int, int]] = []  # per verified tree row: (its last slot + 1, its alternatives)
+    execute = engine.runner.execute
+
+    def recorded(sched):
+        ends.extend((seq.num_computed_tokens + n, sched.spec_alternatives.get(seq.seq_id, 0))
+                    for seq, n in sched.scheduled)
+        return execute(sched)
+    monkeypatch.setattr(engine.runner, "execute", recorded)
+    got = run(engine, waves, check=True)
+    for i, p in enumerate(ps):
+        out = got[str(i)].outputs[0]
+        assert out.token_ids == ref[str(i)].outputs[0].token_ids and len(p) + len(out.token_ids) == limit
+        assert out.finish_reason == "length"
+    assert max(end for end, _ in ends) <= limit
+    assert any(end == limit and alternatives for end, alternatives in ends), ends
+
+
 def test_tree_drafts_need_a_backend_that_takes_them(tiny_model_dirs, heads):
     """The Triton backend (run here in its interpreter) has no tree rows: the engine refuses to start, saying so."""
     path, _ = tiny_model_dirs["llama"]

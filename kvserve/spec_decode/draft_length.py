@@ -197,16 +197,18 @@ class DraftLength:
 
     def record(self, num_drafted: int, num_accepted: int, draft_class: int = 0, kept_alternative: bool = False
                ) -> None:
-        """A verified draft: num_accepted of its num_drafted chain tokens, or an alternative to its first token
-        kept (a token tree's; then num_accepted is 0: the chain's first token was rejected)."""
+        """A verified draft: num_accepted of its num_drafted chain tokens, its first ones; or, with
+        kept_alternative, a token tree's alternative to its first token kept in that token's place (then
+        num_accepted is 1, as the engine counts it, and the chain's first token was rejected)."""
+        chain_accepted = 0 if kept_alternative else num_accepted
         rates = self.continue_rate.setdefault(draft_class, [None] * self.max_length)
         # Token i's outcome given all before it were accepted is seen for i up to the first rejection.
-        for i in range(tested_tokens(num_drafted, num_accepted)):
+        for i in range(tested_tokens(num_drafted, chain_accepted)):
             old = rates[i] if rates[i] is not None else (rates[i - 1] if i else 1.0)
-            rates[i] = old + _POSITION_WEIGHT * ((1.0 if i < num_accepted else 0.0) - old)
+            rates[i] = old + _POSITION_WEIGHT * ((1.0 if i < chain_accepted else 0.0) - old)
         # As a request's own acceptance counts it (speculator.py): a kept alternative as its first token.
-        accepted = 1 if kept_alternative else num_accepted
-        self.acceptance += _POSITION_WEIGHT * (accepted / tested_tokens(num_drafted, accepted) - self.acceptance)
+        self.acceptance += _POSITION_WEIGHT * (num_accepted / tested_tokens(num_drafted, num_accepted)
+                                               - self.acceptance)
         if draft_class != TREE_CLASS:  # a tree's rows are sized by the head's confidence, not by `choose`
             self._realized += num_accepted
 

@@ -134,8 +134,9 @@ class Speculator:
         start = time.perf_counter()
         made = self.draft.draft_trees(trees, [depths[seq.seq_id] for seq in trees], self.num_alternatives, cal,
                                       self.extend_min_gain)
-        # Alternatives are stored past the chain: inside max_model_len too.
-        rooms = [max(0, self.max_model_len - seq.num_tokens - 1 - len(d.chain)) for seq, d in zip(trees, made)]
+        # Alternatives are stored past the chain, whose K/V slots end at seq.num_tokens + len(chain): their
+        # slots stay inside max_model_len too (their positions are the first draft's, always inside it).
+        rooms = [max(0, self.max_model_len - seq.num_tokens - len(d.chain)) for seq, d in zip(trees, made)]
         if cal is None:  # without the rule, every tree whole
             for seq, d, room in zip(trees, made, rooms):
                 alternatives = d.alternatives[:room]
@@ -276,8 +277,7 @@ class Speculator:
             s.accepted_per_pos[i] += 1
         state = spec_state(seq)
         if self.length is not None:
-            self.length.record(num_drafted, 0 if kept_alternative else num_accepted, state.draft_class,
-                               kept_alternative > 0)
+            self.length.record(num_drafted, num_accepted, state.draft_class, kept_alternative > 0)
 
         cfg = self.config
         # Each tested draft token moves the average by 1/window of the way to this draft's rate.
