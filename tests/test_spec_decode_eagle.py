@@ -53,7 +53,8 @@ def random_head(hf, vocab_ids: list[int], seed: int = 0, inter: int = 96) -> Eag
                           rms_norm_eps=1e-6, target="a tiny test model")
     g = torch.Generator().manual_seed(seed)
     vocab = torch.tensor(sorted(vocab_ids))
-    tensors = {"fc.weight": 0.15 * torch.randn(d, 2 * d, generator=g), "mlp_norm.weight": 1 + 0.1 * torch.randn(d, generator=g),
+    tensors = {"fc.weight": 0.15 * torch.randn(d, 2 * d, generator=g),
+               "mlp_norm.weight": 1 + 0.1 * torch.randn(d, generator=g),
                "mlp.gate_proj.weight": 0.15 * torch.randn(inter, d, generator=g),
                "mlp.up_proj.weight": 0.15 * torch.randn(inter, d, generator=g),
                "mlp.down_proj.weight": 0.15 * torch.randn(d, inter, generator=g),
@@ -524,7 +525,8 @@ def check_seeded(got: dict, ref: dict, engine, num_prompts: int) -> None:
 @pytest.mark.parametrize("kind", ["wrong", "right"])
 def test_unseeded_sampled_distribution_is_the_targets(kind, tiny_model_dirs, heads):
     """Chi-square test of the joint distribution of the first four tokens against the exact one from
-    transformers' logits, with a head that only knows the banned token and with the one trained on greedy continuations."""
+    transformers' logits, with a head that only knows the banned token and with the one trained on greedy
+    continuations."""
     path, hf = tiny_model_dirs["llama"]
     engine = make_engine(path, spec(heads[kind]), max_num_seqs=1800, max_num_batched_tokens=8192)
     rate = sampled_acceptance_and_chisquare(engine, hf)
