@@ -222,6 +222,40 @@ def test_seeded_request_is_reproducible_and_batch_invariant() -> None:
     assert different_seed != alone_a  # (6 draws from ~50 tokens: a collision is ~impossible)
 
 
+
+def test_a_rows_temperature_rounds_alike_whatever_its_batch_mates_filter() -> None:
+    """A row without top-k, top-p or min-p is tempered the same way beside rows that use them, so that a seeded
+    request's tokens cannot depend on its batch-mates (whom speculative decoding changes: requests advance by
+    several tokens a step). Near-ties built on purpose: tokens 0 and 1 score alike in exact arithmetic
+    (exp(x0 / T) / -ln u0 == exp(x1 / T) / -ln u1), so rounding alone decides between them; dividing by T
+    before the draw and scaling by 1 / T inside it decided differently in some of these rows."""
+    rng = np.random.default_rng(5)
+    trials, vocab, temperature = 400, 8, 0.7
+    x = rng.normal(size=(trials, vocab)).astype(np.float32)
+    x[:, 2:] -= 10.0  # the two tied tokens lead by far
+    u = np.full((trials, vocab), 0.01)  # the others also draw large noise
+    u[:, 0] = rng.uniform(0.05, 0.95, size=trials)
+    u[:, 1] = np.exp(np.exp((x[:, 1].astype(np.float64) - x[:, 0]) / temperature) * np.log(u[:, 0]))
+    u = u.astype(np.float32)
+    row = SamplingParams(temperature=temperature)
+    mates = {"alone": None, "beside a plain row": SamplingParams(temperature=1.3),
+             "beside top_k": SamplingParams(temperature=1.0, top_k=3),
+             "beside top_p and min_p": SamplingParams(temperature=0.5, top_p=0.8, min_p=0.02)}
+    picks = {}
+    for name, mate in mates.items():
+        got = []
+        for i in range(trials):
+            params = [row] + ([mate] if mate else [])
+            logits = torch.from_numpy(np.stack([x[i], x[(i + 1) % trials]][:len(params)]))
+            noise = [torch.from_numpy(u[i]), torch.from_numpy(u[(i + 1) % trials])][:len(params)]
+            inputs = SamplingInputs(params, [None] * len(params), [[]] * len(params), [[]] * len(params), EOS,
+                                    noise=noise)
+            got.append(Sampler()(logits, inputs).token_ids[0])
+        picks[name] = got
+    assert set(picks["alone"]) == {0, 1}  # the ties go both ways
+    for name in mates:
+        assert picks[name] == picks["alone"], (name, sum(a != b for a, b in zip(picks[name], picks["alone"])))
+
 # ---- min_tokens ----------------------------------------------------------------------------------
 
 def test_min_tokens_masks_eos_and_stop_token_ids_until_reached() -> None:

@@ -162,35 +162,52 @@ class Sampler:
         generators = [inputs.generators[i] for i in rand_rows]
         given = [inputs.noise[i] for i in rand_rows] if inputs.noise is not None else None
         native = race_applies(sub)
-        filtered = any(p.min_p > 0.0 or p.top_k > 0 or p.top_p < 1.0 for p in sub_params)
-        if native and not filtered:
-            # Temperature only: the kernel scales the logits as it reads them (no tempered copy).
-            inv_temp = self._per_row([1.0 / t for t in temps], sub)
+        filtered = [p.min_p > 0.0 or p.top_k > 0 or p.top_p < 1.0 for p in sub_params]
+        if native:
+            # Each row is tempered as it would be alone, whatever its batch-mates ask, so that a seeded request's
+            # tokens never depend on them: a row without filters by the kernel as it reads the logits (x * 1/T,
+            # no tempered copy), a filtered one divided by T before its filters, then drawn at 1. (Dividing every
+            # row whenever one was filtered rounded near-ties differently: tests/test_sampler.py.)
+            if any(filtered):
+                rows = [i for i, f in enumerate(filtered) if f]
+                if len(rows) == len(sub_params):
+                    sub = self._tempered_and_filtered(sub, sub_params, owned=not all_random)
+                else:
+                    at = to_device(rows, sub.device)
+                    part = self._tempered_and_filtered(sub[at], [sub_params[i] for i in rows], owned=True)
+                    sub = sub.clone() if all_random else sub  # all_random: sub is the caller's tensor
+                    sub[at] = part
+            inv_temp = self._per_row([1.0 if f else 1.0 / t for f, t in zip(filtered, temps)], sub)
             sampled = race_sample(sub, inv_temp, self._uniforms(sub, generators, given))
         else:
-            if any(t != 1.0 for t in temps):
-                sub = sub / self._per_row(temps, sub).unsqueeze(1)
-            elif all_random:
-                sub = sub.clone()  # the stages below work in place, and logits may be the caller's tensor
-            if any(p.min_p > 0.0 for p in sub_params):
-                lp.apply_min_p(sub, self._per_row([p.min_p for p in sub_params], sub))
-            if any(p.top_k > 0 for p in sub_params):
-                top_k = [p.top_k for p in sub_params]
-                lp.apply_top_k(sub, to_device(top_k, sub.device), max_k=max(k if k > 0 else 1 for k in top_k))
-            if any(p.top_p < 1.0 for p in sub_params):
-                lp.apply_top_p(sub, self._per_row([p.top_p for p in sub_params], sub),
-                               rows=[i for i, p in enumerate(sub_params) if p.top_p < 1.0])
+            sub = self._tempered_and_filtered(sub, sub_params, owned=not all_random)
+            # -log(U) is Exp(1) (several times cheaper than exponential_ on a CPU); U < 1, so the noise
+            # is > 0 (no 0/0 = NaN, which would win the argmax); U = 0 gives inf: that token just loses.
             uniform = self._uniforms(sub, generators, given)
-            if native:
-                sampled = race_sample(sub, torch.ones(len(sub_params), device=sub.device), uniform)
-            else:
-                # -log(U) is Exp(1) (several times cheaper than exponential_ on a CPU); U < 1, so the noise
-                # is > 0 (no 0/0 = NaN, which would win the argmax); U = 0 gives inf: that token just loses.
-                sampled = argmax(torch.softmax(sub, dim=-1) / uniform.log_().neg_())
+            sampled = argmax(torch.softmax(sub, dim=-1) / uniform.log_().neg_())
 
         if greedy_ids is None:
             return sampled
         return greedy_ids.index_copy(0, idx, sampled)
+
+    def _tempered_and_filtered(self, logits: Tensor, params: list[SamplingParams], owned: bool) -> Tensor:
+        """Each row divided by its temperature, then its min_p, top_k and top_p applied (rows without one are
+        left as they are). owned: logits is this call's own copy, which the stages may change in place;
+        otherwise they work on a copy (the caller's tensor stays untouched)."""
+        temps = [p.temperature for p in params]
+        if any(t != 1.0 for t in temps):
+            logits = logits / self._per_row(temps, logits).unsqueeze(1)
+        elif not owned:
+            logits = logits.clone()
+        if any(p.min_p > 0.0 for p in params):
+            lp.apply_min_p(logits, self._per_row([p.min_p for p in params], logits))
+        if any(p.top_k > 0 for p in params):
+            top_k = [p.top_k for p in params]
+            lp.apply_top_k(logits, to_device(top_k, logits.device), max_k=max(k if k > 0 else 1 for k in top_k))
+        if any(p.top_p < 1.0 for p in params):
+            lp.apply_top_p(logits, self._per_row([p.top_p for p in params], logits),
+                           rows=[i for i, p in enumerate(params) if p.top_p < 1.0])
+        return logits
 
     @staticmethod
     def _uniforms(like: Tensor, generators: list[torch.Generator | None],
