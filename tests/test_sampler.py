@@ -6,6 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from kvserve.kernels import cpu as cpu_kernels
 from kvserve.sampling import Sampler, SamplingInputs, compute_prompt_logprobs, make_generator
 from kvserve.sampling.logits_processors import apply_top_p
 from kvserve.sampling_params import SamplingParams
@@ -222,13 +223,14 @@ def test_seeded_request_is_reproducible_and_batch_invariant() -> None:
     assert different_seed != alone_a  # (6 draws from ~50 tokens: a collision is ~impossible)
 
 
-
-def test_a_rows_temperature_rounds_alike_whatever_its_batch_mates_filter() -> None:
-    """A row without top-k, top-p or min-p is tempered the same way beside rows that use them, so that a seeded
-    request's tokens cannot depend on its batch-mates (whom speculative decoding changes: requests advance by
-    several tokens a step). Near-ties built on purpose: tokens 0 and 1 score alike in exact arithmetic
-    (exp(x0 / T) / -ln u0 == exp(x1 / T) / -ln u1), so rounding alone decides between them; dividing by T
-    before the draw and scaling by 1 / T inside it decided differently in some of these rows."""
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the torch path tempers every row alike")
+@pytest.mark.parametrize("own", ["temperature only", "top_p"])
+def test_a_rows_temperature_rounds_alike_whatever_its_batch_mates_filter(own: str) -> None:
+    """A row is tempered the same way whatever its batch-mates ask, so that a seeded request's tokens cannot
+    depend on them (whom speculative decoding changes: requests advance by several tokens a step). Near-ties
+    built on purpose: tokens 0 and 1 score alike in exact arithmetic (exp(x0 / T) / -ln u0 == exp(x1 / T) /
+    -ln u1), so rounding alone decides between them; a temperature-only row divided by T before the draw
+    (beside a filtered row) and scaled by 1 / T inside it (otherwise) decided differently in some of these."""
     rng = np.random.default_rng(5)
     trials, vocab, temperature = 400, 8, 0.7
     x = rng.normal(size=(trials, vocab)).astype(np.float32)
@@ -237,7 +239,7 @@ def test_a_rows_temperature_rounds_alike_whatever_its_batch_mates_filter() -> No
     u[:, 0] = rng.uniform(0.05, 0.95, size=trials)
     u[:, 1] = np.exp(np.exp((x[:, 1].astype(np.float64) - x[:, 0]) / temperature) * np.log(u[:, 0]))
     u = u.astype(np.float32)
-    row = SamplingParams(temperature=temperature)
+    row = SamplingParams(temperature=temperature, top_p=1.0 if own == "temperature only" else 0.999)
     mates = {"alone": None, "beside a plain row": SamplingParams(temperature=1.3),
              "beside top_k": SamplingParams(temperature=1.0, top_k=3),
              "beside top_p and min_p": SamplingParams(temperature=0.5, top_p=0.8, min_p=0.02)}
@@ -255,6 +257,7 @@ def test_a_rows_temperature_rounds_alike_whatever_its_batch_mates_filter() -> No
     assert set(picks["alone"]) == {0, 1}  # the ties go both ways
     for name in mates:
         assert picks[name] == picks["alone"], (name, sum(a != b for a, b in zip(picks[name], picks["alone"])))
+
 
 # ---- min_tokens ----------------------------------------------------------------------------------
 
