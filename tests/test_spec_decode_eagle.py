@@ -916,6 +916,14 @@ def test_trees_sized_by_confidence_greedy_identical_with_preemption_and_n(kind, 
     modelled_step_times(engine, 0.02)
     if kind != "right":
         head_unsure(engine, monkeypatch, kind)
+    length, rule_saw = engine.speculator.length, []  # what the rule is told of each kept alternative
+    record = length.record
+
+    def told(num_drafted, num_accepted, draft_class=0, kept_alternative=False):
+        if kept_alternative:
+            rule_saw.append(num_accepted)
+        record(num_drafted, num_accepted, draft_class, kept_alternative)
+    monkeypatch.setattr(length, "record", told)
     assert_same(run(engine, wave, check=True), ref, engine)
     s = engine.get_stats()
     assert s.num_preemptions > 0
@@ -923,6 +931,7 @@ def test_trees_sized_by_confidence_greedy_identical_with_preemption_and_n(kind, 
         assert s.spec_accepted_per_pos[1] > 0.5 * s.spec_num_drafts > 0, s
     elif kind == "split":
         assert counts["kept"] > 0.2 * counts["trees"] > 0, counts
+        assert rule_saw and set(rule_saw) == {1}  # a kept alternative is one accepted token, as the engine counts
     else:
         assert s.spec_num_drafts == 0, s
         # It still drafts, unverified, and the target's tokens teach the engine how far to trust it: its first
