@@ -134,8 +134,8 @@ class Speculator:
         start = time.perf_counter()
         made = self.draft.draft_trees(trees, [depths[seq.seq_id] for seq in trees], self.num_alternatives, cal,
                                       self.extend_min_gain)
-        # Alternatives are stored past the chain, whose K/V slots end at seq.num_tokens + len(chain): their
-        # slots stay inside max_model_len too (their positions are the first draft's, always inside it).
+        # Alternatives are stored past the chain, in the K/V slots from seq.num_tokens + len(chain) on: those
+        # slots stay below max_model_len too (their positions are the first draft's, always inside it).
         rooms = [max(0, self.max_model_len - seq.num_tokens - len(d.chain)) for seq, d in zip(trees, made)]
         if cal is None:  # without the rule, every tree whole
             for seq, d, room in zip(trees, made, rooms):
