@@ -104,6 +104,25 @@ def test_first_token_decodes_as_in_the_full_text(tok: Tokenizer) -> None:
     assert detok.get_delta(finished=True) == expected == " forty two"
 
 
+@pytest.mark.parametrize("text", ["Fruit: 🍎🍐🍒 done", "东京是日本的首都", "é😀x", TEXTS[1]])
+def test_token_id_prompt_cut_inside_a_char(tok: Tokenizer, text: str) -> None:
+    """A prompt of token ids may end inside a multi-byte char. The output's text then starts with that char,
+    finished by the output's first tokens, and holds none of the prompt's whole text: prompt text up to the
+    cut's char and the output's text make up the full decode."""
+    ids = tok.encode(text, add_special_tokens=False)
+    full = tok.decode(ids)
+    assert full == text
+    for cut in range(1, len(ids)):
+        # The prompt's longest token prefix whose text is a prefix of the full text: its whole chars.
+        whole = max(j for j in range(cut + 1) if full.startswith(tok.decode(ids[:j])))
+        detok = IncrementalDetokenizer(tok.backend, ids[:cut], SamplingParams())
+        text_out = ""
+        for i, t in enumerate(ids[cut:]):
+            detok.update([t])
+            text_out += detok.get_delta(finished=i == len(ids) - cut - 1)
+        assert tok.decode(ids[:whole]) + text_out == full, (cut, text_out)
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_skip_special_tokens(tok: Tokenizer, skip: bool) -> None:
     im_start, im_end = tok.backend.token_to_id("<|im_start|>"), tok.backend.token_to_id("<|im_end|>")

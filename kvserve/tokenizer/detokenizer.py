@@ -17,6 +17,20 @@ from kvserve.tokenizer.stop_checker import find_stop_string, partial_stop_len
 _PROMPT_CONTEXT = 6
 
 
+# A UTF-8 char is at most 4 bytes, so a broken one at the end spans at most 3 byte tokens.
+_MAX_BROKEN_TAIL = 3
+
+
+def _broken_tail(tokenizer: Tokenizer, ids: list[int], skip_special: bool) -> int:
+    """How many of ids' last tokens hold the start of a char their text leaves unfinished (0 if none): the
+    fewest whose removal leaves text that does not end in U+FFFD. A U+FFFD left after 3 tokens is not a
+    char that more bytes could finish, so 0 then."""
+    for n in range(min(_MAX_BROKEN_TAIL, len(ids)) + 1):
+        if not tokenizer.decode(ids[:len(ids) - n], skip_special_tokens=skip_special).endswith("\ufffd"):
+            return n
+    return 0
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
@@ -24,7 +38,15 @@ class IncrementalDetokenizer:
         self.output_text = ""            # full output text so far (after any stop truncation)
         self.stop_reason: str | None = None
         self._skip_special = params.skip_special_tokens
-        self._stream = DecodeStream(prompt_token_ids[-_PROMPT_CONTEXT:], skip_special_tokens=self._skip_special)
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        broken = _broken_tail(tokenizer, context, self._skip_special)
+        self._stream = DecodeStream(context[:len(context) - broken], skip_special_tokens=self._skip_special)
+        # A token-id prompt may end inside a multi-byte char. Seeded with that broken text, the stream found
+        # its first output unlike its seed and returned the whole seed's text, prompt included. Stepped in
+        # instead, the tail waits like any broken char, and the output's first text completes it (as vLLM's
+        # stream, primed by steps, does).
+        for t in context[len(context) - broken:]:
+            self._stream.step(tokenizer, t)
         # The ids whose text output_text already holds (a short tail, as context for the final flush)
         # and the ids the stream is still holding back.
         self._decoded_tail: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
