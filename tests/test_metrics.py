@@ -2,12 +2,16 @@
 the real engine over HTTP)."""
 from __future__ import annotations
 
+import asyncio
+import logging
+
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.engine.core_process import StepResult
 from kvserve.engine.stats import EngineStats
 from kvserve.metrics.prometheus import MetricFamilies, ServerMetrics
-from kvserve.metrics.stat_logger import _busy, format_stats_line
+from kvserve.metrics.stat_logger import _busy, format_stats_line, log_stats_periodically
 from kvserve.outputs import CompletionDelta, RequestDelta, RequestMetrics
 
 EXPECTED = {
@@ -153,3 +157,31 @@ def test_stats_line_shows_draft_acceptance():
     assert "Draft acceptance rate: 75.0% (30/40 tokens), Mean acceptance length: 4.00" in line
     assert "Draft acceptance" not in format_stats_line(before, before, 5.0)
     assert "Draft acceptance" not in format_stats_line(EngineStats(), EngineStats(), 5.0)
+
+
+def test_stats_line_after_an_engine_restart_counts_from_zero(caplog: pytest.LogCaptureFixture) -> None:
+    """A replaced engine's counters start again from zero (AsyncLLM resets its stats): the line after the restart
+    shows the new engine's own throughput and acceptance, not negative differences from the old one's totals."""
+    readings = iter([
+        EngineStats(num_running=1, num_generation_tokens=1000, spec_decode_enabled=True, spec_num_drafts=100,
+                    spec_num_draft_tokens=400, spec_num_accepted_tokens=200),
+        EngineStats(num_running=1, num_generation_tokens=50, spec_decode_enabled=True, spec_num_drafts=10,
+                    spec_num_draft_tokens=40, spec_num_accepted_tokens=30),   # after the restart
+    ])
+    last = EngineStats()
+
+    def get_stats() -> EngineStats:
+        nonlocal last
+        last = next(readings, last)
+        return last
+
+    async def run() -> None:
+        task = asyncio.create_task(log_stats_periodically(get_stats, interval_s=0.05))
+        await asyncio.sleep(0.08)   # one line, about 0.05 s after the restart
+        task.cancel()
+
+    with caplog.at_level(logging.INFO, logger="kvserve.stats"):
+        asyncio.run(run())
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kvserve.stats"]
+    assert "-" not in line.split("generation throughput: ")[1].split(" ")[0], line
+    assert "Draft acceptance rate: 75.0% (30/40 tokens)" in line

@@ -48,6 +48,14 @@ def _busy(now: EngineStats, before: EngineStats) -> bool:
             or now.num_prompt_tokens != before.num_prompt_tokens)
 
 
+def _baseline(now: EngineStats, before: EngineStats) -> EngineStats:
+    """before, or zeros where the counters went back: the engine was replaced since (a new engine process counts
+    from zero), and differences from the old one's totals would log negative throughput."""
+    restarted = (now.num_prompt_tokens < before.num_prompt_tokens
+                 or now.num_generation_tokens < before.num_generation_tokens)
+    return EngineStats() if restarted else before
+
+
 async def log_stats_periodically(get_stats: Callable[[], EngineStats], interval_s: float = 5.0,
                                  label: str = "") -> None:
     """Runs until cancelled; stays quiet while idle. `label` starts each line (which engine, when several)."""
@@ -55,6 +63,7 @@ async def log_stats_periodically(get_stats: Callable[[], EngineStats], interval_
     while True:
         await asyncio.sleep(interval_s)
         now, t_now = get_stats(), time.monotonic()
+        before = _baseline(now, before)
         if _busy(now, before):
             logger.info("%s%s", label, format_stats_line(now, before, max(t_now - t_before, 1e-9)))
         before, t_before = now, t_now
