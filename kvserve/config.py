@@ -13,6 +13,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3")  # auto: the compu
 # vLLM's "fp8" is its fp8_e4m3 (outside ROCm), so a command line written for vLLM runs unchanged.
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see kvserve/attention/selector.py
+PER_REQUEST_SPEC_DECODE_METRICS = ("none", "summary", "detailed")
 
 
 @dataclass
@@ -66,6 +67,11 @@ class EngineConfig:
     # Speculative decoding: a SpeculativeConfig or its dict / JSON text, e.g.
     # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # Per-request acceptance figures (vLLM's --per-request-spec-decode-metrics): "none" collects nothing;
+    # "summary" counts each request's drafts and accepted tokens; "detailed" also keeps them step by step.
+    # Requests of one sequence only (outputs.SpecDecodeMetrics); an engine without speculative decoding ignores it
+    # (with a warning), so that it can be every model's default in a server of several.
+    per_request_spec_decode_metrics: str = "none"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -98,6 +104,9 @@ class EngineConfig:
             if k >= self.max_num_batched_tokens:  # a verification row of 1 + k tokens could never be scheduled
                 raise ValueError(f"speculative_config: num_speculative_tokens ({k}) must be below "
                                  f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+        if self.per_request_spec_decode_metrics not in PER_REQUEST_SPEC_DECODE_METRICS:
+            raise ValueError(f"per_request_spec_decode_metrics must be {'|'.join(PER_REQUEST_SPEC_DECODE_METRICS)}, "
+                             f"got {self.per_request_spec_decode_metrics!r}")
 
 
 @dataclass

@@ -29,6 +29,58 @@ class RequestMetrics:
     finished_time: float | None = None
 
 
+@dataclass
+class SpecDecodeMetrics:
+    """One request's speculative decoding, as vLLM reports it per request (--per-request-spec-decode-metrics):
+    per verification step, how many draft tokens it carried (a tree's alternatives included) and how many the
+    target accepted. Summed over requests, the counts equal the engine's spec_decode counters. Collected only
+    for requests of one sequence (n = 1), and only when asked for."""
+    num_spec_tokens: int                          # the configured num_speculative_tokens: the most a step carries
+    num_spec_steps: int = 0                       # verification steps that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0            # the bonus (or corrected) token of each step not counted
+    # {drafted: [steps that accepted 0, 1, .., drafted of them]}, only the lengths that occurred.
+    histogram_by_draft_length: dict[int, list[int]] = field(default_factory=dict)
+    per_step_drafted: list[int] | None = None     # "detailed" only: every step, in order
+    per_step_accepted: list[int] | None = None
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.num_spec_steps += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_draft_tokens += accepted
+        row = self.histogram_by_draft_length.get(drafted)
+        if row is None:
+            row = self.histogram_by_draft_length[drafted] = [0] * (drafted + 1)
+        row[accepted] += 1
+        if self.per_step_drafted is not None:
+            self.per_step_drafted.append(drafted)
+            self.per_step_accepted.append(accepted)
+
+    def to_json(self) -> dict:
+        """vLLM's `metrics.speculative_decoding` object. The two ratios are null before any step drafted."""
+        histogram = [0] * (max(self.num_spec_tokens, *self.histogram_by_draft_length, 0) + 1)
+        for row in self.histogram_by_draft_length.values():
+            for accepted, steps in enumerate(row):
+                histogram[accepted] += steps
+        out = {
+            "mean_acceptance_length": (1 + self.num_accepted_draft_tokens / self.num_spec_steps
+                                       if self.num_spec_steps else None),
+            "draft_acceptance_rate": (self.num_accepted_draft_tokens / self.num_draft_tokens
+                                      if self.num_draft_tokens else None),
+            "acceptance_histogram": histogram,
+            "acceptance_histogram_by_draft_length": {str(k): list(v)
+                                                     for k, v in sorted(self.histogram_by_draft_length.items())},
+            "num_spec_steps": self.num_spec_steps,
+            "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_spec_tokens": self.num_spec_tokens,
+        }
+        if self.per_step_drafted is not None:
+            out["per_step_accepted"] = list(self.per_step_accepted)
+            out["per_step_drafted"] = list(self.per_step_drafted)
+        return out
+
+
 # ---------------------------------------------------------------- per step: deltas
 
 @dataclass
@@ -51,6 +103,7 @@ class RequestDelta:
     # The whole prompt's logprobs, in the request's first delta only (they are complete by its first token).
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
+    spec_decode: SpecDecodeMetrics | None = None  # in the request's last delta, where collected
 
 
 # ---------------------------------------------------------------- cumulative: vLLM's shapes
@@ -79,6 +132,8 @@ class RequestOutput:
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
+    # Per-request speculative decoding figures, once finished (engine option per_request_spec_decode_metrics).
+    spec_decode_metrics: SpecDecodeMetrics | None = None
     # What the latest step added, per sample (for callers that stream from cumulative outputs).
     new_token_ids: list[list[int]] = field(default_factory=list)
     new_texts: list[str] = field(default_factory=list)
@@ -112,5 +167,7 @@ class RequestOutputAccumulator:
             out.prompt_logprobs = delta.prompt_logprobs
         out.num_cached_tokens = delta.num_cached_tokens
         out.metrics = delta.metrics
+        if delta.spec_decode is not None:
+            out.spec_decode_metrics = delta.spec_decode
         out.finished = delta.finished
         return out

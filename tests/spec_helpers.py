@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvserve.config import EngineConfig
 from kvserve.engine.block_hash import block_hashes
 from kvserve.engine.llm_engine import LLMEngine
@@ -254,3 +256,25 @@ def prefix_hit_waves(path) -> tuple[list, dict]:
 def prompts(seed: int, lengths) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(n)] for n in lengths]
+
+
+def check_request_acceptance(j: dict, detailed: bool) -> None:
+    """One request's `metrics.speculative_decoding` (outputs.SpecDecodeMetrics.to_json) agrees with itself: the
+    histograms with the totals, the ratios with the counts, the per-step counts (detailed) with both."""
+    steps, drafted, accepted = j["num_spec_steps"], j["num_draft_tokens"], j["num_accepted_draft_tokens"]
+    assert steps > 0 and drafted >= steps and 0 <= accepted <= drafted, j
+    histogram = j["acceptance_histogram"]
+    assert len(histogram) == j["num_spec_tokens"] + 1
+    assert sum(histogram) == steps and sum(a * c for a, c in enumerate(histogram)) == accepted
+    rows = {int(k): v for k, v in j["acceptance_histogram_by_draft_length"].items()}
+    assert all(len(row) == k + 1 for k, row in rows.items())
+    assert sum(k * sum(row) for k, row in rows.items()) == drafted
+    assert [sum(row[a] for row in rows.values() if a < len(row)) for a in range(len(histogram))] == histogram
+    assert j["mean_acceptance_length"] == pytest.approx(1 + accepted / steps)
+    assert j["draft_acceptance_rate"] == pytest.approx(accepted / drafted)
+    if detailed:
+        assert len(j["per_step_accepted"]) == len(j["per_step_drafted"]) == steps
+        assert sum(j["per_step_accepted"]) == accepted and sum(j["per_step_drafted"]) == drafted
+        assert all(a <= d for a, d in zip(j["per_step_accepted"], j["per_step_drafted"]))
+    else:
+        assert "per_step_accepted" not in j and "per_step_drafted" not in j

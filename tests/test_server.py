@@ -103,6 +103,8 @@ def test_streaming_equals_non_streaming(client):
         full_chat.choices[0].message.content
     assert chunks[-1].usage.total_tokens == full_chat.usage.total_tokens
     assert all(c.usage is not None for c in chunks)  # continuous_usage_stats
+    # Without --per-request-spec-decode-metrics (tests/test_spec_decode_server.py), bodies carry no `metrics`.
+    assert all("metrics" not in (body.model_extra or {}) for body in [full, full_chat, *chunks])
 
 
 def test_n_seed_and_stop(client):

@@ -109,3 +109,17 @@ def test_serve_flag_parses_and_validates(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram"}'])
     assert "num_speculative_tokens is required" in capsys.readouterr().err
+
+
+def test_per_request_metrics_option_parses_and_validates(capsys):
+    """--per-request-spec-decode-metrics reaches the engine config (vLLM's levels); other values are refused."""
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3}'
+    args = build_parser().parse_args(["serve", "--speculative-config", ngram,
+                                      "--per-request-spec-decode-metrics", "detailed"])
+    assert engine_config(args).per_request_spec_decode_metrics == "detailed"
+    assert engine_config(build_parser().parse_args(["serve"])).per_request_spec_decode_metrics == "none"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--per-request-spec-decode-metrics", "all"])
+    assert "invalid choice: 'all'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="per_request_spec_decode_metrics must be none|summary|detailed"):
+        EngineConfig(per_request_spec_decode_metrics="sumary")

@@ -33,8 +33,9 @@ from kvserve.spec_decode.eagle_head import (EagleHead, EagleHeadConfig, EagleHea
 from kvserve.spec_decode.eagle_proposer import EagleProposer
 from kvserve.spec_decode.state import spec_state
 from engine_helpers import assert_no_leaks
-from spec_helpers import (PREEMPTING, abort_mid_speculation, count_alternatives, count_draft_kinds, make_draft_file,
-                          make_engine, preempting_wave, prefix_hit_waves, prompts, run_waves)
+from spec_helpers import (PREEMPTING, abort_mid_speculation, check_request_acceptance, count_alternatives,
+                          count_draft_kinds, make_draft_file, make_engine, preempting_wave, prefix_hit_waves, prompts,
+                          run_waves)
 from test_spec_decode_distribution import BANNED
 from test_spec_decode_draft import assert_same, sampled_acceptance_and_chisquare
 
@@ -1000,3 +1001,28 @@ def test_a_broken_calibration_table_is_refused_by_name(tiny_model_dirs, heads, t
         calibration_path(head).write_text(text)
         with pytest.raises(ValueError, match="head.calibration.json"):
             make_engine(path, spec(head, adaptive_draft_length=True))
+
+
+@pytest.mark.parametrize("level", ["summary", "detailed"])
+def test_per_request_acceptance_adds_up_to_the_counters(level, tiny_model_dirs, heads):
+    """vLLM's per-request acceptance figures (per_request_spec_decode_metrics): over requests of one sequence,
+    through preemptions and trees whose alternatives count as drafts, they sum to the engine's counters; each
+    agrees with itself; a request of n = 2 and an engine not asked for them get none."""
+    path, _ = tiny_model_dirs["llama"]
+    tree = tree_spec(heads["partial"], CHAIN_AND_ALTERNATIVES)
+    engine = make_engine(path, tree, per_request_spec_decode_metrics=level, **PREEMPTING)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    done = run(engine, [[(str(i), p, params) for i, p in enumerate(prompts(2, [6, 23, 14, 31]))]], check=True)
+    s = engine.get_stats()
+    assert engine.scheduler.num_preemptions > 0 and 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens, s
+    figures = [done[r].spec_decode_metrics.to_json() for r in sorted(done)]
+    for j in figures:
+        check_request_acceptance(j, level == "detailed")
+        assert j["num_spec_tokens"] == 4
+    assert sum(j["num_spec_steps"] for j in figures) == s.spec_num_drafts
+    assert sum(j["num_draft_tokens"] for j in figures) == s.spec_num_draft_tokens
+    assert sum(j["num_accepted_draft_tokens"] for j in figures) == s.spec_num_accepted_tokens
+    pair = run(engine, [[("pair", prompts(2, [6])[0], dataclasses.replace(params, n=2))]])
+    assert pair["pair"].spec_decode_metrics is None
+    plain = run(make_engine(path, tree), [[("0", prompts(2, [6])[0], params)]])
+    assert plain["0"].spec_decode_metrics is None

@@ -1,7 +1,8 @@
 """`kvserve serve --speculative-config`: the flag reaches the engine process, greedy completions are those of
 the engine without speculation, /metrics exports vLLM's spec_decode_* counters and the stats line the
 acceptance rate; streams carry accepted runs with stops and seeded samples as without speculation, and a
-client that disconnects frees its blocks."""
+client that disconnects frees its blocks; with --per-request-spec-decode-metrics, responses carry each request's
+acceptance figures as vLLM's do."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import pytest
 
 from kvserve.entrypoints.openai.launcher import RemoteServer
 from server_helpers import metrics, wait_for
+from spec_helpers import check_request_acceptance
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = "Copy the list: apples, pears, plums, cherries, grapes, lemons. Copy: apples, pears,"
@@ -23,7 +25,8 @@ SPEC = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3
 @pytest.fixture(scope="module")
 def server():
     args = ["--dtype", "float32", "--quantization", "none", "--max-model-len", "256", "--num-kv-blocks", "64",
-            "--log-stats-interval", "0.5", "--speculative-config", SPEC]
+            "--log-stats-interval", "0.5", "--speculative-config", SPEC,
+            "--per-request-spec-decode-metrics", "detailed"]
     with RemoteServer(args) as s:
         yield s
 
@@ -177,3 +180,62 @@ def test_offline_get_metrics_gives_the_engines_counts_under_the_servers_series(s
     for m in got.values():
         name = m.name + ("_total" if isinstance(m, (Counter, Vector)) else "")
         assert (name, tuple(sorted(m.labels.items()))) in series, m
+
+
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+FIGURES = ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens")  # the per-request names of COUNTERS
+
+
+def sse_chunks(http: httpx.Client, path: str, body: dict) -> list[dict]:
+    with http.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_responses_carry_each_requests_acceptance(server):
+    """--per-request-spec-decode-metrics detailed: a completion of one sequence carries metrics.speculative_decoding
+    (vLLM's shape), whose counts are what /metrics counted for it; streamed, only the final usage chunk carries
+    it (none without stream_options.include_usage); n = 2 or several prompts give metrics null; a request that
+    never drafted gets zeros; chat too, read through the official client. (test_server.py checks that a server
+    without the option adds no `metrics`.)"""
+    import openai
+
+    model = "SmolLM2-135M-Instruct"
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        before = metrics(http)
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        figures = r.json()["metrics"]["speculative_decoding"]
+        check_request_acceptance(figures, detailed=True)
+        assert figures["num_spec_tokens"] == 3 and figures["num_accepted_draft_tokens"] > 0
+        want = [before[f"kvserve:spec_decode_{c}_total"] + figures[f] for c, f in zip(COUNTERS, FIGURES)]
+        wait_for(lambda: [metrics(http)[f"kvserve:spec_decode_{c}_total"] for c in COUNTERS] == want, 10,
+                 f"/metrics to count {figures}")
+
+        chunks = sse_chunks(http, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+        carrying = [c for c in chunks if c.get("metrics") is not None]
+        assert len(carrying) == 1 and carrying[0] is chunks[-1] and chunks[-1]["usage"]["completion_tokens"] == 24
+        assert carrying[0]["metrics"]["speculative_decoding"] == figures  # greedy: the same drafts, step by step
+        assert not any("metrics" in c for c in sse_chunks(http, "/v1/completions", body))
+
+        assert http.post("/v1/completions", json={**body, "n": 2}).json()["metrics"] is None
+        # One token: no step drafted. The figures are there, at zero, and the two ratios null.
+        r = http.post("/v1/completions", json={**body, "max_tokens": 1})
+        none = r.json()["metrics"]["speculative_decoding"]
+        assert none["num_spec_steps"] == none["num_draft_tokens"] == 0 and none["acceptance_histogram"] == [0] * 4
+        assert none["mean_acceptance_length"] is None and none["draft_acceptance_rate"] is None
+        assert http.post("/v1/completions", json={**body, "prompt": [PROMPT, PROMPT]}).json()["metrics"] is None
+
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Repeat exactly: red, green, blue, red, green, blue, red, green"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+    figures = chat.model_extra["metrics"]["speculative_decoding"]
+    check_request_acceptance(figures, detailed=True)
+    stream = list(client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert [c.model_extra.get("metrics") is not None for c in stream] == [False] * (len(stream) - 1) + [True]
+    assert stream[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert stream[-1].model_extra["metrics"]["speculative_decoding"] == figures

@@ -31,7 +31,8 @@ from kvserve.engine.stats import EngineStats
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.models.kv_cache import kv_cache_spec
 from kvserve.models.loader import load_model
-from kvserve.outputs import PositionLogprobs, RequestDelta, RequestMetrics, RequestOutput, RequestOutputAccumulator
+from kvserve.outputs import (PositionLogprobs, RequestDelta, RequestMetrics, RequestOutput, RequestOutputAccumulator,
+                             SpecDecodeMetrics)
 from kvserve.sampling.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.draft_model import load_draft
@@ -139,6 +140,9 @@ class LLMEngine:
                 indents = Indents(texts[:mc.vocab_size])  # it drafts ids of its own: only ones the model has
             self.speculator = Speculator(spec, self.max_model_len, config.max_num_batched_tokens, draft, classes,
                                          step_tokens=self.runner.step_tokens, indents=indents)
+        elif config.per_request_spec_decode_metrics != "none":
+            logger.warning("per_request_spec_decode_metrics=%s has no effect without speculative decoding "
+                           "(speculative_config)", config.per_request_spec_decode_metrics)
         self.requests: dict[str, Request] = {}
         self._accumulators: dict[str, RequestOutputAccumulator] = {}   # only for callers of step()
         self._seq_ids = itertools.count()
@@ -262,9 +266,20 @@ class LLMEngine:
             request_id=request_id, prompt=prompt_text, prompt_token_ids=list(token_ids), params=params,
             seqs=seqs, detokenizers=detoks, metrics=RequestMetrics(arrival_time=arrival),
             eos_token_ids=frozenset(self.eos_token_ids), max_model_len=self.max_model_len,
+            spec_decode=self._spec_decode_metrics(params.n),
         )
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _spec_decode_metrics(self, n: int) -> SpecDecodeMetrics | None:
+        """A request's per-request acceptance figures, where asked for: with one sequence (n > 1 would mix its
+        sequences' steps), as vLLM reports them."""
+        level = self.config.per_request_spec_decode_metrics
+        if level == "none" or self.speculator is None or n != 1:
+            return None
+        detailed = level == "detailed"
+        return SpecDecodeMetrics(self.speculator.config.num_speculative_tokens,
+                                 per_step_drafted=[] if detailed else None, per_step_accepted=[] if detailed else None)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):
@@ -343,6 +358,8 @@ class LLMEngine:
                 alternatives = sched.spec_alternatives.get(seq.seq_id, 0)
                 self.speculator.record(seq, len(drafts) - alternatives, len(tokens) - 1, alternatives,
                                        kept_alternative(tokens, drafts, alternatives))
+                if req.spec_decode is not None:
+                    req.spec_decode.add(len(drafts), len(tokens) - 1)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
                 self._num_prompt_tokens += len(req.prompt_token_ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.engine.sequence import Sequence
-from kvserve.outputs import CompletionDelta, PositionLogprobs, RequestDelta, RequestMetrics
+from kvserve.outputs import CompletionDelta, PositionLogprobs, RequestDelta, RequestMetrics, SpecDecodeMetrics
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
 from kvserve.tokenizer.stop_checker import token_stop_after
@@ -31,6 +31,7 @@ class Request:
     eos_token_ids: frozenset[int]
     max_model_len: int
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    spec_decode: SpecDecodeMetrics | None = None   # collected where asked for (EngineConfig), sent when finished
     # The engine keeps no copy of the output text or logprobs: once in a delta, they are the receiver's.
     _pending: dict[int, _Pending] = field(default_factory=dict)   # by sequence index, changed since last delta
     _sent_any: bool = False
@@ -87,4 +88,5 @@ class Request:
             num_cached_tokens=self.seqs[0].num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs if first else None,
             metrics=self.metrics,
+            spec_decode=self.spec_decode if self.finished else None,
         )

@@ -119,6 +119,12 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                         "over the model's hidden states; shipped for the default model), draft (a small model; "
                         "'model': PATH); eagle and draft take prompt_lookup_min/max too, to draft by prompt "
                         "lookup where the text repeats itself and by the model elsewhere. Default: off.")
+    p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default="none",
+                   help="With --speculative-config: each response of one sequence (n = 1, one prompt) carries "
+                        "metrics.speculative_decoding, vLLM's per-request acceptance figures (drafts, accepted "
+                        "tokens, a histogram by draft length); streamed, in the final usage chunk "
+                        "(stream_options.include_usage). detailed adds every step's drafted and accepted counts "
+                        "(default: %(default)s)")
     p.set_defaults(prefix_caching=True)
 
 
@@ -136,7 +142,8 @@ def engine_config(args: argparse.Namespace, max_waiting: int | None = None) -> E
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,
         batching=args.batching, max_waiting=max_waiting, num_threads=args.num_threads,
-        speculative_config=args.speculative_config)
+        speculative_config=args.speculative_config,
+        per_request_spec_decode_metrics=args.per_request_spec_decode_metrics)
 
 
 def build_parser() -> argparse.ArgumentParser:

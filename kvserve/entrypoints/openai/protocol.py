@@ -141,6 +141,9 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # vLLM's per-request `metrics` (here its speculative_decoding part): in a body only where the server reports
+    # them (--per-request-spec-decode-metrics; serving_base.body_json), null for n > 1 or several prompts.
+    metrics: dict | None = None
 
 
 # ---------------------------------------------------------------- chat
@@ -216,6 +219,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    # vLLM's per-request `metrics` (here its speculative_decoding part): in a body only where the server reports
+    # them (--per-request-spec-decode-metrics; serving_base.body_json), null for n > 1 or several prompts.
+    metrics: dict | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -242,6 +248,9 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    # vLLM's per-request `metrics` (here its speculative_decoding part): in a body only where the server reports
+    # them (--per-request-spec-decode-metrics; serving_base.body_json), null for n > 1 or several prompts.
+    metrics: dict | None = None
 
 
 # ---------------------------------------------------------------- models, tokenize

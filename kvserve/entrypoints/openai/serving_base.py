@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
+from pydantic import BaseModel
 
 from kvserve.entrypoints.async_llm import EngineDeadError, EngineRequestError
 from kvserve.entrypoints.openai.auth import bearer_token, tenant_cache_salt
@@ -19,7 +20,7 @@ from kvserve.gateway.admission import NoReplica, QueueFull
 from kvserve.gateway.config import AUTO_MODEL
 from kvserve.gateway.registry import ModelRegistry, UnknownModel
 from kvserve.gateway.served_model import ServedModel
-from kvserve.outputs import RequestDelta
+from kvserve.outputs import RequestDelta, SpecDecodeMetrics
 from kvserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -209,6 +210,25 @@ async def first_output(raw_request: Request, gen: AsyncIterator[T]) -> T | None:
     except BaseException:
         await gen.aclose()
         raise
+
+
+def reports_metrics(model: ServedModel) -> bool:
+    """Whether this model's responses carry vLLM's per-request `metrics` object: where it speculates and was
+    asked to report them."""
+    config = model.config
+    return config.per_request_spec_decode_metrics != "none" and config.speculative_config is not None
+
+
+def body_json(body: BaseModel, model: ServedModel) -> dict:
+    """A response body as JSON, with its `metrics` field only where the model reports them: otherwise the
+    body is what it was without the option, as in vLLM."""
+    return body.model_dump(exclude=None if reports_metrics(model) else {"metrics"})
+
+
+def request_metrics(spec: SpecDecodeMetrics | None) -> dict | None:
+    """The `metrics` object of a response that maps to one sequence; None (null) where the engine collected
+    nothing for it (n > 1)."""
+    return None if spec is None else {"speculative_decoding": spec.to_json()}
 
 
 def sse(payload: dict | str) -> str:

@@ -28,7 +28,9 @@ from kvserve.entrypoints.openai.protocol import (
 from kvserve.entrypoints.openai.serving_base import (
     ClientDisconnected,
     OpenAIServing,
+    body_json,
     first_output,
+    request_metrics,
     sse,
     sse_error,
     token_str,
@@ -116,8 +118,9 @@ class OpenAIServingChat(OpenAIServing):
                                       logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         body = ChatCompletionResponse(id=request_id, model=model, choices=choices,
-                                      usage=usage(len(ids), completion_tokens, out.num_cached_tokens))
-        return JSONResponse(body.model_dump())
+                                      usage=usage(len(ids), completion_tokens, out.num_cached_tokens),
+                                      metrics=request_metrics(out.spec_decode_metrics))
+        return JSONResponse(body_json(body, m))
 
     @staticmethod
     def _logprobs(tokenizer, token_ids: list[int], entries: list[PositionLogprobs],
@@ -147,16 +150,20 @@ class OpenAIServingChat(OpenAIServing):
         continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
         sent = [0] * n           # tokens streamed per choice
         cached = 0
+        spec = None              # the request's speculative decoding figures, once finished
 
-        def chunk(choices: list[ChatStreamChoice], with_usage: bool) -> str:
+        def chunk(choices: list[ChatStreamChoice], with_usage: bool, last: bool = False) -> str:
             u = usage(prompt_len, sum(sent), cached) if with_usage else None
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
-                                           usage=u).model_dump())
+            body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=u,
+                                       metrics=request_metrics(spec) if last else None)
+            return sse(body_json(body, m) if last else body.model_dump(exclude={"metrics"}))
 
         def deltas(out: RequestDelta) -> list[str]:
             """One chunk per choice the engine's delta touched: the delta is already only what is new."""
-            nonlocal cached
+            nonlocal cached, spec
             cached = out.num_cached_tokens
+            if out.spec_decode is not None:
+                spec = out.spec_decode
             lines = []
             for c in out.outputs:
                 sent[c.index] += len(c.token_ids)
@@ -182,7 +189,7 @@ class OpenAIServingChat(OpenAIServing):
                         for line in deltas(out):
                             yield line
                     if include_usage:
-                        yield chunk([], True)
+                        yield chunk([], True, last=True)
                 except OpenAIError as e:
                     yield sse_error(e)
                 yield "data: [DONE]\n\n"

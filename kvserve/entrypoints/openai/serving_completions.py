@@ -21,8 +21,10 @@ from kvserve.entrypoints.openai.protocol import (
 from kvserve.entrypoints.openai.serving_base import (
     ClientDisconnected,
     OpenAIServing,
+    body_json,
     first_output,
     merge,
+    request_metrics,
     sse,
     sse_error,
     token_str,
@@ -104,8 +106,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     index=len(choices), text=(prompt_text if req.echo else "") + c.text, logprobs=logprobs,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         body = CompletionResponse(id=request_id, model=model, choices=choices,
-                                  usage=usage(prompt_tokens, completion_tokens, cached))
-        return JSONResponse(body.model_dump())
+                                  usage=usage(prompt_tokens, completion_tokens, cached),
+                                  metrics=request_metrics(finals[0].spec_decode_metrics) if len(finals) == 1 else None)
+        return JSONResponse(body_json(body, m))
 
     async def _prompts(self, m: ServedModel, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         """[(text or None, token ids)] for each prompt of the request."""
@@ -162,6 +165,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_lps: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
         prompt_tokens = [len(ids) for _, ids in prompts]
         cached = [0] * len(prompts)
+        spec = [None] * len(prompts)                 # each prompt's speculative decoding figures, once finished
 
         def usage_now() -> UsageInfo:
             completion = sum(sum(row) for row in sent_tokens)
@@ -171,6 +175,8 @@ class OpenAIServingCompletion(OpenAIServing):
             """One SSE chunk per sample this delta touched: the delta is already only what is new."""
             lines = []
             cached[i] = delta.num_cached_tokens
+            if delta.spec_decode is not None:
+                spec[i] = delta.spec_decode
             if delta.prompt_logprobs is not None:  # the request's first delta
                 prompt_lps[i] = delta.prompt_logprobs
             text, ids = prompts[i]
@@ -196,7 +202,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     choices=[CompletionChoice(index=i * n + j, text=delta_text, logprobs=logprobs,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
                     usage=usage_now() if continuous else None)
-                lines.append(sse(chunk.model_dump(exclude_none=False)))
+                lines.append(sse(chunk.model_dump(exclude={"metrics"})))
             return lines
 
         async def body() -> AsyncIterator[str]:
@@ -208,9 +214,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         for line in chunks(i, out):
                             yield line
                     if include_usage:
-                        final = CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                                   usage=usage_now())
-                        yield sse(final.model_dump())
+                        final = CompletionResponse(
+                            id=request_id, created=created, model=model, choices=[], usage=usage_now(),
+                            metrics=request_metrics(spec[0]) if len(prompts) == 1 else None)
+                        yield sse(body_json(final, m))
                 except OpenAIError as e:
                     yield sse_error(e)
                 yield "data: [DONE]\n\n"
