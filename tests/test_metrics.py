@@ -150,11 +150,12 @@ def test_speculative_decoding_counters_with_vllm_names():
 
 def test_stats_line_shows_draft_acceptance():
     before = EngineStats(spec_decode_enabled=True, spec_num_drafts=10, spec_num_draft_tokens=40,
-                         spec_num_accepted_tokens=10)
+                         spec_num_accepted_tokens=10, spec_accepted_per_pos=[5, 3, 1, 1])
     now = EngineStats(spec_decode_enabled=True, spec_num_drafts=20, spec_num_draft_tokens=80,
-                      spec_num_accepted_tokens=40)
+                      spec_num_accepted_tokens=40, spec_accepted_per_pos=[15, 12, 8, 5])
     line = format_stats_line(now, before, 5.0)
-    assert "Draft acceptance rate: 75.0% (30/40 tokens), Mean acceptance length: 4.00" in line
+    assert line.endswith("Draft acceptance rate: 75.0% (30/40 tokens), Mean acceptance length: 4.00, "
+                         "Per-position acceptance rate: 1.000, 0.900, 0.700, 0.400")
     assert "Draft acceptance" not in format_stats_line(before, before, 5.0)
     assert "Draft acceptance" not in format_stats_line(EngineStats(), EngineStats(), 5.0)
 

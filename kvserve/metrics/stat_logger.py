@@ -37,9 +37,13 @@ def spec_decode_summary(now: EngineStats, before: EngineStats) -> str | None:
         return None
     drafted = now.spec_num_draft_tokens - before.spec_num_draft_tokens
     accepted = now.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-    # Mean acceptance length counts the token every verification adds besides the accepted drafts.
+    # Mean acceptance length counts the token every verification adds besides the accepted drafts; a position's
+    # rate is the share of drafts accepted up to it (vLLM's per-position acceptance rate).
+    per_pos = [now_i - before_i for now_i, before_i in
+               zip(now.spec_accepted_per_pos, before.spec_accepted_per_pos or [0] * len(now.spec_accepted_per_pos))]
     return (f"Draft acceptance rate: {100.0 * accepted / max(drafted, 1):.1f}% "
-            f"({accepted}/{drafted} tokens), Mean acceptance length: {1 + accepted / drafts:.2f}")
+            f"({accepted}/{drafted} tokens), Mean acceptance length: {1 + accepted / drafts:.2f}"
+            + (f", Per-position acceptance rate: {', '.join(f'{a / drafts:.3f}' for a in per_pos)}" if per_pos else ""))
 
 
 def _busy(now: EngineStats, before: EngineStats) -> bool:
