@@ -2,6 +2,7 @@
 dispatch, and `kvserve generate` end to end on the default model."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -104,6 +105,15 @@ def test_generate_with_speculation_prints_the_same_text_and_its_acceptance(capsy
     rate, accepted, tokens = float(m[1]), int(m[2]), int(m[3])
     assert 0 < accepted <= tokens and rate == pytest.approx(100 * accepted / tokens, abs=0.05)
     assert 1 < float(m[4]) <= 4
+    assert "Speculative decoding, prompt" not in drafted.err
+
+    # With --per-request-spec-decode-metrics, each prompt's figures too: here one prompt, so the run's.
+    assert main([*argv, "--speculative-config", spec, "--per-request-spec-decode-metrics", "summary"]) == 0
+    per_request = capsys.readouterr()
+    assert per_request.out == plain.out
+    line = re.search(r"Speculative decoding, prompt 0: (.*)", per_request.err)
+    figures = json.loads(line[1])
+    assert (figures["num_accepted_draft_tokens"], figures["num_draft_tokens"]) == (accepted, tokens)
 
 
 def test_serve_models_from_the_command_line_and_a_file(tmp_path):

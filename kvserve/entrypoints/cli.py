@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from collections.abc import Sequence
@@ -316,6 +317,7 @@ def _generate(args: argparse.Namespace) -> int:
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.engine.stats import EngineStats
     from kvserve.metrics.stat_logger import spec_decode_summary
+    from kvserve.outputs import RequestOutput
     from kvserve.sampling_params import SamplingParams
 
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
@@ -331,16 +333,20 @@ def _generate(args: argparse.Namespace) -> int:
             engine.add_request(str(i), engine.tokenizer.encode(text, add_special_tokens=False), params)
         else:
             engine.add_request(str(i), prompt, params)
-    finals: dict[str, list[str]] = {}
+    finals: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                finals[out.request_id] = [c.text for c in out.outputs]
+                finals[out.request_id] = out
     for i, prompt in enumerate(prompts):
-        for text in finals.get(str(i), []):
+        out = finals.get(str(i))
+        for text in [c.text for c in out.outputs] if out else []:
             if len(prompts) > 1 or args.n > 1:
                 print(f"--- prompt {i}: {prompt!r}")
             print(text if args.chat else prompt + text, flush=True)
+        if out is not None and out.spec_decode_metrics is not None:  # --per-request-spec-decode-metrics
+            print(f"Speculative decoding, prompt {i}: {json.dumps(out.spec_decode_metrics.to_json())}",
+                  file=sys.stderr)
     stats = engine.get_stats()
     if stats.spec_decode_enabled:  # on stderr, apart from the text
         summary = spec_decode_summary(stats, EngineStats()) or "nothing was drafted"
