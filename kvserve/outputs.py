@@ -36,18 +36,28 @@ class SpecDecodeMetrics:
     target accepted. Summed over requests, the counts equal the engine's spec_decode counters. Collected only
     for requests of one sequence (n = 1), and only when asked for."""
     num_spec_tokens: int                          # the configured num_speculative_tokens: the most a step carries
-    num_spec_steps: int = 0                       # verification steps that carried drafts
-    num_draft_tokens: int = 0
-    num_accepted_draft_tokens: int = 0            # the bonus (or corrected) token of each step not counted
-    # {drafted: [steps that accepted 0, 1, .., drafted of them]}, only the lengths that occurred.
+    # {drafted: [steps that accepted 0, 1, .., drafted of them]}, only the lengths that occurred; the totals
+    # below are read off it.
     histogram_by_draft_length: dict[int, list[int]] = field(default_factory=dict)
     per_step_drafted: list[int] | None = None     # "detailed" only: every step, in order
     per_step_accepted: list[int] | None = None
 
+    @property
+    def num_spec_steps(self) -> int:
+        """Verification steps that carried drafts."""
+        return sum(sum(row) for row in self.histogram_by_draft_length.values())
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(drafted * sum(row) for drafted, row in self.histogram_by_draft_length.items())
+
+    @property
+    def num_accepted_draft_tokens(self) -> int:
+        """The bonus (or corrected) token of each step not counted."""
+        return sum(accepted * steps for row in self.histogram_by_draft_length.values()
+                   for accepted, steps in enumerate(row))
+
     def add(self, drafted: int, accepted: int) -> None:
-        self.num_spec_steps += 1
-        self.num_draft_tokens += drafted
-        self.num_accepted_draft_tokens += accepted
         row = self.histogram_by_draft_length.get(drafted)
         if row is None:
             row = self.histogram_by_draft_length[drafted] = [0] * (drafted + 1)
@@ -62,17 +72,16 @@ class SpecDecodeMetrics:
         for row in self.histogram_by_draft_length.values():
             for accepted, steps in enumerate(row):
                 histogram[accepted] += steps
+        steps, drafted, accepted = self.num_spec_steps, self.num_draft_tokens, self.num_accepted_draft_tokens
         out = {
-            "mean_acceptance_length": (1 + self.num_accepted_draft_tokens / self.num_spec_steps
-                                       if self.num_spec_steps else None),
-            "draft_acceptance_rate": (self.num_accepted_draft_tokens / self.num_draft_tokens
-                                      if self.num_draft_tokens else None),
+            "mean_acceptance_length": 1 + accepted / steps if steps else None,
+            "draft_acceptance_rate": accepted / drafted if drafted else None,
             "acceptance_histogram": histogram,
             "acceptance_histogram_by_draft_length": {str(k): list(v)
                                                      for k, v in sorted(self.histogram_by_draft_length.items())},
-            "num_spec_steps": self.num_spec_steps,
-            "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
-            "num_draft_tokens": self.num_draft_tokens,
+            "num_spec_steps": steps,
+            "num_accepted_draft_tokens": accepted,
+            "num_draft_tokens": drafted,
             "num_spec_tokens": self.num_spec_tokens,
         }
         if self.per_step_drafted is not None:

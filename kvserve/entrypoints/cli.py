@@ -340,11 +340,13 @@ def _generate(args: argparse.Namespace) -> int:
                 finals[out.request_id] = out
     for i, prompt in enumerate(prompts):
         out = finals.get(str(i))
-        for text in [c.text for c in out.outputs] if out else []:
+        if out is None:
+            continue
+        for c in out.outputs:
             if len(prompts) > 1 or args.n > 1:
                 print(f"--- prompt {i}: {prompt!r}")
-            print(text if args.chat else prompt + text, flush=True)
-        if out is not None and out.spec_decode_metrics is not None:  # --per-request-spec-decode-metrics
+            print(c.text if args.chat else prompt + c.text, flush=True)
+        if out.spec_decode_metrics is not None:  # --per-request-spec-decode-metrics
             print(f"Speculative decoding, prompt {i}: {json.dumps(out.spec_decode_metrics.to_json())}",
                   file=sys.stderr)
     stats = engine.get_stats()

@@ -49,7 +49,7 @@ class IncrementalDetokenizer:
             self._stream.step(tokenizer, t)
         # The ids whose text output_text already holds (a short tail, as context for the final flush)
         # and the ids the stream is still holding back.
-        self._decoded_tail: list[int] = list(context)
+        self._decoded_tail: list[int] = context
         self._held: list[int] = []
         self._sent = 0                   # chars of output_text already returned by get_delta
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
