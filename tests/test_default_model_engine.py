@@ -2,6 +2,8 @@
 transformers loading the same GGUF file with its own code. The weights are dequantized
 (quantization="none"): parity with a float reference stays exact. The default, 4-bit path is tested
 against this float model in test_quantized_model.py."""
+import inspect
+
 import pytest
 import torch
 
@@ -27,11 +29,13 @@ def hf_reference(default_reference_model):
 def greedy_argmax(model, ids: list[int], n: int) -> list[int]:
     """Plain argmax decoding with transformers' KV cache. (generate()'s min_new_tokens would mask EOS,
     which ignore_eos does not: it only keeps going past it.)"""
+    # transformers 5 renamed the cache argument and output field to `cache` (past_key_values goes in 5.40)
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     out, past, x = [], None, torch.tensor([ids])
     with torch.no_grad():
         for _ in range(n):
-            res = model(x, past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = model(x, use_cache=True, **{name: past})
+            past = getattr(res, name)
             nxt = int(res.logits[0, -1].argmax())
             out.append(nxt)
             x = torch.tensor([[nxt]])
