@@ -114,8 +114,10 @@ if [ "${STAGE:-}" = blas ]; then
     # shellcheck disable=SC2086  # BLASES: names, split on spaces
     for blas in ${BLASES:-choose preferred cublaslt}; do
         for k in 1 4; do
+            # shellcheck disable=SC2086  # SIZES: numbers, split on spaces
             timeout "${STEP_S:-45}" python3 benchmarks/gpu_verify_step.py --k $k --blas $blas \
-                --name "gpu_verify_step_k${k}_$blas" 2>&1 | tail -n 8 | tee -a "$OUT/blas.log"
+                --sizes ${SIZES:-1 2 4 8 16 24 32} --name "gpu_verify_step_k${k}_$blas" 2>&1 | tail -n 14 \
+                | tee -a "$OUT/blas.log"
         done
     done
     # shellcheck disable=SC2206  # CONCURRENCY: numbers, split on spaces

@@ -65,6 +65,7 @@ import os
 import random
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -185,6 +186,21 @@ class TargetTimer:
             finally:
                 self.seconds += time.perf_counter() - t0
         return call
+
+
+def graph_replays(llm: LLM) -> Counter | None:
+    """On CUDA, the steps each captured graph shape has run so far; None without graphs."""
+    graphs = llm.engine.runner.graphs
+    return None if graphs is None else Counter(graphs.replays)
+
+
+def graph_steps(llm: LLM, before: Counter) -> dict:
+    """The steps each graph shape ran since `before` ("sequences x tokens"), with the BLAS library its graph
+    kept and each candidate's replay ms at capture: which choices a run's speed rested on (JSON only)."""
+    graphs = llm.engine.runner.graphs
+    return {f"{s}x{w}": {"steps": n - before[(s, w)], "blas": graphs.blas[(s, w)],
+                         "capture_ms": graphs.blas_ms[(s, w)]}
+            for (s, w), n in sorted(graphs.replays.items()) if n > before[(s, w)]}
 
 
 def closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
@@ -559,6 +575,7 @@ def main() -> None:
             # is taken within a round, then the median over rounds (a point's single run at 32 had moved
             # +-15% between identical engines).
             rounds: dict[str, list[dict]] = {m: [] for m in llms}
+            replays_before = {m: graph_replays(llm) for m, llm in llms.items()}
             for k in range(args.rounds):
                 order = rotated(list(llms), k)
                 if c == 1 and args.take_turns in ("request", "step"):
@@ -599,6 +616,8 @@ def main() -> None:
                 r["outside_model_ms_per_step"] = statistics.median(outside) if outside else None
                 r["same"] = all(x["token_ids"] == b["token_ids"] for x, b in zip(runs, rounds["none"]))
                 r.update(pooled_acceptance(runs))
+                if replays_before[method] is not None:
+                    r["graph_steps"] = graph_steps(llms[method], replays_before[method])
                 results.setdefault(workload, {}).setdefault(str(c), {})[method] = r
         write_report(args, results, device, load_before)
 

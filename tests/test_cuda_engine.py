@@ -148,6 +148,9 @@ def test_cuda_graphs_captured_with_the_other_blas_library_give_the_eager_steps_t
             assert len({w for _, w in graphs.graphs}) == 2 and set(graphs.blas.values()) == {libraries[1]}
         got.append(run_waves(engine, wave, check=True))
         assert engine.get_stats().spec_num_drafts > 0
+        if not eager:  # both candidates timed for every shape; the steps counted by the shape they replayed
+            assert all(set(ms) == set(libraries) for ms in graphs.blas_ms.values())
+            assert set(graphs.replays) <= set(graphs.graphs) and sum(graphs.replays.values()) > 0
     for i in range(len(ps)):
         assert got[0][str(i)].outputs[0].token_ids == got[1][str(i)].outputs[0].token_ids, i
 

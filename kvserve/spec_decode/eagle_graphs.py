@@ -62,7 +62,7 @@ class HeadGraphs:
     def capture(self) -> None:
         """Every size, largest first, into one memory pool (as StepGraphs)."""
         assert self.feature.device.type == "cuda"
-        self.graphs, self.outputs, _ = capture_all(self.sizes[::-1], self.forward, self.feature.device)
+        self.graphs, self.outputs, _, _ = capture_all(self.sizes[::-1], self.forward, self.feature.device)
 
     def run(self, feature: torch.Tensor, token_ids: torch.Tensor) -> HeadOutputs | None:
         """The head's step over these rows by replay (views into the graph's outputs: read them before the

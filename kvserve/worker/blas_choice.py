@@ -88,10 +88,11 @@ def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 5) -> float:
 
 
 def capture_fastest(forward: Callable[[], T], libraries: list[str], device: torch.device,
-                    pool: tuple[int, int] | None) -> tuple[torch.cuda.CUDAGraph, T, str]:
+                    pool: tuple[int, int] | None) -> tuple[torch.cuda.CUDAGraph, T, str, dict[str, float]]:
     """forward() captured once per library (each warmed up outside the graph first: metadata, Triton's
     compiles, the library's kernel choice and workspace) into `pool`; (the faster graph, its outputs, its
-    library). The replays that time them are the measurement, in alternating rounds, each candidate's best."""
+    library, each candidate's replay ms: empty with one candidate). The replays that time them are the
+    measurement, in alternating rounds, each candidate's best."""
     captured = []
     for library in libraries:
         with preferred_blas(library):
@@ -102,7 +103,7 @@ def capture_fastest(forward: Callable[[], T], libraries: list[str], device: torc
                 outputs = forward()
         pool = graph.pool()
         captured.append((graph, outputs))
-    keep = 0
+    keep, ms = 0, []
     if len(captured) > 1:
         ms = [float("inf")] * len(captured)
         for _ in range(3):
@@ -110,21 +111,24 @@ def capture_fastest(forward: Callable[[], T], libraries: list[str], device: torc
                 ms[i] = min(ms[i], replay_ms(graph))
         keep = fastest(ms)
     graph, outputs = captured[keep]
-    return graph, outputs, libraries[keep]
+    return graph, outputs, libraries[keep], dict(zip(libraries, ms))
 
 
 def capture_all(keys: list[K], forward: Callable[[K], T], device: torch.device
-                ) -> tuple[dict[K, torch.cuda.CUDAGraph], dict[K, T], dict[K, str]]:
+                ) -> tuple[dict[K, torch.cuda.CUDAGraph], dict[K, T], dict[K, str], dict[K, dict[str, float]]]:
     """forward(key) captured for each key in the order given (largest first: a smaller graph's buffers fit
     in a larger's), all sharing one memory pool, each with the faster library (capture_fastest; a dropped
-    candidate's memory goes back to the pool): the graphs, their outputs and their libraries by key."""
+    candidate's memory goes back to the pool): the graphs, their outputs, their libraries and the candidates'
+    replay times (kept so that a benchmark can show what each choice rested on), by key."""
     graphs: dict[K, torch.cuda.CUDAGraph] = {}
     outputs: dict[K, T] = {}
     blas: dict[K, str] = {}
+    times: dict[K, dict[str, float]] = {}
     libraries = usable_libraries(device)
     pool = None
     for key in keys:
-        graphs[key], outputs[key], blas[key] = capture_fastest(partial(forward, key), libraries, device, pool)
+        graphs[key], outputs[key], blas[key], times[key] = capture_fastest(
+            partial(forward, key), libraries, device, pool)
         pool = graphs[key].pool()
     torch.cuda.synchronize(device)
-    return graphs, outputs, blas
+    return graphs, outputs, blas, times

@@ -24,6 +24,7 @@ The padding and bucketing are pure functions, tested on the CPU; StepGraphs itse
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +131,8 @@ class StepGraphs:
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (hidden, logits)
         self._metas: dict[tuple[int, int], object] = {}  # kept alive: the graphs read their tensors
         self.blas: dict[tuple[int, int], str] = {}  # the BLAS library each shape's graph was captured with
+        self.blas_ms: dict[tuple[int, int], dict[str, float]] = {}  # each candidate library's replay ms there
+        self.replays: Counter[tuple[int, int]] = Counter()  # steps run by shape (which choices a run leaned on)
 
     def _captured(self, num_rows: int, longest: int) -> tuple[int, int] | None:
         """The smallest captured (rows, width) with num_rows rows of up to `longest` tokens; None: none."""
@@ -195,11 +198,12 @@ class StepGraphs:
         assert dev.type == "cuda"
         shapes = sorted(((s, w) for w, sizes in self.sizes.items() for s in sizes),
                         key=lambda sw: sw[0] * sw[1], reverse=True)
-        self.graphs, self.outputs, self.blas = capture_all(shapes, self.forward, dev)
+        self.graphs, self.outputs, self.blas, self.blas_ms = capture_all(shapes, self.forward, dev)
 
     def replay(self, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The graph of this shape over the loaded buffers: its (hidden, logits) outputs."""
         self.graphs[shape].replay()
+        self.replays[shape] += 1
         return self.outputs[shape]
 
     @torch.inference_mode()
