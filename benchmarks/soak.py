@@ -13,6 +13,8 @@ drawn in fixed proportions from a seed and sent by --concurrency workers. Checke
 
     python benchmarks/soak.py                          # 10,000 requests; writes results/soak.{json,md}
     python benchmarks/soak.py --requests 50 --out /tmp/soak   # a quick check of the script itself
+    python benchmarks/soak.py --requests 3000 --name soak_spec_eagle_tree \
+        --server-args "--speculative-config '{...}' --num-kv-blocks 256"   # the same mix with speculation
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import sys
 import time
 from collections import Counter
@@ -57,6 +60,8 @@ MALFORMED: list[tuple[str, str, bytes]] = [
      b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}'),
 ]
 # Kind -> weight (out of 100).
+# Speculative decoding's counters, reported where the server speculates (--server-args).
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 MIX = {"completion": 18, "completion_stream": 18, "chat": 12, "chat_stream": 12, "stop": 8, "echo_logprobs": 6,
        "shared_prefix": 8, "abort": 6, "disconnect": 6, "malformed": 6}
 
@@ -246,14 +251,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=10_000)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS, help="directory for soak.{json,md}")
+    p.add_argument("--out", type=Path, default=RESULTS, help="directory for <name>.{json,md}")
+    p.add_argument("--name", default="soak")
+    p.add_argument("--server-args", default="", help="more `kvserve serve` options (shell words), after the soak's "
+                   "own, which they override: a speculative config, a smaller KV pool to force preemptions")
     args = p.parse_args(argv)
 
     raise_fd_limit()
     rng = random.Random(args.seed)
     specs = [make_spec(rng, i) for i in range(args.requests)]
     server_args = ["--max-num-seqs", "32", "--max-waiting", "512", "--num-kv-blocks", "1024",
-                   "--max-model-len", "1024", "--scheduling-policy", "priority"]
+                   "--max-model-len", "1024", "--scheduling-policy", "priority", *shlex.split(args.server_args)]
     warmup_at = max(1, args.requests // 10)
     with RemoteServer(server_args) as server:
         rss = RssSampler(server.proc.pid, interval_s=1.0)
@@ -291,21 +299,26 @@ def main(argv: list[str] | None = None) -> int:
         "outcomes": dict(sorted(outcomes.items())), "failures": failures[:50], "num_failures": len(failures),
         "end_state": {"kv_cache_usage_perc": kv_leak, "running": end["kvserve:num_requests_running"],
                       "waiting": end["kvserve:num_requests_waiting"],
-                      "prefix_cache_hit_tokens": end.get("kvserve:prefix_cache_hits_total", 0)},
+                      "prefix_cache_hit_tokens": end.get("kvserve:prefix_cache_hits_total", 0),
+                      "preemptions": end.get("kvserve:num_preemptions_total", 0),
+                      **{k: end[f"kvserve:{k}_total"] for k in SPEC_COUNTERS if f"kvserve:{k}_total" in end}},
         "rss_mib": rss_mib, "health": health, "server_error_lines": errors[:20], "passed": passed,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()},
-        "command": " ".join(["python", *sys.argv]), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": shlex.join(["python", *sys.argv]), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "soak.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (args.out / f"{args.name}.json").write_text(json.dumps(summary, indent=2) + "\n")
     md = [f"# Soak: {args.requests} mixed requests", "",
-          f"Command: `{summary['command']}`; server: `kvserve serve {' '.join(server_args)}`; "
+          f"Command: `{summary['command']}`; server: `kvserve serve {shlex.join(server_args)}`; "
           f"{args.concurrency} concurrent clients; {summary['duration_s']} s.", "",
           "| request kind: outcome | count |", "|---|---|",
           *[f"| {k} | {v} |" for k, v in summary["outcomes"].items()], "",
           f"- failures (wrong answer, wrong status, transport error): {len(failures)}",
           f"- at the end, idle: KV cache usage {kv_leak} (blocks held beyond the evictable prefix cache), "
           f"running {summary['end_state']['running']:.0f}, waiting {summary['end_state']['waiting']:.0f}",
+          f"- preemptions: {summary['end_state']['preemptions']:.0f}"
+          + "".join(f", {k.replace('_', ' ')} {summary['end_state'][k]:.0f}" for k in SPEC_COUNTERS
+                    if k in summary["end_state"]),
           f"- server + engine RSS: {rss_mib['at_warmup']} MiB after warm-up ({warmup_at} requests), "
           f"max {rss_mib['max_after_warmup']} MiB after it, {rss_mib['end']} MiB at the end",
           f"- /health: p50 {health['p50_ms']} ms, p99 {health['p99_ms']} ms, non-200 {health['non_200']}",
@@ -313,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
           f"- **{'PASS' if passed else 'FAIL'}**", ""]
     if failures:
         md += ["First failures:", "", *[f"- {f}" for f in failures[:10]], ""]
-    (args.out / "soak.md").write_text("\n".join(md))
+    (args.out / f"{args.name}.md").write_text("\n".join(md))
     print("\n".join(md))
     return 0 if passed else 1
 
