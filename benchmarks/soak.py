@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import shlex
 import sys
@@ -34,9 +33,11 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import git_rev, machine_info  # noqa: E402
 from serving_probes import HealthProbe, RssSampler, error_lines, raise_fd_limit  # noqa: E402
 
 from kvserve.entrypoints.openai.launcher import RemoteServer  # noqa: E402
+from kvserve.kernels import cpu as cpu_kernels  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TOPICS = ["the sea", "a lighthouse", "bread", "prime numbers", "a fox", "rain", "trains", "the moon", "tea",
@@ -303,14 +304,17 @@ def main(argv: list[str] | None = None) -> int:
                       "preemptions": end.get("kvserve:num_preemptions_total", 0),
                       **{k: end[f"kvserve:{k}_total"] for k in SPEC_COUNTERS if f"kvserve:{k}_total" in end}},
         "rss_mib": rss_mib, "health": health, "server_error_lines": errors[:20], "passed": passed,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()},
+        "machine": {**machine_info(), "cpu_kernels": cpu_kernels.describe(), "load_avg": os.getloadavg()},
+        "git": git_rev(),
         "command": shlex.join(["python", *sys.argv]), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(summary, indent=2) + "\n")
     md = [f"# Soak: {args.requests} mixed requests", "",
           f"Command: `{summary['command']}`; server: `kvserve serve {shlex.join(server_args)}`; "
-          f"{args.concurrency} concurrent clients; {summary['duration_s']} s.", "",
+          f"{args.concurrency} concurrent clients; {summary['duration_s']} s (git {summary['git']}).", "",
+          f"Machine: {summary['machine']['cpu']}, {summary['machine']['cores']} cores, CPU kernels "
+          f"{summary['machine']['cpu_kernels']}.", "",
           "| request kind: outcome | count |", "|---|---|",
           *[f"| {k} | {v} |" for k, v in summary["outcomes"].items()], "",
           f"- failures (wrong answer, wrong status, transport error): {len(failures)}",
