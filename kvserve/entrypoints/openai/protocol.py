@@ -219,9 +219,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
-    # vLLM's per-request `metrics` (here its speculative_decoding part): in a body only where the server reports
-    # them (--per-request-spec-decode-metrics; serving_base.body_json), null for n > 1 or several prompts.
-    metrics: dict | None = None
+    metrics: dict | None = None  # as CompletionResponse.metrics
 
 
 class DeltaMessage(BaseModel):
@@ -248,9 +246,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
-    # vLLM's per-request `metrics` (here its speculative_decoding part): in a body only where the server reports
-    # them (--per-request-spec-decode-metrics; serving_base.body_json), null for n > 1 or several prompts.
-    metrics: dict | None = None
+    metrics: dict | None = None  # as CompletionResponse.metrics, in the final usage chunk only
 
 
 # ---------------------------------------------------------------- models, tokenize
