@@ -66,6 +66,10 @@ def main() -> None:
                     "prompt plus its output so far)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--repeat", type=int, default=20, help="calls per timing")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the engine step's request: 0 verifies greedily, as speculative.py's runs do (until git "
+                         "61cde5f this script's request sampled at 1.0, which verifies each row by rejection "
+                         "sampling over its full softmax)")
     ap.add_argument("--name", default=None, help="results/<name>.{json,md} (default: verify_rows_<the kernels' ISA>)")
     args = ap.parse_args()
     if not cpu_kernels.available():
@@ -125,7 +129,8 @@ def main() -> None:
     # the same positions again.
     engine = llm.engine
     engine.add_request("verify-rows", torch.randint(1000, 20000, (args.context,)).tolist(),
-                       SamplingParams(max_tokens=max(args.rows) + 2, ignore_eos=True))
+                       SamplingParams(temperature=args.temperature, max_tokens=max(args.rows) + 2,
+                                      ignore_eos=True))
     engine.step()  # the prompt
     (seq,) = engine.scheduler.running
     if not engine.block_manager.allocate(seq, max(args.rows)):  # room for the largest step's positions
