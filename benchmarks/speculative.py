@@ -195,10 +195,11 @@ def graph_replays(llm: LLM) -> Counter | None:
 
 
 def graph_steps(llm: LLM, before: Counter) -> dict:
-    """The steps each graph shape ran since `before` ("sequences x tokens"), with the BLAS library its graph
-    kept and each candidate's replay ms at capture: which choices a run's speed rested on (JSON only)."""
+    """The target's graph replays by shape ("sequences x tokens") since `before`, all rounds together (eager
+    steps and the eagle head's graphs not counted), with the BLAS library each shape's graph kept and each
+    candidate's replay ms at capture: which choices a run's speed rested on (JSON only)."""
     graphs = llm.engine.runner.graphs
-    return {f"{s}x{w}": {"steps": n - before[(s, w)], "blas": graphs.blas[(s, w)],
+    return {f"{s}x{w}": {"replays_all_rounds": n - before[(s, w)], "blas": graphs.blas[(s, w)],
                          "capture_ms": graphs.blas_ms[(s, w)]}
             for (s, w), n in sorted(graphs.replays.items()) if n > before[(s, w)]}
 

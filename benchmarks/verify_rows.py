@@ -67,8 +67,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--repeat", type=int, default=20, help="calls per timing")
     ap.add_argument("--temperature", type=float, default=0.0,
-                    help="the engine step's request: 0 verifies greedily, as speculative.py's runs do (until git "
-                         "61cde5f this script's request sampled at 1.0, which verifies each row by rejection "
+                    help="the engine step's request: 0 verifies greedily, as speculative.py's runs do (before "
+                         "git 41a16e8 this script's request sampled at 1.0, which verifies each row by rejection "
                          "sampling over its full softmax)")
     ap.add_argument("--name", default=None, help="results/<name>.{json,md} (default: verify_rows_<the kernels' ISA>)")
     args = ap.parse_args()

@@ -79,9 +79,10 @@ class ModelRunner:
         libraries = ", ".join(f"{name} {n}" for name, n in Counter(self.graphs.blas.values()).most_common())
         logger.info("CUDA graphs: %d step shapes captured in %.1f s (BLAS library kept, by shapes: %s)",
                     len(self.graphs.graphs), time.perf_counter() - start, libraries)
-        for shape, ms in self.graphs.blas_ms.items():
-            logger.debug("CUDA graph %s x %s: %s kept (replay ms: %s)", *shape, self.graphs.blas[shape],
-                         ", ".join(f"{name} {t:.3f}" for name, t in ms.items()))
+        if logger.isEnabledFor(logging.DEBUG):
+            for shape, ms in self.graphs.blas_ms.items():  # empty where one library was usable
+                times = ", ".join(f"{name} {t:.3f}" for name, t in ms.items()) or "one candidate"
+                logger.debug("CUDA graph %s x %s: %s kept (replay ms: %s)", *shape, self.graphs.blas[shape], times)
 
     def rows_alike(self) -> bool:
         """Whether every row of a step computes as it would alone: every linear layer and every attention layer on
