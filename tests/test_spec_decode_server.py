@@ -2,7 +2,8 @@
 the engine without speculation, /metrics exports vLLM's spec_decode_* counters and the stats line the
 acceptance rate; streams carry accepted runs with stops and seeded samples as without speculation, and a
 client that disconnects frees its blocks; with --per-request-spec-decode-metrics, responses carry each request's
-acceptance figures as vLLM's do."""
+acceptance figures as vLLM's do; concurrent requests that overflow the KV pool (preemptions while drafting) answer
+as without speculation and leave no block held."""
 from __future__ import annotations
 
 import json
@@ -239,3 +240,37 @@ def test_responses_carry_each_requests_acceptance(server):
     assert [c.model_extra.get("metrics") is not None for c in stream] == [False] * (len(stream) - 1) + [True]
     assert stream[-1].usage.completion_tokens == chat.usage.completion_tokens
     assert stream[-1].model_extra["metrics"]["speculative_decoding"] == figures
+
+
+def test_concurrent_requests_that_overflow_the_pool_answer_as_without_speculation(server, llm):
+    """Eight greedy copies and a seeded n = 2 sample at once, more than the server's 64 KV blocks hold, so the
+    scheduler preempts while drafts are in flight: every text is what the engine without speculation gives it,
+    drafts were made, a preemption happened, and afterwards no block is held."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvserve import SamplingParams
+    fruit = ["apples", "pears", "plums", "cherries", "grapes", "lemons", "limes", "figs", "dates", "melons"]
+    prompts = [f"Copy the list: {', '.join(fruit[i:] + fruit[:i])}. Copy: {fruit[i]}," for i in range(8)]
+    greedy = {"temperature": 0, "max_tokens": 112, "ignore_eos": True}
+    seeded = {"temperature": 0.8, "top_p": 0.9, "seed": 11, "n": 2, "max_tokens": 112, "ignore_eos": True}
+    jobs = [(p, greedy) for p in prompts] + [(prompts[0], seeded)]
+    want = [[o.text for o in llm.generate(p, SamplingParams(**extra), use_tqdm=False)[0].outputs]
+            for p, extra in jobs]
+
+    def complete(job: tuple[str, dict]) -> list[str]:
+        prompt, extra = job
+        with httpx.Client(base_url=server.base_url, timeout=240) as http:
+            r = http.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": prompt, **extra})
+            assert r.status_code == 200, r.text
+            return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        before = metrics(http)
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(complete, jobs))
+        assert got == want
+        wait_for(lambda: metrics(http)["kvserve:num_requests_running"] == 0, 10, "the requests to finish")
+        after = metrics(http)
+    assert after["kvserve:num_preemptions_total"] > before["kvserve:num_preemptions_total"]
+    assert after["kvserve:spec_decode_num_drafts_total"] > before["kvserve:spec_decode_num_drafts_total"]
+    assert after["kvserve:kv_cache_usage_perc"] == 0
