@@ -9,6 +9,8 @@ Workloads (prompts cut from offline text, chat template applied, greedy unless -
              emit its text's token count + 8 tokens: --repeat-max-tokens)
   summarise  summarise a given passage
   chat       open questions, nothing to copy from
+  rollouts   the chat questions, each asked --rollouts times in a row (RL rollouts, best-of-n, self-consistency:
+             with --temperature, each request has a seed of its own, --seed + its number, so the samples differ)
 Methods: none; none-control (a second engine without speculation: its ratio to `none` is this host's
 noise between identical engines, the yardstick for every other ratio); ngram (the adaptive defaults: each
 step carries only the draft tokens that this engine's measured step times say pay, none above
@@ -32,6 +34,10 @@ earlier one) for two heads side by side in one run, and eagle-b-fixed, eagle-b-a
 with alternatives to its first draft token (--eagle-tree, vLLM's speculative_token_tree), and its variants;
 eagle-tree2, a second tree beside it (--eagle-tree2); eagle-tree-lookup, prompt lookup in front of a tree
 (--eagle-tree-lookup, whose chain also bounds lookup's drafts; lookup --prompt-lookup-min..max).
+suffix (vLLM's method "suffix", kvserve/spec_decode/suffix.py: the sequence's own text and the responses of the
+requests the engine finished before, up to --suffix-k tokens; every round starts from an empty corpus, after the
+warm-up, so that no round drafts the answers of a round before: a request's prompt and seed recur only across
+rounds); suffix-own (the same with suffix_decoding_max_cached_requests 0: the sequence's own text alone).
 <method>-dense-probes (ngram, ngram-long, draft, eagle, eagle-lookup, eagle-tree-lookup): the method probing one
 draft token more every PROBE_EVERY-th decision wherever that length is estimated at half the best rate or more,
 the draft-length rule before session 41 (now its probes are spaced to cost PROBE_COST: draft_length.py).
@@ -49,7 +55,7 @@ the time from their first token to their last), which weighs requests by length 
 leaves out the prefill that speculation cannot shorten ("first token", the median wait from a request's
 arrival to its first token).
 "same" says whether every output equals that of `none`, greedy or (with --temperature) sampled with one seed
-for every request (it must; a "no" is a bug). "steps" and
+for every request, or one per request for rollouts (it must; a "no" is a bug). "steps" and
 "rejected rows" (draft tokens the target computed and rejected) say how much forward work a run did beside
 `none`'s, and "outside the model" the run's time per step outside the target's forward passes and logits
 (scheduling, drafting, verification, sampling, Python): a method with `none`'s steps, no rejected rows and
@@ -76,6 +82,7 @@ from kvserve.kernels import cpu as cpu_kernels
 from kvserve.spec_decode import draft_length
 from kvserve.spec_decode.draft_length import DraftLength
 from kvserve.spec_decode.ngram import NgramProposer
+from kvserve.spec_decode.suffix import ResponseCorpus, SuffixProposer
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [
@@ -93,8 +100,9 @@ CODE_FILES = [f"benchmarks/data/copy_sources/{name}.txt" for name in ("block_man
                                                                       "request.py")]
 
 
-def make_prompts(workload: str, n: int, seed: int) -> list[tuple[list[dict], str | None]]:
-    """n conversations of the workload, each with the text it asks to copy (None unless "repeat")."""
+def make_prompts(workload: str, n: int, seed: int, rollouts: int = 1) -> list[tuple[list[dict], str | None]]:
+    """n conversations of the workload, each with the text it asks to copy (None unless "repeat"); "rollouts":
+    each chat question `rollouts` times in a row."""
     rng = random.Random(seed)
     corpus = load_corpus() if workload in ("repeat", "summarise") else None
     convs = []
@@ -113,7 +121,7 @@ def make_prompts(workload: str, n: int, seed: int) -> list[tuple[list[dict], str
             content = ("Summarise the following passage in a few sentences:\n\n"
                        + corpus.passage(rng.randrange(len(corpus.lines)), 900))
         else:
-            content = QUESTIONS[i % len(QUESTIONS)]
+            content = QUESTIONS[(i // rollouts if workload == "rollouts" else i) % len(QUESTIONS)]
         convs.append(([{"role": "user", "content": content}], None))
     return convs
 
@@ -150,6 +158,10 @@ def method_config(method: str, args) -> dict | None:
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_k, "model": args.eagle_b_model}
     elif method.startswith("eagle"):
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_k, "model": args.eagle_model}
+    elif method.startswith("suffix"):
+        cfg = {"method": "suffix", "num_speculative_tokens": args.suffix_k}
+        if method.startswith("suffix-own"):
+            cfg["suffix_decoding_max_cached_requests"] = 0
     elif method.startswith("ngram-long"):
         cfg = {"method": "ngram", "num_speculative_tokens": args.ngram_long_k,
                "prompt_lookup_max": args.ngram_long_k, "prompt_lookup_min": args.prompt_lookup_min}
@@ -298,6 +310,16 @@ def run_steps_in_turns(llms: dict[str, LLM], order: list[str], prompts: list[lis
     return results
 
 
+def forget_responses(llms: dict[str, LLM]) -> None:
+    """Empties method suffix's corpus of earlier responses in every engine that keeps one: a round must not draft
+    the answers a round before gave to the same requests."""
+    for llm in llms.values():
+        proposer = getattr(llm.engine.speculator, "proposer", None)
+        if isinstance(proposer, SuffixProposer):
+            corpus = proposer.corpus
+            proposer.corpus = ResponseCorpus(corpus.max_requests, corpus.depth, corpus.capacity)
+
+
 def rotated(order: list[str], k: int) -> list[str]:
     """order starting at its k-th entry (mod its length): who goes first changes from turn to turn."""
     return order[k % len(order):] + order[:k % len(order)]
@@ -416,7 +438,7 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
             for method, r in by_m.items():
                 same = "yes" if r["same"] else "no"
                 if args.temperature > 0:
-                    same += " (seeded)"  # every request has the same seed: speculation must not change a token
+                    same += " (seeded)"  # every request has its seed: speculation must not change a token
                 rate = "" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%"
                 length = "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
                 pos = " / ".join(f"{100 * a:.0f}%" for a in r["acceptance_per_position"])
@@ -450,7 +472,11 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
              + (f"; eagle-tree-lookup {args.eagle_tree_lookup}" if "eagle-tree-lookup" in args.methods else "")
              + (f"; eagle-b: {args.eagle_b_model}" if any(m.startswith("eagle-b") for m in args.methods) else "")
              + "); "
-             f"at most {args.max_tokens} output tokens per request ("
+             + (f"suffix k={args.suffix_k} (vLLM's other suffix_decoding_* defaults; each round from an empty "
+                f"corpus); " if any(m.startswith("suffix") for m in args.methods) else "")
+             + (f"rollouts: {args.rollouts} requests per question, seeds --seed + request number; "
+                if "rollouts" in args.workloads else "")
+             + f"at most {args.max_tokens} output tokens per request ("
              + ("a copy's text's token count + 8 for repeat" if args.repeat_max_tokens == "text"
                 else f"{args.repeat_max_tokens} for repeat")
              + f"), temperature {args.temperature}; closed loop, "
@@ -478,13 +504,14 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", nargs="+", default=["repeat", "summarise", "chat"],
-                    choices=["repeat", "summarise", "chat"])
+                    choices=["repeat", "summarise", "chat", "rollouts"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-fixed", "eagle", "eagle-fixed"],
                     choices=["none", "none-control", "ngram-plain", "ngram-one-class", "ngram-one-length",
                              "ngram-long", "ngram-no-indents", "ngram-long-no-indents", "eagle-lookup",
                              "eagle-lookup-plain", "eagle-lookup-long", "eagle-tree-lookup",
-                             *(m + v for m in ("ngram", "draft", "eagle", "eagle-b", "eagle-tree", "eagle-tree2")
+                             *(m + v for m in ("ngram", "draft", "eagle", "eagle-b", "eagle-tree", "eagle-tree2",
+                                               "suffix", "suffix-own")
                                for v in ("", "-fixed", "-always", "-unlimited")),
                              *(m + DENSE_PROBES for m in ("ngram", "ngram-long", "draft", "eagle", "eagle-lookup",
                                                           "eagle-tree-lookup"))])
@@ -498,6 +525,9 @@ def main() -> None:
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--ngram-long-k", type=int, default=8,
                     help="num_speculative_tokens and prompt_lookup_max of method ngram-long")
+    ap.add_argument("--rollouts", type=int, default=4, help="workload rollouts: requests per question")
+    ap.add_argument("--suffix-k", type=int, default=32,
+                    help="num_speculative_tokens of the suffix methods (vLLM suggests 32: the most a draft may hold)")
     ap.add_argument("--draft-k", type=int, default=3, help="num_speculative_tokens of the draft methods")
     ap.add_argument("--draft-model", default=None, help="the draft methods' model (default: the shipped draft)")
     ap.add_argument("--eagle-k", type=int, default=1, help="num_speculative_tokens of the eagle methods")
@@ -566,10 +596,13 @@ def main() -> None:
     for workload in args.workloads:
         for c in args.concurrency:
             n = max(c, args.num_requests)
-            convs = make_prompts(workload, n, args.seed)
+            convs = make_prompts(workload, n, args.seed, args.rollouts)
             prompts = [tok.encode(tok.apply_chat_template(conv), add_special_tokens=False) for conv, _ in convs]
+            # One seed for every request, except rollouts: there a question's samples must differ.
             params = [SamplingParams(temperature=args.temperature, max_tokens=max_tokens(text, tok, args),
-                                     seed=args.seed if args.temperature > 0 else None) for _, text in convs]
+                                     seed=(args.seed + (i if workload == "rollouts" else 0)
+                                           if args.temperature > 0 else None))
+                      for i, (_, text) in enumerate(convs)]
             for method, llm in llms.items():
                 run_closed_loop(llm, prompts[:1], params[:1], 1, timers[method])  # warm-up
             # Rounds: every method once per round, the order rotated each round; a method's ratio to `none`
@@ -578,6 +611,7 @@ def main() -> None:
             rounds: dict[str, list[dict]] = {m: [] for m in llms}
             replays_before = {m: graph_replays(llm) for m, llm in llms.items()}
             for k in range(args.rounds):
+                forget_responses(llms)
                 order = rotated(list(llms), k)
                 if c == 1 and args.take_turns in ("request", "step"):
                     in_turns = run_in_turns(llms, order, prompts, params, timers)

@@ -27,6 +27,8 @@ METHODS = {
     "draft": {"method": "draft", "num_speculative_tokens": 3},
     "eagle": {"method": "eagle", "num_speculative_tokens": 2},
     "eagle-lookup": {"method": "eagle", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    # The rounds ask the same prompts again: drafts from earlier responses, cut by stops inside them.
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
 }
 ROUNDS = 12
 

@@ -134,7 +134,7 @@ class LLMEngine:
                                "64, 128 or 256) give the same bits; --dtype float32 moves logprobs by ~1e-5 at most",
                                str(self.dtype).removeprefix("torch."))
             classes = indents = None
-            if spec.uses_lookup:  # method ngram, or prompt lookup in front of a draft model or eagle head
+            if spec.matches_text:  # ngram, suffix, or prompt lookup in front of a draft model or eagle head
                 texts = token_texts(self.tokenizer)
                 classes = whitespace_classes(self.tokenizer, mc.vocab_size, texts)
                 indents = Indents(texts[:mc.vocab_size])  # it drafts ids of its own: only ones the model has
@@ -384,6 +384,8 @@ class LLMEngine:
                 self.block_manager.trim(seq)
             if finished:
                 self.scheduler.finish(seq)
+                if self.speculator is not None:
+                    self.speculator.finished(seq)
             touched[req.request_id] = req
         if self.speculator is not None:
             self.speculator.observe_step(self.runner.last_step_tokens, time.monotonic() - started)

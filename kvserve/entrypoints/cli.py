@@ -118,7 +118,9 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                         "drafting), adaptive_draft_length (default true: each step drafts only as many tokens as "
                         "the engine's measured step times say pay). Methods: ngram (prompt lookup), eagle (a head "
                         "over the model's hidden states; shipped for the default model), draft (a small model; "
-                        "'model': PATH); eagle and draft take prompt_lookup_min/max too, to draft by prompt "
+                        "'model': PATH), suffix (the sequence's own text and earlier requests' responses: "
+                        "suffix_decoding_max_tree_depth, _max_cached_requests, _corpus_tokens, _max_spec_factor, "
+                        "_min_token_prob); eagle and draft take prompt_lookup_min/max too, to draft by prompt "
                         "lookup where the text repeats itself and by the model elsewhere. Default: off.")
     p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default="none",
                    help="With --speculative-config: each response of one sequence (n = 1, one prompt) carries "

@@ -9,6 +9,8 @@
                                        # prompt lookup where the text repeats itself, the head elsewhere
     {"method": "eagle", "num_speculative_tokens": 3, "speculative_token_tree": "[(0,), (1,), (2,)]"}
                                        # the head's three likeliest first tokens, verified side by side
+    {"method": "suffix", "num_speculative_tokens": 32}              # the sequence's own text and earlier
+                                       # requests' responses, drafts as long as the match earns (suffix.py)
 
 given as `LLM(..., speculative_config={...})` or `kvserve serve --speculative-config '{...}'`.
 """
@@ -19,7 +21,8 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-METHODS = ("ngram", "draft", "eagle")
+METHODS = ("ngram", "draft", "eagle", "suffix")
+MODEL_FREE = ("ngram", "suffix")  # methods that draft from text alone
 # vLLM's name for a standalone draft model, so that a config written for vLLM runs unchanged.
 METHOD_ALIASES = {"draft_model": "draft"}
 
@@ -84,6 +87,16 @@ class SpeculativeConfig:
     # len(tree), as in vLLM. Method "eagle" only, greedy requests only (sampled ones draft the chain), and an
     # attention backend that takes tree rows (the CPU's). None: a chain of num_speculative_tokens.
     speculative_token_tree: str | None = None
+    # Method "suffix" (suffix.py), vLLM's fields and defaults: the longest match looked for, in tokens; how
+    # many finished requests' responses are kept to draft from (0: the sequence's own text only), and how many
+    # tokens they may hold together (the oldest leave first; ~34 MiB for 2**20); a draft's most tokens per
+    # matched token; and the least share of an earlier response's matches that must agree on a draft token
+    # (the product down the draft).
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_corpus_tokens: int = 1 << 20
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
     draft_depth: int = field(default=0, init=False)       # the chain's tokens
     num_alternatives: int = field(default=0, init=False)  # alternatives to its first token
 
@@ -108,6 +121,9 @@ class SpeculativeConfig:
                 raise bad(name, f"must be an integer >= 1, got {v!r}")
         if lo is None and hi is None and self.method == "ngram":
             lo, hi = 2, 4
+        if self.method == "suffix" and (lo is not None or hi is not None):
+            raise bad("prompt_lookup_min/prompt_lookup_max", "apply to methods 'ngram', 'draft' and 'eagle'; "
+                      "method 'suffix' matches up to suffix_decoding_max_tree_depth tokens")
         if lo is not None or hi is not None:
             # One bound given: the other defaults to it (a single n), as vLLM does.
             lo = hi if lo is None else lo
@@ -115,13 +131,13 @@ class SpeculativeConfig:
             if lo > hi:
                 raise bad("prompt_lookup_min", f"({lo}) must be <= prompt_lookup_max ({hi})")
         self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
-        if self.model is not None and (self.method == "ngram" or not isinstance(self.model, str) or not self.model):
+        if self.model is not None and (self.method in MODEL_FREE or not isinstance(self.model, str) or not self.model):
             raise bad("model", "must be a path (a string), and applies only to methods 'draft' and 'eagle'")
         given = self.disable_by_batch_size != _METHOD_DEFAULT
         if not given:
-            self.disable_by_batch_size = (DEFAULT_DISABLE_BY_BATCH_SIZE if self.method == "ngram"
+            self.disable_by_batch_size = (DEFAULT_DISABLE_BY_BATCH_SIZE if self.method in MODEL_FREE
                                           else DRAFT_DEFAULT_DISABLE_BY_BATCH_SIZE)
-        self.lookup_disable_by_batch_size = (self.disable_by_batch_size if given or self.method == "ngram"
+        self.lookup_disable_by_batch_size = (self.disable_by_batch_size if given or self.method in MODEL_FREE
                                              else DEFAULT_DISABLE_BY_BATCH_SIZE)
         b = self.disable_by_batch_size
         if b is not None and (not _is_int(b) or b < 1):
@@ -133,6 +149,7 @@ class SpeculativeConfig:
             raise bad("acceptance_window", f"must be an integer >= 1, got {self.acceptance_window!r}")
         if not isinstance(self.adaptive_draft_length, bool):
             raise bad("adaptive_draft_length", f"must be true or false, got {self.adaptive_draft_length!r}")
+        self._check_suffix(bad)
         self.draft_depth, self.num_alternatives = k, 0
         if self.speculative_token_tree is not None:
             self.draft_depth, self.num_alternatives = self._parse_tree(bad)
@@ -164,9 +181,30 @@ class SpeculativeConfig:
                                                 f"head's next choices), got method {self.method!r}")
         return depth, alternatives
 
+    def _check_suffix(self, bad) -> None:
+        d, r = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
+        f, p = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if not _is_int(d) or d < 1:
+            raise bad("suffix_decoding_max_tree_depth", f"must be an integer >= 1, got {d!r}")
+        if not _is_int(r) or r < 0:
+            raise bad("suffix_decoding_max_cached_requests", f"must be an integer >= 0, got {r!r}")
+        t = self.suffix_decoding_corpus_tokens
+        if not _is_int(t) or t < 1:
+            raise bad("suffix_decoding_corpus_tokens", f"must be an integer >= 1, got {t!r}")
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0:
+            raise bad("suffix_decoding_max_spec_factor", f"must be a number > 0, got {f!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+            raise bad("suffix_decoding_min_token_prob", f"must be in [0, 1], got {p!r}")
+
     @property
     def uses_lookup(self) -> bool:
+        """Prompt lookup: method "ngram", or in front of a draft model or eagle head."""
         return self.prompt_lookup_max is not None
+
+    @property
+    def matches_text(self) -> bool:
+        """Whether drafts come from matching the sequence's text (prompt lookup, or method "suffix")."""
+        return self.uses_lookup or self.method == "suffix"
 
     @property
     def max_drafting_seqs(self) -> int | None:

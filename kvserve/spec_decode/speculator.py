@@ -6,10 +6,11 @@ drafts, and the engine reports back how many were accepted (`record`). The model
 "draft", "eagle") draft after the schedule, into the rows it sized (`fill_drafts`); the eagle head also
 gets the target's hidden state after each step (`observe`). With prompt lookup turned on for them
 (SpeculativeConfig.uses_lookup), a sequence whose last tokens occurred before drafts their continuation
-instead, and only the others wait for the model. Drafting pays only while the step
-is memory-bound and the drafts are good: each step carries only as many draft tokens as this engine's
-measured step times say pay (draft_length.py), none above `disable_by_batch_size` sequences, and none
-for a request while its acceptance stays low.
+instead, and only the others wait for the model. Method "suffix" drafts as prompt lookup does, from earlier
+requests' responses too (suffix.py), which the engine hands over as they finish (`finished`). Drafting pays
+only while the step is memory-bound and the drafts are good: each step carries only as many draft tokens as
+this engine's measured step times say pay (draft_length.py), none above `disable_by_batch_size` sequences, and
+none for a request while its acceptance stays low.
 
 With a token tree of alternatives (SpeculativeConfig.speculative_token_tree), a greedy request's model
 draft also carries the head's next choices for its first token, after the chain (TREE_CLASS drafts). With the
@@ -31,12 +32,13 @@ import torch
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.spec_decode.confidence import Calibration
-from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.spec_decode.config import MODEL_FREE, SpeculativeConfig
 from kvserve.spec_decode.draft_length import MODEL_CLASS, TREE_CLASS, DraftLength, StepTokens, tested_tokens
 from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.eagle_proposer import EagleProposer
 from kvserve.spec_decode.ngram import Indents, NgramProposer
 from kvserve.spec_decode.state import FIRST_PAUSE_STEPS, spec_state
+from kvserve.spec_decode.suffix import SuffixProposer
 
 _MAX_PAUSE_STEPS = 256
 PLACEHOLDER = -1  # a draft token the draft model fills in after the schedule
@@ -63,10 +65,18 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        assert (config.method != "ngram") == (draft is not None)
+        assert (config.method not in MODEL_FREE) == (draft is not None)
         self.draft = draft
-        self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, token_classes, indents)
-                         if config.uses_lookup else None)
+        # Drafts from the text (propose_with_length): prompt lookup, or suffix decoding's own and earlier texts.
+        self.proposer: NgramProposer | SuffixProposer | None = None
+        if config.method == "suffix":
+            self.proposer = SuffixProposer(config.suffix_decoding_max_tree_depth,
+                                           config.suffix_decoding_max_cached_requests,
+                                           config.suffix_decoding_max_spec_factor,
+                                           config.suffix_decoding_min_token_prob, token_classes, indents,
+                                           config.suffix_decoding_corpus_tokens)
+        elif config.uses_lookup:
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, token_classes, indents)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.draft_depth)
         # A head whose vocabulary has fewer tokens than a tree's first level offers what it has.
         self.num_alternatives = (min(config.num_alternatives, draft.num_choices - 1)
@@ -204,6 +214,11 @@ class Speculator:
             spec_state(seq).draft_class = TREE_CLASS if tree else MODEL_CLASS
             return [PLACEHOLDER] * max_new
         return []
+
+    def finished(self, seq: Sequence) -> None:
+        """seq ended (a stop, its length limit): method "suffix" keeps its response for later requests to draft from."""
+        if isinstance(self.proposer, SuffixProposer):
+            self.proposer.add(seq.prompt_token_ids, seq.output_token_ids)
 
     def wants_hidden(self, num_running: int) -> bool:
         """Whether a step of this many running sequences should hand the target's hidden states to the eagle
