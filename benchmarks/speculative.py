@@ -424,6 +424,16 @@ def pooled_acceptance(runs: list[dict]) -> dict:
                              sum(x["accepted_tokens"] for x in runs), per_pos)
 
 
+def by_position(rates: list[float]) -> str:
+    """Acceptance by draft position for the table; a long draft's positions that round to 0% after the fourth
+    are summed up in one entry (suffix drafts up to 32 tokens)."""
+    keep = len(rates)
+    while keep > 4 and round(100 * rates[keep - 1]) == 0:
+        keep -= 1
+    shown = [f"{100 * a:.0f}%" for a in rates[:keep]]
+    return " / ".join(shown + ([f"0% at {keep + 1}-{len(rates)}"] if keep < len(rates) else []))
+
+
 def write_report(args, results: dict, device: torch.device, load_before: tuple[float, float, float]) -> None:
     """The table and results/<name>.{json,md} for the workloads measured so far (written after each one, so
     that a run cut short, as on a GPU lease, keeps what it finished)."""
@@ -441,7 +451,7 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
                     same += " (seeded)"  # every request has its seed: speculation must not change a token
                 rate = "" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%"
                 length = "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
-                pos = " / ".join(f"{100 * a:.0f}%" for a in r["acceptance_per_position"])
+                pos = by_position(r["acceptance_per_position"])
                 tpot = "" if r["tpot_median_ms"] is None else f"{r['tpot_median_ms']:.1f}"
                 tpot_x = "" if r.get("tpot_x_none") is None else f"{r['tpot_x_none']:.2f}"
                 decode_x = "" if r.get("decode_x_none") is None else f"{r['decode_x_none']:.2f}"
