@@ -3,6 +3,8 @@ requests' responses. The corpus and proposer against hand-worked cases and a reb
 outputs against the same engine without speculation (greedy and seeded, with preemption, n = 2, prefix hits
 and aborts), with drafts taken from earlier responses; vLLM's fields and their errors."""
 import random
+from array import array
+from collections import Counter
 
 import pytest
 
@@ -10,7 +12,8 @@ from kvserve.config import EngineConfig
 from kvserve.entrypoints.cli import build_parser, engine_config
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.config import SpeculativeConfig
-from kvserve.spec_decode.suffix import CORPUS_CLASS, ResponseCorpus, SuffixProposer
+from kvserve.spec_decode.suffix import (ANCHORS, CORPUS_CLASS, MAX_CANDIDATES, ResponseCorpus, SuffixProposer,
+                                       draft_limit)
 from engine_helpers import assert_no_leaks, drain
 from spec_helpers import make_engine, prompts, run_waves
 
@@ -46,40 +49,109 @@ def test_the_continuation_most_matches_share_while_its_share_is_high_enough():
     assert corpus.propose([49] + PROMPT, 32, 4.0, 0.1) == ([8, 8, 8, 8, 8], 6)
 
 
-@pytest.mark.parametrize("max_requests,max_tokens", [(5, 1 << 20), (1000, 60)])
-def test_the_oldest_responses_leave_and_what_is_kept_drafts_as_if_alone(max_requests, max_tokens):
-    """After many responses through a corpus bounded by count, or by tokens (a ring reused many times over),
-    every lookup drafts what a corpus given only the responses still kept drafts."""
-    rng = random.Random(0)
-    corpus = ResponseCorpus(max_requests, depth=6, max_tokens=max_tokens)
-    added = []
-    for _ in range(60):  # a small vocabulary, so anchors repeat within and across responses
-        entry = ([rng.randrange(5) for _ in range(rng.randrange(0, 9))],
-                 [rng.randrange(5) for _ in range(rng.randrange(1, 15))])
-        corpus.add(*entry)
-        added.append(entry)
-    kept = len(corpus)
-    assert 0 < kept <= max_requests and corpus.num_tokens <= max_tokens
-    rebuilt = ResponseCorpus(max_requests, depth=6, max_tokens=max_tokens)
-    for entry in added[-kept:]:
-        rebuilt.add(*entry)
-    assert len(rebuilt) == kept and rebuilt.num_tokens == corpus.num_tokens
+def reference_propose(entries, depth: int, context: list[int], max_tokens: int, factor: float, min_prob: float):
+    """ResponseCorpus.propose as its docstring says it, by brute force over the kept entries (tail + response,
+    tail length; oldest first): the longest anchor (ANCHORS, at most depth) that some occurrence shares, the
+    latest MAX_CANDIDATES occurrences of it, their longest matches, and the draft by majority."""
+    num = len(context)
+    for length in [a for a in ANCHORS if a <= min(depth, num)]:
+        found = []  # (match, tokens, continuation start), latest first
+        for tokens, tail in reversed(entries):
+            for i in range(len(tokens) - 1, max(length - 1, tail - 1) - 1, -1):
+                n = 0
+                while n < min(depth, num) and i - n >= 0 and tokens[i - n] == context[num - 1 - n]:
+                    n += 1
+                if n >= length:
+                    found.append((n, tokens, i + 1))
+        found = found[:MAX_CANDIDATES]
+        if found:
+            best = max(n for n, _, _ in found)
+            matches = [(tokens, start) for n, tokens, start in found if n == best]
+            break
+    else:
+        return [], 0
+    draft, alive = [], matches
+    while len(draft) < min(max_tokens, int(factor * best + 1e-6)):
+        nexts = [tokens[start + len(draft)] if start + len(draft) < len(tokens) else None for tokens, start in alive]
+        counts = Counter(t for t in nexts if t is not None)
+        if not counts:
+            break
+        token = counts.most_common(1)[0][0]
+        alive = [a for a, t in zip(alive, nexts) if t == token]
+        if len(alive) < min_prob * len(matches):
+            break
+        draft.append(token)
+    return (draft, best) if draft else ([], 0)
+
+
+@pytest.mark.parametrize("max_requests,depth,max_tokens,vocab,collide", [
+    (5, 6, 1 << 20, 4, False),     # bounded by count
+    (1000, 10, 90, 3, False),      # by tokens: a ring reused many times over, anchors of 8 and 3
+    (1000, 4, 45, 3, False),       # the prompt's tail longer than... the depth cuts it
+    (7, 24, 100, 6, False),
+    (1000, 8, 12, 3, False),       # entries as long as the ring, and longer (not kept)
+    (20, 9, 300, 1 << 20, True),   # ids up to 2**20 in 4 buckets: every anchor shares its bucket with others
+])
+def test_lookups_draft_what_the_kept_responses_give_by_brute_force(max_requests, depth, max_tokens, vocab, collide):
+    rng = random.Random(max_requests * 7 + depth)
+    corpus = ResponseCorpus(max_requests, depth, max_tokens)
+    if collide:
+        corpus.mask = 3
+        corpus.heads = [array("q", [-1]) * 4 for _ in corpus.anchors]
+    kept = []  # (tail + response, tail length), oldest first: what the corpus should hold
     drafted = 0
-    for _ in range(300):
-        context = [rng.randrange(5) for _ in range(rng.randrange(3, 12))]
-        for factor, share in ((1.0, 0.1), (3.0, 0.5)):
-            got = corpus.propose(context, 8, factor, share)
-            assert got == rebuilt.propose(context, 8, factor, share), context
-            drafted += len(got[0])
+    symbols = [rng.randrange(vocab) for _ in range(4)] if collide else list(range(vocab))
+    for _ in range(60):
+        prompt = [rng.choice(symbols) for _ in range(rng.randrange(0, 12))]
+        response = [rng.choice(symbols) for _ in range(rng.randrange(0, 14))]
+        corpus.add(prompt, response)
+        tail = prompt[max(0, len(prompt) - depth):]
+        if response and len(tail) + len(response) <= max_tokens:
+            while kept and (len(kept) >= max_requests or sum(map(len, (t for t, _ in kept))) + len(tail)
+                            + len(response) > max_tokens):
+                kept.pop(0)
+            kept.append((tail + response, len(tail)))
+        assert len(corpus) == len(kept) and corpus.num_tokens == sum(len(t) for t, _ in kept)
+        for _ in range(6):
+            if kept and rng.random() < 0.7:  # the end of a kept text, after some other tokens
+                tokens, _ = rng.choice(kept)
+                k = rng.randrange(1, len(tokens) + 1)
+                context = [rng.choice(symbols) for _ in range(rng.randrange(0, 4))] + tokens[max(0, k - 12):k]
+            else:
+                context = [rng.choice(symbols) for _ in range(rng.randrange(0, 14))]
+            for factor, share in ((1.0, 0.1), (2.5, 0.0), (0.5, 0.6), (3.0, 1.0)):
+                got = corpus.propose(context, 8, factor, share)
+                assert got == reference_propose(kept, depth, context, 8, factor, share), (context, factor, share)
+                drafted += len(got[0])
     assert drafted > 0
     off = ResponseCorpus(max_requests=0, depth=6)
     off.add(PROMPT, [1, 2, 3])
     assert len(off) == 0 and off.propose(PROMPT, 8, 1.0, 0.1) == ([], 0)
 
 
+def test_a_question_is_found_again_after_many_answers_that_began_alike():
+    """Every chat answer starts after the same template tokens: the question's own tokens before them find
+    its answer however many other answers came since (the last 3 tokens alone would find only the latest)."""
+    rng = random.Random(1)
+    template = [1, 2, 3, 4, 5]
+    question, answer = [rng.randrange(100, 50000) for _ in range(12)] + template, list(range(600, 640))
+    corpus = ResponseCorpus(10000, 24)
+    corpus.add(question, answer)
+    for _ in range(300):
+        corpus.add([rng.randrange(100, 50000) for _ in range(12)] + template,
+                   [rng.randrange(100, 50000) for _ in range(40)])
+    assert corpus.propose([9] + question, 32, 1.0, 0.1) == (answer[:17], 17)
+    assert corpus.propose([9] + question + answer[:10], 32, 1.0, 0.1) == (answer[10:34], 24)
+
+
+def test_a_huge_spec_factor_is_the_draft_length_and_rounding_does_not_cut_a_token():
+    assert draft_limit(32, 1e308, 3) == 32 and draft_limit(32, 1e308, 0) == 0
+    assert draft_limit(32, 2.3, 10) == 23 and draft_limit(100, 0.58, 100) == 58
+
+
 def test_the_longer_of_the_own_and_the_earlier_match_drafts():
     proposer = SuffixProposer(max_depth=24, max_cached_requests=10, max_spec_factor=1.0, min_token_prob=0.1)
-    proposer.add(PROMPT, [1, 2, 3, 20, 21, 22, 7, 7, 7])
+    proposer.add(PROMPT + [1, 2, 3, 20, 21, 22, 7, 7, 7], len(PROMPT))
     # The sequence repeats its own 6 tokens (3 ... 22); an earlier response shares only its last 3 (20, 21, 22).
     own = [3, 4, 5, 20, 21, 22, 23, 24, 25, 3, 4, 5, 20, 21, 22]
     assert proposer.corpus.propose(own, 8, 1.0, 0.1) == ([7, 7, 7], 3)
@@ -89,9 +161,15 @@ def test_the_longer_of_the_own_and_the_earlier_match_drafts():
     assert proposer.propose_with_length(ctx, 8) == ([1, 2, 3, 20, 21], CORPUS_CLASS + 5)
     # A draft is at most max_spec_factor x the match.
     half = SuffixProposer(24, 10, 0.5, 0.1)
-    half.add(PROMPT, [1, 2, 3, 20, 21, 22, 7, 7, 7])
+    half.add(PROMPT + [1, 2, 3, 20, 21, 22, 7, 7, 7], len(PROMPT))
     assert half.propose_with_length(ctx, 8) == ([1, 2], CORPUS_CLASS + 5)
     assert half.propose_with_length(own, 8) == ([23, 24, 25], 6)
+    # A tie between the own match and an earlier response's goes to the own.
+    tie = SuffixProposer(24, 10, 1.0, 0.1)
+    tie.add([30, 31, 32, 40, 41], 0)
+    seq = [7, 30, 31, 32, 50, 51, 30, 31, 32]
+    assert tie.corpus.propose(seq, 8, 1.0, 0.1) == ([40, 41], 3)
+    assert tie.propose_with_length(seq, 8) == ([50, 51, 30], 3)
 
 
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 8, "disable_by_batch_size": None, "min_acceptance_rate": 0.0,
@@ -130,8 +208,13 @@ def test_greedy_outputs_equal_with_drafts_from_earlier_responses(tiny_model_dirs
     assert engine.get_stats().num_preemptions > 0 and ref_engine.get_stats().num_preemptions > 0
     from_corpus = [k for k in kinds if k[0]]
     assert from_corpus and sum(a for _, _, a in from_corpus) > 0.8 * sum(d for _, d, _ in from_corpus)
-    # Every finished sequence's response is kept: 4 + 4 + 4 + the pair's 2.
-    assert len(engine.speculator.proposer.corpus) == 14
+    # Every finished sequence's response is kept, after its prompt's last 24 tokens: 4 + 4 + 4 + the pair's 2.
+    corpus = engine.speculator.proposer.corpus
+    texts = sorted(tuple(corpus.tokens[p % corpus.capacity] for p in range(first, end))
+                   for first, end in corpus.spans.values())
+    prompt_of = {**{f"a{i}": p for i, p in enumerate(ps)}, **{f"b{i}": p for i, p in enumerate(ps)},
+                 **{f"c{i}": p for i, p in enumerate(varied)}, "n2": ps[0]}
+    assert texts == sorted(tuple(prompt_of[rid][-24:] + o.token_ids) for rid, out in got.items() for o in out.outputs)
 
 
 def test_seeded_samples_equal_and_aborted_responses_are_not_kept(tiny_model_dirs):
@@ -165,13 +248,23 @@ def test_vllm_fields_defaults_and_errors():
             c.suffix_decoding_max_spec_factor, c.suffix_decoding_min_token_prob,
             c.suffix_decoding_corpus_tokens) == (24, 10000, 1.0, 0.1, 1 << 20)
     assert c.matches_text and not c.uses_lookup and c.disable_by_batch_size == c.lookup_disable_by_batch_size
+    # vLLM's default draft length for suffix decoding: the depth; the fields belong to method suffix alone.
+    assert SpeculativeConfig.parse('{"method": "suffix"}').num_speculative_tokens == 24
+    assert SpeculativeConfig.parse({"method": "suffix",
+                                    "suffix_decoding_max_tree_depth": 12}).num_speculative_tokens == 12
+    with pytest.raises(ValueError, match="num_speculative_tokens is required"):
+        SpeculativeConfig.parse({"method": "ngram"})
+    with pytest.raises(ValueError, match="suffix_decoding_min_token_prob applies only to method 'suffix'"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 0.5})
     for value, message in [
         ({"prompt_lookup_max": 4}, "method 'suffix' matches up to suffix_decoding_max_tree_depth"),
         ({"model": "x"}, "applies only to methods 'draft' and 'eagle'"),
         ({"suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth must be an integer >= 1"),
         ({"suffix_decoding_max_cached_requests": -1}, "suffix_decoding_max_cached_requests must be"),
-        ({"suffix_decoding_corpus_tokens": 0}, "suffix_decoding_corpus_tokens must be an integer >= 1"),
-        ({"suffix_decoding_max_spec_factor": 0}, "suffix_decoding_max_spec_factor must be a number > 0"),
+        ({"suffix_decoding_corpus_tokens": 0}, "suffix_decoding_corpus_tokens must be an integer in [1, 67108864]"),
+        ({"suffix_decoding_corpus_tokens": 1 << 27}, "(each token kept takes ~47 bytes), got 134217728"),
+        ({"suffix_decoding_max_spec_factor": 0}, "suffix_decoding_max_spec_factor must be a finite number > 0"),
+        ({"suffix_decoding_max_spec_factor": float("inf")}, "suffix_decoding_max_spec_factor must be a finite"),
         ({"suffix_decoding_min_token_prob": 1.5}, "suffix_decoding_min_token_prob must be in [0, 1]"),
     ]:
         with pytest.raises(ValueError) as e:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -49,6 +50,8 @@ METHOD_ALIASES = {"draft_model": "draft"}
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 DRAFT_DEFAULT_DISABLE_BY_BATCH_SIZE = 1  # methods "draft" and "eagle"
 _METHOD_DEFAULT = -1  # disable_by_batch_size not given: the method's default above
+SUFFIX_DEPTH = 24  # vLLM's suffix_decoding_max_tree_depth
+MAX_CORPUS_TOKENS = 1 << 26  # suffix_decoding_corpus_tokens' bound: ~3 GiB of arrays when full
 
 
 @dataclass
@@ -87,12 +90,13 @@ class SpeculativeConfig:
     # len(tree), as in vLLM. Method "eagle" only, greedy requests only (sampled ones draft the chain), and an
     # attention backend that takes tree rows (the CPU's). None: a chain of num_speculative_tokens.
     speculative_token_tree: str | None = None
-    # Method "suffix" (suffix.py), vLLM's fields and defaults: the longest match looked for, in tokens; how
-    # many finished requests' responses are kept to draft from (0: the sequence's own text only), and how many
-    # tokens they may hold together (the oldest leave first; ~34 MiB for 2**20); a draft's most tokens per
-    # matched token; and the least share of an earlier response's matches that must agree on a draft token
-    # (the product down the draft).
-    suffix_decoding_max_tree_depth: int = 24
+    # Method "suffix" (suffix.py), vLLM's fields and defaults: the longest match looked for, in tokens (a match
+    # in earlier responses takes 3 at least); how many finished requests' responses are kept to draft from (0:
+    # the sequence's own text only), and how many tokens they may hold together (the oldest leave first;
+    # 47 MiB for 2**20, measured); a draft's most tokens per matched token; and the least share of an earlier
+    # response's longest matches that must agree on a draft token, all of it so far. Without
+    # num_speculative_tokens, the depth (as vLLM).
+    suffix_decoding_max_tree_depth: int = SUFFIX_DEPTH
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_corpus_tokens: int = 1 << 20
     suffix_decoding_max_spec_factor: float = 1.0
@@ -182,6 +186,12 @@ class SpeculativeConfig:
         return depth, alternatives
 
     def _check_suffix(self, bad) -> None:
+        if self.method != "suffix":
+            given = [f.name for f in fields(self) if f.name.startswith("suffix_decoding_")
+                     and getattr(self, f.name) != f.default]
+            if given:
+                raise bad(given[0], f"applies only to method 'suffix', got method {self.method!r}")
+            return
         d, r = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
         f, p = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
         if not _is_int(d) or d < 1:
@@ -189,10 +199,11 @@ class SpeculativeConfig:
         if not _is_int(r) or r < 0:
             raise bad("suffix_decoding_max_cached_requests", f"must be an integer >= 0, got {r!r}")
         t = self.suffix_decoding_corpus_tokens
-        if not _is_int(t) or t < 1:
-            raise bad("suffix_decoding_corpus_tokens", f"must be an integer >= 1, got {t!r}")
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0:
-            raise bad("suffix_decoding_max_spec_factor", f"must be a number > 0, got {f!r}")
+        if not _is_int(t) or not 1 <= t <= MAX_CORPUS_TOKENS:
+            raise bad("suffix_decoding_corpus_tokens", f"must be an integer in [1, {MAX_CORPUS_TOKENS}] (each token "
+                                                       f"kept takes ~47 bytes), got {t!r}")
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < math.inf:
+            raise bad("suffix_decoding_max_spec_factor", f"must be a finite number > 0, got {f!r}")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
             raise bad("suffix_decoding_min_token_prob", f"must be in [0, 1], got {p!r}")
 
@@ -228,9 +239,13 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - set(known))
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {known}")
-        for name in ("method", "num_speculative_tokens"):
-            if name not in value:
-                raise ValueError(f"speculative_config: {name} is required")
+        if "method" not in value:
+            raise ValueError("speculative_config: method is required")
+        if "num_speculative_tokens" not in value:
+            if value["method"] != "suffix":
+                raise ValueError("speculative_config: num_speculative_tokens is required")
+            # vLLM's default for suffix decoding: as many as the deepest match (its drafts are sized per match).
+            value = {**value, "num_speculative_tokens": value.get("suffix_decoding_max_tree_depth", SUFFIX_DEPTH)}
         return cls(**value)
 
 

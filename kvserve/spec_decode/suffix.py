@@ -2,20 +2,25 @@
 
 Prompt lookup (ngram.py) finds the sequence's last tokens earlier in the same sequence. Suffix decoding
 (Oliaro et al., arXiv 2411.04975) also searches what earlier requests answered, so that a question asked
-again, a prompt sampled again (rollouts, self-consistency, best-of-n) or an agent's loop that repeats itself
-drafts what came the times before. As vLLM's method of that name:
+again, a prompt sampled again one request after another (rollouts) or an agent's loop that repeats itself
+drafts what came the times before. Here:
 - a match is the longest common suffix, up to suffix_decoding_max_tree_depth tokens;
-- among earlier responses, the draft follows the continuation that most of the longest matches share, token
-  by token, while the share of them still agreeing stays at least suffix_decoding_min_token_prob;
+- from earlier responses the draft follows, token by token, the continuation most of the longest matches
+  share, while the share of them that agrees stays at least suffix_decoding_min_token_prob;
 - a draft holds at most suffix_decoding_max_spec_factor x its match's length (a long match earns a long one);
-- the longer of the two matches (the sequence's own, the earlier responses') drafts.
-A draft is a function of the text so far, as prompt lookup's is: verification treats it as a draft of
-probability one, so outputs are exactly the target's (verify.py).
+- the longer of the two matches (the sequence's own, the earlier responses') drafts; a tie goes to the own.
+Whatever its source a draft is only a proposal: verification treats it as a draft of probability one and
+draws nothing for it from a request's generator, so outputs are exactly the target's (verify.py).
 
-Here the sequence's own match is prompt lookup's (NgramProposer from OWN_MIN_MATCH tokens up to the depth,
-with its whitespace classes and re-indenting), which drafts the latest occurrence rather than the most
-frequent one; and the earlier responses are searched through a hash chain of their ANCHOR-token n-grams, of
-which only the latest MAX_CANDIDATES occurrences are extended, to bound a lookup's cost.
+Where vLLM's (Arctic Inference's suffix trees) differs:
+- its depth bounds a match and its draft together, and among match lengths it keeps the draft whose token
+  probabilities sum highest; here the depth bounds the match, num_speculative_tokens and the factor the draft;
+- it adds a response to its tree while it is generated, so samples running side by side (n > 1) draft from
+  each other; here a response is added when its sequence finishes;
+- its tree of earlier responses holds the responses alone; here each comes after its prompt's last `depth`
+  tokens, so that an answer's first tokens are found after the same question;
+- the sequence's own match here is prompt lookup's (NgramProposer, from OWN_MIN_MATCH tokens, with its
+  whitespace classes and re-indenting), which drafts the latest occurrence rather than the most frequent.
 """
 from __future__ import annotations
 
@@ -28,36 +33,57 @@ import numpy as np
 from kvserve.spec_decode.ngram import Indents, LookupIndex, NgramProposer
 
 OWN_MIN_MATCH = 2     # the sequence's own text: prompt lookup's usual shortest match
-ANCHOR = 3            # earlier responses: the tokens a match shares at least (hashed: _bucket)
-MAX_CANDIDATES = 64   # earlier responses: the latest occurrences of the anchor that a lookup extends
+# Earlier responses are found through hash chains on their last ANCHORS tokens, the longer tried first: every
+# chat answer begins after the same template tokens, so the last 3 alone would find only the most recent
+# answers' beginnings (measured: a question was not found again after 64 others).
+ANCHORS = (8, 3)
+MIN_CORPUS_MATCH = ANCHORS[-1]
+MAX_CANDIDATES = 64   # occurrences that share the anchor, latest first, that a lookup extends
+MAX_VISITS = 256      # chain links a lookup follows at most (occurrences that share only the hash included)
 # A draft's class (draft_length.py keeps acceptance per class): for the sequence's own match its length, as
 # prompt lookup's; for an earlier response's, this plus its length (the two kinds are trusted apart).
 CORPUS_CLASS = 1000
 
 
+def draft_limit(max_tokens: int, max_spec_factor: float, match: int) -> int:
+    """How many tokens a match of this length may draft: max_spec_factor x its length, up to max_tokens (the
+    small epsilon keeps 2.3 x 10 from rounding down to 22)."""
+    spec = max_spec_factor * match
+    return max_tokens if spec >= max_tokens else int(spec + 1e-6)
+
+
+def _hash(tokens, end: int, length: int, mask: int) -> int:
+    """The bucket of the `length` tokens ending at position `end` of tokens (any indexable)."""
+    h = length
+    for i in range(end - length + 1, end + 1):
+        h = (h * 0x100000001B3 ^ tokens[i]) & 0xFFFFFFFFFFFFFFFF
+    return (h ^ (h >> 29)) & mask
+
+
 class ResponseCorpus:
     """The responses of the most recent finished requests (up to max_requests, and max_tokens tokens together),
-    each after the last `depth` tokens of its prompt, so that a new response's first tokens match where an
-    earlier one began.
+    each after the last `depth` tokens of its prompt.
 
     Kept as a compressor keeps its window: the tokens in a ring of max_tokens slots, addressed by a position
-    that only grows, and a hash chain through every position whose ANCHOR tokens a response token follows
-    (`head`: a bucket's latest such position; `prev`: the one before it in the same bucket). The oldest
-    responses leave by moving `oldest` past them, and a chain walk stops there, so nothing is unlinked. Measured
-    with 1M tokens of responses (Zipf-distributed ids): 34 MiB, where a first index of Python dicts of deques
-    took 706 MiB; adding a 152-token response ~0.2 ms, a lookup 8 us, or 60 us where it drafts 24 tokens."""
+    that only grows, and for each anchor length a hash chain through every position that ends such an anchor
+    and is followed by a response token or ends the response (`heads`: a bucket's latest position; `prevs`:
+    the one before it in the same bucket). The oldest responses leave by moving `oldest` past them, and a
+    chain walk stops there, so nothing is unlinked. Arrays of 28 bytes a token and 16 a bucket (the buckets a
+    power of two >= max_tokens). Measured with 2**20 tokens of responses (Zipf-distributed ids, 152-token
+    entries): 47 MiB (a first index of Python dicts of deques took 706 MiB); adding a response 0.4 ms; a
+    lookup 8 us where the context is not in the corpus, 34 us where it drafts 24 tokens."""
 
     def __init__(self, max_requests: int, depth: int, max_tokens: int = 1 << 20) -> None:
         self.max_requests = max_requests
         self.depth = depth
         self.capacity = max_tokens
-        # Buckets: a power of two >= capacity (8 MiB of heads for 2**20 tokens; none needed without responses).
-        self.mask = (1 << max(10, (max_tokens - 1).bit_length() if max_requests > 0 else 0)) - 1
-        # Grown up to capacity as responses come, then reused ring-wise.
-        self.tokens = array("q")
-        self.prev = array("q")
-        self.entry_of = array("q")   # position -> the id of the response it belongs to
-        self.head = array("q", [-1]) * (self.mask + 1)  # bucket -> its latest position
+        self.anchors = [a for a in ANCHORS if a <= depth] if max_requests > 0 else []
+        self.mask = (1 << max(10, (max_tokens - 1).bit_length())) - 1 if self.anchors else 0
+        self.heads = [array("q", [-1]) * (self.mask + 1) for _ in self.anchors]
+        # Per position, grown up to capacity as responses come, then reused ring-wise.
+        self.tokens = array("i")
+        self.entry_of = array("q")   # the id of the response a position belongs to
+        self.prevs = [array("q") for _ in self.anchors]
         self.spans: OrderedDict[int, tuple[int, int]] = OrderedDict()  # id -> (first position, end), oldest first
         self.write = 0    # the next position
         self.oldest = 0   # positions below this are gone
@@ -70,13 +96,10 @@ class ResponseCorpus:
     def num_tokens(self) -> int:
         return self.write - self.oldest
 
-    def _bucket(self, t0: int, t1: int, t2: int) -> int:
-        return ((t0 * 0x9E3779B1) ^ (t1 * 0x85EBCA77) ^ (t2 * 0xC2B2AE3D)) & self.mask
-
     def add(self, prompt: Tokens[int], response: Tokens[int]) -> None:
         tail = list(prompt[max(0, len(prompt) - self.depth):])
         new = tail + list(response)
-        if self.max_requests <= 0 or not response or len(new) > self.capacity:
+        if not self.anchors or not response or len(new) > self.capacity:
             return
         while self.spans and (len(self.spans) >= self.max_requests
                               or self.write + len(new) - self.oldest > self.capacity):
@@ -86,73 +109,88 @@ class ResponseCorpus:
         self._next_id += 1
         self.spans[entry] = (first, first + len(new))
         for i, t in enumerate(new):
-            pos = first + i
-            if pos < cap:
+            r = (first + i) % cap
+            if first + i < cap:
                 self.tokens.append(t)
-                self.prev.append(-1)
                 self.entry_of.append(entry)
+                for prev in self.prevs:
+                    prev.append(-1)
             else:
-                self.tokens[pos % cap] = t
-                self.entry_of[pos % cap] = entry
+                self.tokens[r] = t
+                self.entry_of[r] = entry
         self.write = first + len(new)
-        # Index the anchors that a response token follows: ends from the response's first token - 1.
-        for pos in range(first + max(ANCHOR - 1, len(tail) - 1), self.write - 1):
-            b = self._bucket(new[pos - first - 2], new[pos - first - 1], new[pos - first])
-            self.prev[pos % cap] = self.head[b]
-            self.head[b] = pos
+        for length, head, prev in zip(self.anchors, self.heads, self.prevs):
+            # Anchors inside this response and its tail whose next token is a response token, or that end it.
+            for i in range(max(length - 1, len(tail) - 1), len(new)):
+                b = _hash(new, i, length, self.mask)
+                prev[(first + i) % cap] = head[b]
+                head[b] = first + i
 
     def propose(self, context: list[int], max_tokens: int, max_spec_factor: float, min_token_prob: float
                 ) -> tuple[list[int], int]:
         """The draft after context from earlier responses, and the length of the match it continues (0: none).
-        The match: the longest suffix of context (up to depth tokens) that some response's occurrence ends
-        with; the draft: token by token, what most of those occurrences continue with, while the share that
-        agrees (of all of them) stays at least min_token_prob; at most max_spec_factor x the match's length."""
+        The match: the longest suffix of context, up to depth tokens and at least MIN_CORPUS_MATCH, that some
+        response's occurrence ends with (among the latest MAX_CANDIDATES that share the longest anchor that
+        any shares); the draft: token by token, what most of those occurrences continue with, while the
+        ones that agree are at least min_token_prob of them all; at most max_spec_factor x the match."""
         num = len(context)
-        if num < ANCHOR or max_tokens <= 0 or not self.spans:
+        if max_tokens <= 0 or not self.spans:
             return [], 0
-        a0, a1, a2 = context[num - 3], context[num - 2], context[num - 1]
-        pos = self.head[self._bucket(a0, a1, a2)]
-        tokens, cap, oldest = self.tokens, self.capacity, self.oldest
+        for length, head, prev in zip(self.anchors, self.heads, self.prevs):
+            if num >= length:
+                best, matches = self._longest(context, length, head, prev)
+                if matches:
+                    break
+        else:
+            return [], 0
+        limit = draft_limit(max_tokens, max_spec_factor, best)
+        tokens, cap = self.tokens, self.capacity
+        draft: list[int] = []
+        alive = matches
+        while len(draft) < limit:
+            d = len(draft)
+            nexts = [tokens[(s + d) % cap] if s + d < end else -1 for s, end in alive]  # -1: that response ended
+            token = nexts[0]
+            if token < 0 or nexts.count(token) < len(nexts):
+                counts = Counter(t for t in nexts if t >= 0)
+                if not counts:
+                    break
+                token = counts.most_common(1)[0][0]  # a tie goes to the latest occurrence's token
+            alive = [m for m, t in zip(alive, nexts) if t == token]
+            if len(alive) < min_token_prob * len(matches):  # an occurrence that ended counts against
+                break
+            draft.append(token)
+        return (draft, best) if draft else ([], 0)
+
+    def _longest(self, context: list[int], length: int, head: array, prev: array
+                 ) -> tuple[int, list[tuple[int, int]]]:
+        """The longest match among the latest occurrences of context's last `length` tokens, and for each
+        occurrence that long (latest first): where its continuation starts, and its response's end."""
+        num, tokens, cap, oldest = len(context), self.tokens, self.capacity, self.oldest
         depth = min(self.depth, num)
-        best, matches = 0, []  # (where the continuation starts, its response's end), latest first
-        seen = 0
-        while pos >= oldest and seen < MAX_CANDIDATES:
+        pos = head[_hash(context, num - 1, length, self.mask)]
+        best, matches = 0, []
+        seen = visits = 0
+        while pos >= oldest and seen < MAX_CANDIDATES and visits < MAX_VISITS:
+            visits += 1
             r = pos % cap
-            if tokens[r] == a2 and tokens[(pos - 1) % cap] == a1 and tokens[(pos - 2) % cap] == a0:
+            first, end = self.spans[self.entry_of[r]]
+            n = 0
+            while n < depth and pos - n >= first and tokens[(pos - n) % cap] == context[num - 1 - n]:
+                n += 1
+            if n >= length:  # else only the hash was shared
                 seen += 1
-                first, end = self.spans[self.entry_of[r]]
-                n = ANCHOR
-                while n < depth and pos - n >= first and tokens[(pos - n) % cap] == context[num - 1 - n]:
-                    n += 1
                 if n > best:
                     best, matches = n, [(pos + 1, end)]
                 elif n == best:
                     matches.append((pos + 1, end))
-            pos = self.prev[r]
-        limit = min(max_tokens, int(max_spec_factor * best))
-        draft: list[int] = []
-        share = 1.0
-        alive = matches
-        while len(draft) < limit and alive:
-            d = len(draft)
-            nexts = [tokens[(s + d) % cap] if s + d < end else -1 for s, end in alive]  # -1: that response ended
-            token = nexts[0]
-            if token < 0 or nexts.count(token) < len(nexts):  # not unanimous: the most common, if common enough
-                counts = Counter(t for t in nexts if t >= 0)
-                if not counts:
-                    break
-                token, count = counts.most_common(1)[0]  # a tie goes to the latest occurrence's token
-                share *= count / len(alive)
-                if share < min_token_prob:
-                    break
-            draft.append(token)
-            alive = [m for m, t in zip(alive, nexts) if t == token]
-        return (draft, best) if draft else ([], 0)
+            pos = prev[r]
+        return best, matches
 
 
 class SuffixProposer:
     """Method "suffix": propose_with_length() as prompt lookup's (the Speculator calls both alike), the
-    earlier responses in `corpus`, which finished requests are added to (`add`)."""
+    earlier responses in `corpus`, which finished sequences are added to (`add`)."""
 
     def __init__(self, max_depth: int, max_cached_requests: int, max_spec_factor: float, min_token_prob: float,
                  token_classes: np.ndarray | None = None, indents: Indents | None = None,
@@ -162,16 +200,17 @@ class SuffixProposer:
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
 
-    def add(self, prompt: Tokens[int], response: Tokens[int]) -> None:
-        """A finished sequence's response (after its prompt), for later requests to draft from."""
-        self.corpus.add(prompt, response)
+    def add(self, token_ids: list[int], num_prompt_tokens: int) -> None:
+        """A finished sequence's tokens, its prompt's first: its response, for later requests to draft from."""
+        start = max(0, num_prompt_tokens - self.corpus.depth)  # the corpus keeps only the prompt's end
+        self.corpus.add(token_ids[start:num_prompt_tokens], token_ids[num_prompt_tokens:])
 
     def propose_with_length(self, token_ids: list[int], max_tokens: int, index: LookupIndex | None = None
                             ) -> tuple[list[int], int]:
         """Up to max_tokens draft tokens following token_ids, and the draft's class (0 without a draft): the
         sequence's own match's length, or CORPUS_CLASS plus an earlier response's."""
         own, n = self.own.propose_with_length(token_ids, max_tokens, index)
-        own = own[:int(self.max_spec_factor * n)]
+        own = own[:draft_limit(max_tokens, self.max_spec_factor, n)]
         theirs, m = self.corpus.propose(token_ids, max_tokens, self.max_spec_factor, self.min_token_prob)
         if theirs and (m > n or not own):
             return theirs, CORPUS_CLASS + m
