@@ -262,7 +262,7 @@ def test_vllm_fields_defaults_and_errors():
         ({"suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth must be an integer >= 1"),
         ({"suffix_decoding_max_cached_requests": -1}, "suffix_decoding_max_cached_requests must be"),
         ({"suffix_decoding_corpus_tokens": 0}, "suffix_decoding_corpus_tokens must be an integer in [1, 67108864]"),
-        ({"suffix_decoding_corpus_tokens": 1 << 27}, "(each token kept takes ~47 bytes), got 134217728"),
+        ({"suffix_decoding_corpus_tokens": 1 << 27}, "(each token kept takes ~46 bytes), got 134217728"),
         ({"suffix_decoding_max_spec_factor": 0}, "suffix_decoding_max_spec_factor must be a finite number > 0"),
         ({"suffix_decoding_max_spec_factor": float("inf")}, "suffix_decoding_max_spec_factor must be a finite"),
         ({"suffix_decoding_min_token_prob": 1.5}, "suffix_decoding_min_token_prob must be in [0, 1]"),

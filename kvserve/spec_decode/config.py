@@ -93,7 +93,7 @@ class SpeculativeConfig:
     # Method "suffix" (suffix.py), vLLM's fields and defaults: the longest match looked for, in tokens (a match
     # in earlier responses takes 3 at least); how many finished requests' responses are kept to draft from (0:
     # the sequence's own text only), and how many tokens they may hold together (the oldest leave first;
-    # 47 MiB for 2**20, measured); a draft's most tokens per matched token; and the least share of an earlier
+    # 46 MiB for 2**20, measured); a draft's most tokens per matched token; and the least share of an earlier
     # response's longest matches that must agree on a draft token, all of it so far. Without
     # num_speculative_tokens, the depth (as vLLM).
     suffix_decoding_max_tree_depth: int = SUFFIX_DEPTH
@@ -201,7 +201,7 @@ class SpeculativeConfig:
         t = self.suffix_decoding_corpus_tokens
         if not _is_int(t) or not 1 <= t <= MAX_CORPUS_TOKENS:
             raise bad("suffix_decoding_corpus_tokens", f"must be an integer in [1, {MAX_CORPUS_TOKENS}] (each token "
-                                                       f"kept takes ~47 bytes), got {t!r}")
+                                                       f"kept takes ~46 bytes), got {t!r}")
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < math.inf:
             raise bad("suffix_decoding_max_spec_factor", f"must be a finite number > 0, got {f!r}")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
