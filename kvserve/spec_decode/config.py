@@ -93,9 +93,9 @@ class SpeculativeConfig:
     # Method "suffix" (suffix.py), vLLM's fields and defaults: the longest match looked for, in tokens (a match
     # in earlier responses takes 3 at least); how many finished requests' responses are kept to draft from (0:
     # the sequence's own text only), and how many tokens they may hold together (the oldest leave first;
-    # 46 MiB for 2**20, measured); a draft's most tokens per matched token; and the least share of an earlier
-    # response's longest matches that must agree on a draft token, all of it so far. Without
-    # num_speculative_tokens, the depth (as vLLM).
+    # 46 MiB for 2**20, measured); a draft's most tokens per matched token; and, for a draft from earlier
+    # responses, the least share of their longest matches that must agree with it up to each of its tokens.
+    # Without num_speculative_tokens, the depth (as vLLM's).
     suffix_decoding_max_tree_depth: int = SUFFIX_DEPTH
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_corpus_tokens: int = 1 << 20
