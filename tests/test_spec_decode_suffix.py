@@ -144,6 +144,16 @@ def test_a_question_is_found_again_after_many_answers_that_began_alike():
     assert corpus.propose([9] + question + answer[:10], 32, 1.0, 0.1) == (answer[10:34], 24)
 
 
+def test_a_token_id_the_corpus_cannot_hold_changes_nothing():
+    corpus = ResponseCorpus(10, 6)
+    corpus.add(PROMPT, [1, 2, 3, 4])
+    with pytest.raises(OverflowError):
+        corpus.add(PROMPT, [1, 2, 1 << 40])
+    assert len(corpus) == 1 and corpus.num_tokens == 9 and len(corpus.tokens) == 9
+    corpus.add([7, 8, 9], [5, 6])
+    assert corpus.propose([0, 7, 8, 9], 8, 1.0, 0.1) == ([5, 6], 3)
+
+
 def test_a_huge_spec_factor_is_the_draft_length_and_rounding_does_not_cut_a_token():
     assert draft_limit(32, 1e308, 3) == 32 and draft_limit(32, 1e308, 0) == 0
     assert draft_limit(32, 2.3, 10) == 23 and draft_limit(100, 0.58, 100) == 58
@@ -262,7 +272,7 @@ def test_vllm_fields_defaults_and_errors():
         ({"suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth must be an integer >= 1"),
         ({"suffix_decoding_max_cached_requests": -1}, "suffix_decoding_max_cached_requests must be"),
         ({"suffix_decoding_corpus_tokens": 0}, "suffix_decoding_corpus_tokens must be an integer in [1, 67108864]"),
-        ({"suffix_decoding_corpus_tokens": 1 << 27}, "(each token kept takes ~46 bytes), got 134217728"),
+        ({"suffix_decoding_corpus_tokens": 1 << 27}, "(2**20 take 46 MiB), got 134217728"),
         ({"suffix_decoding_max_spec_factor": 0}, "suffix_decoding_max_spec_factor must be a finite number > 0"),
         ({"suffix_decoding_max_spec_factor": float("inf")}, "suffix_decoding_max_spec_factor must be a finite"),
         ({"suffix_decoding_min_token_prob": 1.5}, "suffix_decoding_min_token_prob must be in [0, 1]"),

@@ -200,8 +200,8 @@ class SpeculativeConfig:
             raise bad("suffix_decoding_max_cached_requests", f"must be an integer >= 0, got {r!r}")
         t = self.suffix_decoding_corpus_tokens
         if not _is_int(t) or not 1 <= t <= MAX_CORPUS_TOKENS:
-            raise bad("suffix_decoding_corpus_tokens", f"must be an integer in [1, {MAX_CORPUS_TOKENS}] (each token "
-                                                       f"kept takes ~46 bytes), got {t!r}")
+            raise bad("suffix_decoding_corpus_tokens", f"must be an integer in [1, {MAX_CORPUS_TOKENS}] (2**20 "
+                                                       f"take 46 MiB), got {t!r}")
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < math.inf:
             raise bad("suffix_decoding_max_spec_factor", f"must be a finite number > 0, got {f!r}")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:

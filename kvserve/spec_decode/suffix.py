@@ -77,10 +77,11 @@ class ResponseCorpus:
     that only grows, and for each anchor length a hash chain through every position that ends such an anchor
     and is followed by a response token or ends the response (`heads`: a bucket's latest position; `prevs`:
     the one before it in the same bucket). The oldest responses leave by moving `oldest` past them, and a
-    chain walk stops there, so nothing is unlinked. Arrays of 28 bytes a token and 16 a bucket (the buckets a
-    power of two >= max_tokens). Measured with 2**20 tokens of responses (Zipf-distributed ids, 152-token
-    entries): 46 MiB (a first index of Python dicts of deques took 706 MiB); adding a response 0.2 ms; a
-    lookup 6-7 us where the context is not in the corpus, ~31 us where it drafts 24 tokens."""
+    chain walk stops there, so nothing is unlinked. Arrays of 28 bytes a token and 16 a bucket with both
+    anchors (the buckets a power of two >= max_tokens), and a dict entry a response. Measured with 2**20
+    tokens of responses (Zipf-distributed ids, 152-token entries): 46 MiB (a first index of Python dicts of
+    deques took 706 MiB); adding a response 0.2 ms; a lookup 6-7 us where the context is not in the corpus,
+    ~31 us where it drafts 24 tokens."""
 
     def __init__(self, max_requests: int, depth: int, max_tokens: int = 1 << 20) -> None:
         self.max_requests = max_requests
@@ -110,6 +111,7 @@ class ResponseCorpus:
         new = tail + list(response)
         if not self.anchors or not response or len(new) > self.capacity:
             return
+        stored = array("i", new)  # first, so that an id the array cannot hold fails before anything changes
         while self.spans and (len(self.spans) >= self.max_requests
                               or self.write + len(new) - self.oldest > self.capacity):
             self.spans.popitem(last=False)
@@ -119,14 +121,14 @@ class ResponseCorpus:
         self.spans[entry] = (first, first + len(new))
         self.write = first + len(new)
         grown = min(len(new), cap - first) if first < cap else 0  # the ring still growing: appended
-        self.tokens.extend(new[:grown])
+        self.tokens.extend(stored[:grown])
         self.entry_of.extend(array("q", [entry]) * grown)
         for prev in self.prevs:
             prev.extend(array("q", [-1]) * grown)
-        rest, r = new[grown:], (first + grown) % cap  # then in place, wrapping round once at most
+        rest, r = stored[grown:], (first + grown) % cap  # then in place, wrapping round once at most
         while rest:
             n = min(len(rest), cap - r)
-            self.tokens[r:r + n] = array("i", rest[:n])
+            self.tokens[r:r + n] = rest[:n]
             self.entry_of[r:r + n] = array("q", [entry]) * n
             rest, r = rest[n:], 0
         for length, head, prev in zip(self.anchors, self.heads, self.prevs):
@@ -228,6 +230,8 @@ class SuffixProposer:
         sequence's own match's length, or CORPUS_CLASS plus an earlier response's."""
         own, n = self.own.propose_with_length(token_ids, max_tokens, index)
         own = own[:draft_limit(max_tokens, self.max_spec_factor, n)]
+        if own and n >= self.corpus.depth:  # no earlier response can match longer
+            return own, n
         theirs, m = self.corpus.propose(token_ids, max_tokens, self.max_spec_factor, self.min_token_prob)
         if theirs and (m > n or not own):
             return theirs, CORPUS_CLASS + m
