@@ -22,7 +22,7 @@ PROMPT = [50, 51, 52, 53, 54]
 
 def test_a_prompt_asked_again_drafts_the_earlier_response():
     corpus = ResponseCorpus(max_requests=10, depth=4)
-    corpus.add(PROMPT, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    corpus.add(PROMPT + [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], len(PROMPT))
     # The context ends as the prompt did: the match is the prompt's last 4 tokens (the depth), the draft at most
     # factor x 4 tokens of the response.
     assert corpus.propose([9, 9] + PROMPT, 32, 1.0, 0.1) == ([1, 2, 3, 4], 4)
@@ -38,14 +38,14 @@ def test_a_prompt_asked_again_drafts_the_earlier_response():
 def test_the_continuation_most_matches_share_while_its_share_is_high_enough():
     corpus = ResponseCorpus(max_requests=10, depth=8)
     for response in ([1, 2, 3, 4], [1, 2, 3, 4], [1, 5, 6, 7], [8, 9, 9, 9]):
-        corpus.add(PROMPT, response)
+        corpus.add(PROMPT + response, len(PROMPT))
     ctx = [0] + PROMPT
     # After the prompt: 1 in 3 of 4 matches (0.75); then 2 in 2 of those 3 (0.5); then 3, 4 (0.5 each).
     assert corpus.propose(ctx, 32, 4.0, 0.1) == ([1, 2, 3, 4], 5)
     assert corpus.propose(ctx, 32, 4.0, 0.6) == ([1], 5)
     assert corpus.propose(ctx, 32, 4.0, 0.8) == ([], 0)
     # A longer match wins over more frequent shorter ones: only the response whose prompt ended in 49, 50, ...
-    corpus.add([49] + PROMPT, [8, 8, 8, 8, 8])
+    corpus.add([49] + PROMPT + [8, 8, 8, 8, 8], len(PROMPT) + 1)
     assert corpus.propose([49] + PROMPT, 32, 4.0, 0.1) == ([8, 8, 8, 8, 8], 6)
 
 
@@ -104,7 +104,7 @@ def test_lookups_draft_what_the_kept_responses_give_by_brute_force(max_requests,
     for _ in range(60):
         prompt = [rng.choice(symbols) for _ in range(rng.randrange(0, 12))]
         response = [rng.choice(symbols) for _ in range(rng.randrange(0, 14))]
-        corpus.add(prompt, response)
+        corpus.add(prompt + response, len(prompt))
         tail = prompt[max(0, len(prompt) - depth):]
         if response and len(tail) + len(response) <= max_tokens:
             while kept and (len(kept) >= max_requests or sum(map(len, (t for t, _ in kept))) + len(tail)
@@ -125,7 +125,7 @@ def test_lookups_draft_what_the_kept_responses_give_by_brute_force(max_requests,
                 drafted += len(got[0])
     assert drafted > 0
     off = ResponseCorpus(max_requests=0, depth=6)
-    off.add(PROMPT, [1, 2, 3])
+    off.add(PROMPT + [1, 2, 3], len(PROMPT))
     assert len(off) == 0 and off.propose(PROMPT, 8, 1.0, 0.1) == ([], 0)
 
 
@@ -136,21 +136,21 @@ def test_a_question_is_found_again_after_many_answers_that_began_alike():
     template = [1, 2, 3, 4, 5]
     question, answer = [rng.randrange(100, 50000) for _ in range(12)] + template, list(range(600, 640))
     corpus = ResponseCorpus(10000, 24)
-    corpus.add(question, answer)
+    corpus.add(question + answer, len(question))
     for _ in range(300):
-        corpus.add([rng.randrange(100, 50000) for _ in range(12)] + template,
-                   [rng.randrange(100, 50000) for _ in range(40)])
+        corpus.add([rng.randrange(100, 50000) for _ in range(12)] + template
+                   + [rng.randrange(100, 50000) for _ in range(40)], 12 + len(template))
     assert corpus.propose([9] + question, 32, 1.0, 0.1) == (answer[:17], 17)
     assert corpus.propose([9] + question + answer[:10], 32, 1.0, 0.1) == (answer[10:34], 24)
 
 
 def test_a_token_id_the_corpus_cannot_hold_changes_nothing():
     corpus = ResponseCorpus(10, 6)
-    corpus.add(PROMPT, [1, 2, 3, 4])
+    corpus.add(PROMPT + [1, 2, 3, 4], len(PROMPT))
     with pytest.raises(OverflowError):
-        corpus.add(PROMPT, [1, 2, 1 << 40])
+        corpus.add(PROMPT + [1, 2, 1 << 40], len(PROMPT))
     assert len(corpus) == 1 and corpus.num_tokens == 9 and len(corpus.tokens) == 9
-    corpus.add([7, 8, 9], [5, 6])
+    corpus.add([7, 8, 9, 5, 6], 3)
     assert corpus.propose([0, 7, 8, 9], 8, 1.0, 0.1) == ([5, 6], 3)
 
 
@@ -161,7 +161,7 @@ def test_a_huge_spec_factor_is_the_draft_length_and_rounding_does_not_cut_a_toke
 
 def test_the_longer_of_the_own_and_the_earlier_match_drafts():
     proposer = SuffixProposer(max_depth=24, max_cached_requests=10, max_spec_factor=1.0, min_token_prob=0.1)
-    proposer.add(PROMPT + [1, 2, 3, 20, 21, 22, 7, 7, 7], len(PROMPT))
+    proposer.corpus.add(PROMPT + [1, 2, 3, 20, 21, 22, 7, 7, 7], len(PROMPT))
     # The sequence repeats its own 6 tokens (3 ... 22); an earlier response shares only its last 3 (20, 21, 22).
     own = [3, 4, 5, 20, 21, 22, 23, 24, 25, 3, 4, 5, 20, 21, 22]
     assert proposer.corpus.propose(own, 8, 1.0, 0.1) == ([7, 7, 7], 3)
@@ -171,12 +171,12 @@ def test_the_longer_of_the_own_and_the_earlier_match_drafts():
     assert proposer.propose_with_length(ctx, 8) == ([1, 2, 3, 20, 21], CORPUS_CLASS + 5)
     # A draft is at most max_spec_factor x the match.
     half = SuffixProposer(24, 10, 0.5, 0.1)
-    half.add(PROMPT + [1, 2, 3, 20, 21, 22, 7, 7, 7], len(PROMPT))
+    half.corpus.add(PROMPT + [1, 2, 3, 20, 21, 22, 7, 7, 7], len(PROMPT))
     assert half.propose_with_length(ctx, 8) == ([1, 2], CORPUS_CLASS + 5)
     assert half.propose_with_length(own, 8) == ([23, 24, 25], 6)
     # A tie between the own match and an earlier response's goes to the own.
     tie = SuffixProposer(24, 10, 1.0, 0.1)
-    tie.add([30, 31, 32, 40, 41], 0)
+    tie.corpus.add([30, 31, 32, 40, 41], 0)
     seq = [7, 30, 31, 32, 50, 51, 30, 31, 32]
     assert tie.corpus.propose(seq, 8, 1.0, 0.1) == ([40, 41], 3)
     assert tie.propose_with_length(seq, 8) == ([50, 51, 30], 3)

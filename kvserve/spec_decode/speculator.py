@@ -218,7 +218,7 @@ class Speculator:
     def finished(self, seq: Sequence) -> None:
         """seq ended (a stop, its length limit): method "suffix" keeps its response for later requests to draft from."""
         if isinstance(self.proposer, SuffixProposer):
-            self.proposer.add(seq.token_ids, seq.num_prompt_tokens)
+            self.proposer.corpus.add(seq.token_ids, seq.num_prompt_tokens)
 
     def wants_hidden(self, num_running: int) -> bool:
         """Whether a step of this many running sequences should hand the target's hidden states to the eagle

@@ -106,10 +106,13 @@ class ResponseCorpus:
     def num_tokens(self) -> int:
         return self.write - self.oldest
 
-    def add(self, prompt: Tokens[int], response: Tokens[int]) -> None:
-        tail = list(prompt[max(0, len(prompt) - self.depth):])
-        new = tail + list(response)
-        if not self.anchors or not response or len(new) > self.capacity:
+    def add(self, token_ids: Tokens[int], num_prompt_tokens: int) -> None:
+        """A finished sequence's tokens, its prompt's first: its response, kept after the prompt's last `depth`
+        tokens (the oldest responses leave to make room)."""
+        start = max(0, num_prompt_tokens - self.depth)
+        new = list(token_ids[start:])
+        tail = num_prompt_tokens - start  # the prompt's tokens kept before the response
+        if not self.anchors or len(new) == tail or len(new) > self.capacity:
             return
         stored = array("i", new)  # first, so that an id the array cannot hold fails before anything changes
         while self.spans and (len(self.spans) >= self.max_requests
@@ -134,7 +137,7 @@ class ResponseCorpus:
         for length, head, prev in zip(self.anchors, self.heads, self.prevs):
             # Anchors inside this response and its tail whose next token is a response token, or that end it;
             # the hash rolled from one to the next.
-            lo = max(length - 1, len(tail) - 1)
+            lo = max(length - 1, tail - 1)
             if lo >= len(new):
                 continue
             h, drop = _window_hash(new, lo, length), pow(_B, length, 1 << 64)
@@ -209,7 +212,7 @@ class ResponseCorpus:
 
 class SuffixProposer:
     """Method "suffix": propose_with_length() as prompt lookup's (the Speculator calls both alike), the
-    earlier responses in `corpus`, which finished sequences are added to (`add`)."""
+    earlier responses in `corpus`, which the Speculator adds finished sequences to."""
 
     def __init__(self, max_depth: int, max_cached_requests: int, max_spec_factor: float, min_token_prob: float,
                  token_classes: np.ndarray | None = None, indents: Indents | None = None,
@@ -218,11 +221,6 @@ class SuffixProposer:
         self.corpus = ResponseCorpus(max_cached_requests, max_depth, max_corpus_tokens)
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
-
-    def add(self, token_ids: list[int], num_prompt_tokens: int) -> None:
-        """A finished sequence's tokens, its prompt's first: its response, for later requests to draft from."""
-        start = max(0, num_prompt_tokens - self.corpus.depth)  # the corpus keeps only the prompt's end
-        self.corpus.add(token_ids[start:num_prompt_tokens], token_ids[num_prompt_tokens:])
 
     def propose_with_length(self, token_ids: list[int], max_tokens: int, index: LookupIndex | None = None
                             ) -> tuple[list[int], int]:
