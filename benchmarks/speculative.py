@@ -33,7 +33,10 @@ prompt_lookup_max --ngram-long-k); eagle-b, eagle with a second head (--eagle-b-
 earlier one) for two heads side by side in one run, and eagle-b-fixed, eagle-b-always; eagle-tree, the head
 with alternatives to its first draft token (--eagle-tree, vLLM's speculative_token_tree), and its variants;
 eagle-tree2, a second tree beside it (--eagle-tree2); eagle-tree-lookup, prompt lookup in front of a tree
-(--eagle-tree-lookup, whose chain also bounds lookup's drafts; lookup --prompt-lookup-min..max).
+(--eagle-tree-lookup, whose chain also bounds lookup's drafts; lookup --prompt-lookup-min..max);
+eagle-tree-suffix, the same tree behind suffix decoding (enable_suffix_decoding: the sequence's own text and
+earlier responses, as method suffix drafts, bounded by the tree's chain); eagle-suffix-long, the head behind
+suffix decoding with k = --ngram-long-k.
 suffix (vLLM's method "suffix", kvserve/spec_decode/suffix.py: the sequence's own text and the responses of the
 requests the engine finished before, up to --suffix-k tokens; every round starts from an empty corpus, after the
 warm-up, so that no round drafts the answers of a round before: a request's prompt and seed recur only across
@@ -147,13 +150,19 @@ def method_config(method: str, args) -> dict | None:
     elif method.startswith("eagle-lookup"):
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_lookup_k, "model": args.eagle_model,
                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    elif method.startswith("eagle-suffix-long"):
+        cfg = {"method": "eagle", "num_speculative_tokens": args.ngram_long_k, "model": args.eagle_model,
+               "enable_suffix_decoding": True}
     elif method.startswith("eagle-tree"):
-        tree = (args.eagle_tree2 if method.startswith("eagle-tree2")
-                else args.eagle_tree_lookup if method == "eagle-tree-lookup" else args.eagle_tree)
+        behind = method in ("eagle-tree-lookup", "eagle-tree-suffix")  # the tree behind lookup or suffix decoding
+        tree = (args.eagle_tree2 if method.startswith("eagle-tree2") else args.eagle_tree_lookup if behind
+                else args.eagle_tree)
         cfg = {"method": "eagle", "num_speculative_tokens": len(ast.literal_eval(tree)),
                "speculative_token_tree": tree, "model": args.eagle_model}
         if method == "eagle-tree-lookup":  # lookup in front of the tree, as eagle-lookup puts it before a chain
             cfg.update(prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)
+        elif method == "eagle-tree-suffix":  # suffix decoding there instead
+            cfg.update(enable_suffix_decoding=True)
     elif method.startswith("eagle-b"):
         cfg = {"method": "eagle", "num_speculative_tokens": args.eagle_k, "model": args.eagle_b_model}
     elif method.startswith("eagle"):
@@ -311,7 +320,7 @@ def run_steps_in_turns(llms: dict[str, LLM], order: list[str], prompts: list[lis
 
 
 def forget_responses(llms: dict[str, LLM]) -> None:
-    """Empties method suffix's corpus of earlier responses in every engine that keeps one: a round must not draft
+    """Empties suffix decoding's corpus of earlier responses in every engine that keeps one: a round must not draft
     the answers a round before gave to the same requests."""
     for llm in llms.values():
         proposer = getattr(llm.engine.speculator, "proposer", None)
@@ -480,6 +489,10 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
              + (f"; eagle-lookup-long k={args.ngram_long_k}, lookup {args.prompt_lookup_min}..{args.ngram_long_k}"
                 if "eagle-lookup-long" in args.methods else "")
              + (f"; eagle-tree-lookup {args.eagle_tree_lookup}" if "eagle-tree-lookup" in args.methods else "")
+             + (f"; eagle-tree-suffix {args.eagle_tree_lookup} behind suffix decoding (vLLM's suffix_decoding_* "
+                f"defaults)" if "eagle-tree-suffix" in args.methods else "")
+             + (f"; eagle-suffix-long k={args.ngram_long_k} behind suffix decoding"
+                if "eagle-suffix-long" in args.methods else "")
              + (f"; eagle-b: {args.eagle_b_model}" if any(m.startswith("eagle-b") for m in args.methods) else "")
              + "); "
              + (f"suffix k={args.suffix_k} (vLLM's other suffix_decoding_* defaults; each round from an empty "
@@ -519,7 +532,8 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "ngram-fixed", "eagle", "eagle-fixed"],
                     choices=["none", "none-control", "ngram-plain", "ngram-one-class", "ngram-one-length",
                              "ngram-long", "ngram-no-indents", "ngram-long-no-indents", "eagle-lookup",
-                             "eagle-lookup-plain", "eagle-lookup-long", "eagle-tree-lookup",
+                             "eagle-lookup-plain", "eagle-lookup-long", "eagle-tree-lookup", "eagle-tree-suffix",
+                             "eagle-suffix-long",
                              *(m + v for m in ("ngram", "draft", "eagle", "eagle-b", "eagle-tree", "eagle-tree2",
                                                "suffix", "suffix-own")
                                for v in ("", "-fixed", "-always", "-unlimited")),

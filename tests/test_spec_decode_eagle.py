@@ -11,6 +11,7 @@ to the first draft token, each in a row of its own) too: the same outputs, by th
 import ast
 import dataclasses
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -31,7 +32,9 @@ from kvserve.spec_decode.draft_reference import DraftReference
 from kvserve.spec_decode.eagle_head import (EagleHead, EagleHeadConfig, EagleHeadReference, head_quantization,
                                             load_eagle_head, read_head, save_head)
 from kvserve.spec_decode.eagle_proposer import EagleProposer
+from kvserve.spec_decode.draft_length import MODEL_CLASS
 from kvserve.spec_decode.state import spec_state
+from kvserve.spec_decode.suffix import CORPUS_CLASS, SuffixProposer
 from engine_helpers import assert_no_leaks
 from spec_helpers import (PREEMPTING, abort_mid_speculation, check_request_acceptance, count_alternatives,
                           count_draft_kinds, make_draft_file, make_engine, preempting_wave, prefix_hit_waves, prompts,
@@ -464,6 +467,49 @@ def test_prompt_lookup_in_front_of_the_head(tiny_model_dirs, heads):
     assert kinds["lookup"]["drafts"] > 10 and kinds["model"]["drafts"] > 10 and checked > 50, (kinds, checked)
     assert engine.get_stats().num_preemptions > 0
     assert_acceptance(engine, "some")
+
+
+@pytest.mark.parametrize("tree", [None, "[(0,), (0, 0), (1,), (2,)]"], ids=["chain", "tree"])
+def test_suffix_decoding_in_front_of_the_head(tree, tiny_model_dirs, heads):
+    """enable_suffix_decoding: a wave, then the same prompts again beside prompts the head knows less of. Earlier
+    responses draft the repeats, the head the others, in the same steps; greedy tokens and logprobs are
+    non-speculative decoding's (n = 2, chunked prefills, preemptions), the head still reads transformers'
+    hidden state of the last token after steps with text drafts, and the corpus holds every finished response."""
+    path, hf = tiny_model_dirs["llama"]
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    first = prompts(2, [6, 23, 14, 31])
+    waves = [[(f"a{i}", p, params) for i, p in enumerate(first)],
+             [(f"b{i}", p, params) for i, p in enumerate(first[:2])]
+             + [(f"c{i}", p, params) for i, p in enumerate(prompts(4, [5, 13]))]]
+    ref = run_waves(make_engine(path, **PREEMPTING), waves)
+    cfg = (tree_spec(heads["partial"], tree, enable_suffix_decoding=True) if tree
+           else spec(heads["partial"], enable_suffix_decoding=True))
+    engine = make_engine(path, cfg, **PREEMPTING)
+    proposer = engine.speculator.proposer
+    assert isinstance(proposer, SuffixProposer) and proposer.own.token_classes is not None
+    kinds = Counter()  # (draft kind, wave): drafts, then their accepted tokens, then their tokens
+    record = engine.speculator.record
+
+    def counted(seq, num_drafted, num_accepted, *rest):
+        c = seq.spec_state.draft_class
+        kind = "corpus" if c >= CORPUS_CLASS else "own" if c > MODEL_CLASS else "model"
+        kinds[kind, seq.request_id[0]] += 1
+        kinds[kind, seq.request_id[0], "accepted"] += num_accepted
+        kinds[kind, seq.request_id[0], "tokens"] += num_drafted
+        record(seq, num_drafted, num_accepted, *rest)
+    engine.speculator.record = counted
+    checks: list[int] = []
+    got = run_waves(engine, waves, check=True, after_step=lambda e: checks.append(check_head_inputs(e, hf)))
+    assert_same(got, ref, engine)
+    assert engine.get_stats().num_preemptions > 0 and sum(checks) > 50
+    # The first wave's responses draft its repeats, right (and a sample of n = 2 its sibling's, where that finished
+    # first); the head drafts every wave.
+    assert kinds["corpus", "b"] > 4, kinds
+    assert kinds["corpus", "b", "accepted"] > 0.8 * kinds["corpus", "b", "tokens"], kinds
+    assert kinds["model", "a"] > 10 and kinds["model", "c"] > 5, kinds
+    corpus = proposer.corpus
+    assert len(corpus) == 2 * len(got) and corpus.num_tokens == sum(
+        len(prompt[-24:]) + 24 for wave in waves for _, prompt, _ in wave for _ in range(2))
 
 
 def test_seeded_sampling_identical_to_non_speculative(tiny_model_dirs, heads):

@@ -267,7 +267,9 @@ def test_vllm_fields_defaults_and_errors():
     with pytest.raises(ValueError, match="suffix_decoding_min_token_prob applies only to method 'suffix'"):
         SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 0.5})
     for value, message in [
-        ({"prompt_lookup_max": 4}, "method 'suffix' matches up to suffix_decoding_max_tree_depth"),
+        ({"prompt_lookup_max": 4}, "do not apply with suffix decoding, which matches up to "
+                                   "suffix_decoding_max_tree_depth tokens"),
+        ({"enable_suffix_decoding": True}, "(method 'suffix' is suffix decoding alone)"),
         ({"model": "x"}, "applies only to methods 'draft' and 'eagle'"),
         ({"suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth must be an integer >= 1"),
         ({"suffix_decoding_max_cached_requests": -1}, "suffix_decoding_max_cached_requests must be"),
@@ -284,3 +286,31 @@ def test_vllm_fields_defaults_and_errors():
                                       '32, "suffix_decoding_max_cached_requests": 100}'])
     spec = engine_config(args).speculative_config
     assert (spec.method, spec.num_speculative_tokens, spec.suffix_decoding_max_cached_requests) == ("suffix", 32, 100)
+
+
+def test_suffix_decoding_in_front_of_a_model_takes_the_suffix_fields_instead_of_prompt_lookup():
+    """enable_suffix_decoding (Arctic Inference's field): methods draft and eagle only, with the suffix_decoding_*
+    fields and without prompt lookup's bounds; its text drafts keep ngram's batch-size limit, as lookup's do."""
+    c = SpeculativeConfig.parse({"method": "eagle", "num_speculative_tokens": 8, "enable_suffix_decoding": True,
+                                 "suffix_decoding_max_cached_requests": 50})
+    assert c.suffix_decoding and c.matches_text and not c.uses_lookup
+    assert (c.suffix_decoding_max_cached_requests, c.draft_depth) == (50, 8)
+    assert (c.disable_by_batch_size, c.lookup_disable_by_batch_size, c.max_drafting_seqs) == (1, 4, 4)
+    assert not SpeculativeConfig.parse({"method": "draft", "num_speculative_tokens": 3}).suffix_decoding
+    for value, message in [
+        ({"method": "ngram", "enable_suffix_decoding": True}, "in front of methods 'draft' and 'eagle', got method "
+                                                              "'ngram'"),
+        ({"method": "eagle", "enable_suffix_decoding": "yes"}, "enable_suffix_decoding must be true or false"),
+        ({"method": "draft", "enable_suffix_decoding": True, "prompt_lookup_min": 2}, "do not apply with suffix"),
+        ({"method": "eagle", "suffix_decoding_max_tree_depth": 8}, "applies only to method 'suffix' or with "
+                                                                   "enable_suffix_decoding, got method 'eagle'"),
+        ({"method": "eagle", "enable_suffix_decoding": True, "suffix_decoding_min_token_prob": -1},
+         "suffix_decoding_min_token_prob must be in [0, 1]"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            SpeculativeConfig.parse({"num_speculative_tokens": 4, **value})
+        assert message in str(e.value)
+    args = build_parser().parse_args(["serve", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": '
+                                      '8, "enable_suffix_decoding": true}'])
+    spec = engine_config(args).speculative_config
+    assert (spec.method, spec.enable_suffix_decoding, spec.suffix_decoding_max_tree_depth) == ("eagle", True, 24)

@@ -121,7 +121,8 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                         "'model': PATH), suffix (the sequence's own text and earlier requests' responses: "
                         "suffix_decoding_max_tree_depth, _max_cached_requests, _corpus_tokens, _max_spec_factor, "
                         "_min_token_prob); eagle and draft take prompt_lookup_min/max too, to draft by prompt "
-                        "lookup where the text repeats itself and by the model elsewhere. Default: off.")
+                        "lookup where the text repeats itself and by the model elsewhere, or "
+                        "enable_suffix_decoding: true, to draft by suffix decoding there instead. Default: off.")
     p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default="none",
                    help="With --speculative-config: each response of one sequence (n = 1, one prompt) carries "
                         "metrics.speculative_decoding, vLLM's per-request acceptance figures (drafts, accepted "

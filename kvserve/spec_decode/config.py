@@ -11,6 +11,9 @@
                                        # the head's three likeliest first tokens, verified side by side
     {"method": "suffix", "num_speculative_tokens": 32}              # the sequence's own text and earlier
                                        # requests' responses, drafts as long as the match earns (suffix.py)
+    {"method": "eagle", "num_speculative_tokens": 8, "enable_suffix_decoding": true}
+                                       # suffix decoding in front of the head: where the text or an earlier
+                                       # response matches, it drafts; the head drafts the others
 
 given as `LLM(..., speculative_config={...})` or `kvserve serve --speculative-config '{...}'`.
 """
@@ -71,8 +74,9 @@ class SpeculativeConfig:
     # draft). Not given (-1): the
     # method's measured default (DEFAULT_DISABLE_BY_BATCH_SIZE for ngram, DRAFT_DEFAULT_... for draft, eagle).
     disable_by_batch_size: int | None = _METHOD_DEFAULT
-    # The same limit for prompt lookup's drafts: disable_by_batch_size where given or for method "ngram";
-    # for lookup in front of a model, ngram's default (lookup drafts are free to make, a model's are not).
+    # The same limit for drafts from the text (prompt lookup, suffix decoding): disable_by_batch_size where given
+    # or for methods "ngram" and "suffix"; in front of a model, ngram's default (they are free to make, a
+    # model's are not).
     lookup_disable_by_batch_size: int | None = field(default=None, init=False)
     # Per request: once at least acceptance_window draft tokens have been tested, a request whose recent
     # acceptance (accepted / tested, a moving average over about that many tokens) is below
@@ -90,7 +94,7 @@ class SpeculativeConfig:
     # len(tree), as in vLLM. Method "eagle" only, greedy requests only (sampled ones draft the chain), and an
     # attention backend that takes tree rows (the CPU's). None: a chain of num_speculative_tokens.
     speculative_token_tree: str | None = None
-    # Method "suffix" (suffix.py), vLLM's fields and defaults: the longest match looked for, in tokens (a match
+    # Method "suffix" (suffix.py; or enable_suffix_decoding, below), vLLM's fields and defaults: the longest match looked for, in tokens (a match
     # in earlier responses takes 3 at least); how many finished requests' responses are kept to draft from (0:
     # the sequence's own text only), and how many tokens they may hold together (the oldest leave first;
     # 46 MiB for 2**20, measured); a draft's most tokens per matched token; and, for a draft from earlier
@@ -101,6 +105,10 @@ class SpeculativeConfig:
     suffix_decoding_corpus_tokens: int = 1 << 20
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # Methods "draft" and "eagle": suffix decoding (with the fields above) in front of the model, in place of
+    # prompt lookup, as Arctic Inference's field of this name puts it in front of its speculator. Its drafts
+    # are bounded by num_speculative_tokens (a tree's chain), as prompt lookup's are.
+    enable_suffix_decoding: bool = False
     draft_depth: int = field(default=0, init=False)       # the chain's tokens
     num_alternatives: int = field(default=0, init=False)  # alternatives to its first token
 
@@ -125,9 +133,15 @@ class SpeculativeConfig:
                 raise bad(name, f"must be an integer >= 1, got {v!r}")
         if lo is None and hi is None and self.method == "ngram":
             lo, hi = 2, 4
-        if self.method == "suffix" and (lo is not None or hi is not None):
-            raise bad("prompt_lookup_min/prompt_lookup_max", "apply to methods 'ngram', 'draft' and 'eagle'; "
-                      "method 'suffix' matches up to suffix_decoding_max_tree_depth tokens")
+        e = self.enable_suffix_decoding
+        if not isinstance(e, bool):
+            raise bad("enable_suffix_decoding", f"must be true or false, got {e!r}")
+        if e and self.method in MODEL_FREE:
+            raise bad("enable_suffix_decoding", f"puts suffix decoding in front of methods 'draft' and 'eagle', got "
+                                                f"method {self.method!r} (method 'suffix' is suffix decoding alone)")
+        if self.suffix_decoding and (lo is not None or hi is not None):
+            raise bad("prompt_lookup_min/prompt_lookup_max", "do not apply with suffix decoding, which matches up to "
+                      "suffix_decoding_max_tree_depth tokens in place of prompt lookup")
         if lo is not None or hi is not None:
             # One bound given: the other defaults to it (a single n), as vLLM does.
             lo = hi if lo is None else lo
@@ -186,11 +200,12 @@ class SpeculativeConfig:
         return depth, alternatives
 
     def _check_suffix(self, bad) -> None:
-        if self.method != "suffix":
+        if not self.suffix_decoding:
             given = [f.name for f in fields(self) if f.name.startswith("suffix_decoding_")
                      and getattr(self, f.name) != f.default]
             if given:
-                raise bad(given[0], f"applies only to method 'suffix', got method {self.method!r}")
+                raise bad(given[0], f"applies only to method 'suffix' or with enable_suffix_decoding, got method "
+                                    f"{self.method!r}")
             return
         d, r = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
         f, p = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
@@ -213,14 +228,19 @@ class SpeculativeConfig:
         return self.prompt_lookup_max is not None
 
     @property
+    def suffix_decoding(self) -> bool:
+        """Suffix decoding (suffix.py): method "suffix", or in front of a draft model or eagle head."""
+        return self.method == "suffix" or self.enable_suffix_decoding
+
+    @property
     def matches_text(self) -> bool:
-        """Whether drafts come from matching the sequence's text (prompt lookup, or method "suffix")."""
-        return self.uses_lookup or self.method == "suffix"
+        """Whether drafts come from matching the sequence's text (prompt lookup, or suffix decoding)."""
+        return self.uses_lookup or self.suffix_decoding
 
     @property
     def max_drafting_seqs(self) -> int | None:
         """The most sequences a step may draft for (None: no limit): what verification graphs are captured up to."""
-        limits = [self.disable_by_batch_size] + ([self.lookup_disable_by_batch_size] if self.uses_lookup else [])
+        limits = [self.disable_by_batch_size] + ([self.lookup_disable_by_batch_size] if self.matches_text else [])
         return None if None in limits else max(limits)
 
     @classmethod

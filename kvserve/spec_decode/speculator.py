@@ -6,8 +6,9 @@ drafts, and the engine reports back how many were accepted (`record`). The model
 "draft", "eagle") draft after the schedule, into the rows it sized (`fill_drafts`); the eagle head also
 gets the target's hidden state after each step (`observe`). With prompt lookup turned on for them
 (SpeculativeConfig.uses_lookup), a sequence whose last tokens occurred before drafts their continuation
-instead, and only the others wait for the model. Method "suffix" drafts as prompt lookup does, from earlier
-requests' responses too (suffix.py), which the engine hands over as they finish (`finished`). Drafting pays
+instead, and only the others wait for the model. Suffix decoding (method "suffix", or in front of a model
+with enable_suffix_decoding, in place of prompt lookup) drafts as prompt lookup does, from earlier requests'
+responses too (suffix.py), which the engine hands over as they finish (`finished`). Drafting pays
 only while the step is memory-bound and the drafts are good: each step carries only as many draft tokens as
 this engine's measured step times say pay (draft_length.py), none above `disable_by_batch_size` sequences, and
 none for a request while its acceptance stays low.
@@ -69,7 +70,7 @@ class Speculator:
         self.draft = draft
         # Drafts from the text (propose_with_length): prompt lookup, or suffix decoding's own and earlier texts.
         self.proposer: NgramProposer | SuffixProposer | None = None
-        if config.method == "suffix":
+        if config.suffix_decoding:
             self.proposer = SuffixProposer(config.suffix_decoding_max_tree_depth,
                                            config.suffix_decoding_max_cached_requests,
                                            config.suffix_decoding_max_spec_factor,
