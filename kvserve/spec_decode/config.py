@@ -94,12 +94,12 @@ class SpeculativeConfig:
     # len(tree), as in vLLM. Method "eagle" only, greedy requests only (sampled ones draft the chain), and an
     # attention backend that takes tree rows (the CPU's). None: a chain of num_speculative_tokens.
     speculative_token_tree: str | None = None
-    # Method "suffix" (suffix.py; or enable_suffix_decoding, below), vLLM's fields and defaults: the longest match looked for, in tokens (a match
-    # in earlier responses takes 3 at least); how many finished requests' responses are kept to draft from (0:
-    # the sequence's own text only), and how many tokens they may hold together (the oldest leave first;
-    # 46 MiB for 2**20, measured); a draft's most tokens per matched token; and, for a draft from earlier
-    # responses, the least share of their longest matches that must agree with it up to each of its tokens.
-    # Without num_speculative_tokens, the depth (as vLLM's).
+    # Method "suffix" (suffix.py; or enable_suffix_decoding, below), vLLM's fields and defaults: the longest
+    # match looked for, in tokens (a match in earlier responses takes 3 at least); how many finished requests'
+    # responses are kept to draft from (0: the sequence's own text only), and how many tokens they may hold
+    # together (the oldest leave first; 46 MiB for 2**20, measured); a draft's most tokens per matched token;
+    # and, for a draft from earlier responses, the least share of their longest matches that must agree with it
+    # up to each of its tokens. Without num_speculative_tokens, the depth (as vLLM's).
     suffix_decoding_max_tree_depth: int = SUFFIX_DEPTH
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_corpus_tokens: int = 1 << 20
