@@ -163,6 +163,26 @@ def test_prompt_lookup_in_front_of_the_draft(tiny_model_dirs, drafts):
     assert lookup["drafts"] >= 5 and 0 < lookup["accepted"] < lookup["tokens"], kinds
 
 
+def test_suffix_decoding_in_front_of_the_draft(tiny_model_dirs, drafts):
+    """enable_suffix_decoding: a wave, then two of its prompts again, drafted from the first wave's responses,
+    the draft model drafting the rest in the same steps (n = 2, chunked prefills, preemptions): the
+    non-speculative tokens and logprobs. The target as its own draft stays right every time, so its cache
+    caught up on the tokens that suffix decoding drafted."""
+    path, _ = tiny_model_dirs["llama"]
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    first = prompts(2, [6, 23, 14, 31])
+    waves = [[(f"a{i}", p, params) for i, p in enumerate(first)],
+             [(f"b{i}", p, params) for i, p in enumerate(first[:2])]]
+    ref = run_waves(make_engine(path, **PREEMPTING), waves)
+    engine = make_engine(path, spec(drafts["self"], enable_suffix_decoding=True), **PREEMPTING)
+    kinds = count_draft_kinds(engine)
+    assert_same(run_waves(engine, waves, check=True), ref, engine)
+    assert engine.get_stats().num_preemptions > 0
+    model, text = kinds["model"], kinds["lookup"]
+    assert model["drafts"] > 10 and model["accepted"] == model["tokens"], kinds
+    assert text["drafts"] > 4 and text["accepted"] > 0.8 * text["tokens"], kinds
+
+
 @pytest.mark.parametrize("kind", ["self", "checkpoint"])
 def test_greedy_identical_with_prefix_hits_on_drafted_blocks(kind, tiny_model_dirs, drafts):
     """A second wave whose prompts extend the first wave's outputs: prefix-cache hits on blocks that drafts
