@@ -514,7 +514,7 @@ def test_suffix_decoding_in_front_of_the_head(tree, tiny_model_dirs, heads):
 
 def test_seeded_sampling_identical_to_non_speculative(tiny_model_dirs, heads):
     """Every logits stage, n = 2: the same tokens as without speculation (the head samples with the noise
-    the target will use), with and without prompt lookup in front of it."""
+    the target will use), with and without prompt lookup or suffix decoding in front of it."""
     path, _ = tiny_model_dirs["llama"]
     ps = prompts(4, [5, 13, 21, 8])
     params = SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
@@ -527,6 +527,13 @@ def test_seeded_sampling_identical_to_non_speculative(tiny_model_dirs, heads):
         got = run(engine, [[(str(i), p, params) for i, p in enumerate(ps)]], check=True)
         assert (kinds["lookup"]["drafts"] > 0) == bool(lookup) and kinds["model"]["drafts"] > 0, kinds
         check_seeded(got, ref, engine, len(ps))
+    # Suffix decoding in front of the head: a second wave of the same seeded requests drafts the first's samples.
+    engine = make_engine(path, spec(heads["right"], enable_suffix_decoding=True))
+    kinds = count_draft_kinds(engine)
+    got = run(engine, [[(f"{w}{i}", p, params) for i, p in enumerate(ps)] for w in "ab"], check=True)
+    assert kinds["lookup"]["accepted"] > 10 and kinds["model"]["drafts"] > 0, kinds
+    for w in "ab":
+        check_seeded({str(i): got[f"{w}{i}"] for i in range(len(ps))}, ref, engine, len(ps))
 
 
 def test_a_drafted_positions_noise_is_drawn_once(tiny_model_dirs, heads, monkeypatch):

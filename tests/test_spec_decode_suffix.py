@@ -269,7 +269,6 @@ def test_vllm_fields_defaults_and_errors():
     for value, message in [
         ({"prompt_lookup_max": 4}, "do not apply with suffix decoding, which matches up to "
                                    "suffix_decoding_max_tree_depth tokens"),
-        ({"enable_suffix_decoding": True}, "(method 'suffix' is suffix decoding alone)"),
         ({"model": "x"}, "applies only to methods 'draft' and 'eagle'"),
         ({"suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth must be an integer >= 1"),
         ({"suffix_decoding_max_cached_requests": -1}, "suffix_decoding_max_cached_requests must be"),
@@ -297,13 +296,17 @@ def test_suffix_decoding_in_front_of_a_model_takes_the_suffix_fields_instead_of_
     assert (c.suffix_decoding_max_cached_requests, c.draft_depth) == (50, 8)
     assert (c.disable_by_batch_size, c.lookup_disable_by_batch_size, c.max_drafting_seqs) == (1, 4, 4)
     assert not SpeculativeConfig.parse({"method": "draft", "num_speculative_tokens": 3}).suffix_decoding
+    # With method suffix (as Arctic Inference takes it) the field changes nothing.
+    same = SpeculativeConfig.parse({"method": "suffix", "enable_suffix_decoding": True})
+    assert same.suffix_decoding and same.num_speculative_tokens == 24
     for value, message in [
-        ({"method": "ngram", "enable_suffix_decoding": True}, "in front of methods 'draft' and 'eagle', got method "
-                                                              "'ngram'"),
+        ({"method": "ngram", "enable_suffix_decoding": True}, "in front of methods 'draft' and 'eagle' (method "
+                                                              "'suffix' is suffix decoding alone), got method 'ngram'"),
         ({"method": "eagle", "enable_suffix_decoding": "yes"}, "enable_suffix_decoding must be true or false"),
         ({"method": "draft", "enable_suffix_decoding": True, "prompt_lookup_min": 2}, "do not apply with suffix"),
-        ({"method": "eagle", "suffix_decoding_max_tree_depth": 8}, "applies only to method 'suffix' or with "
-                                                                   "enable_suffix_decoding, got method 'eagle'"),
+        ({"method": "eagle", "suffix_decoding_max_tree_depth": 8}, "applies only to method 'suffix', or to 'draft' "
+                                                                   "and 'eagle' with enable_suffix_decoding, got "
+                                                                   "method 'eagle'"),
         ({"method": "eagle", "enable_suffix_decoding": True, "suffix_decoding_min_token_prob": -1},
          "suffix_decoding_min_token_prob must be in [0, 1]"),
     ]:
@@ -314,3 +317,40 @@ def test_suffix_decoding_in_front_of_a_model_takes_the_suffix_fields_instead_of_
                                       '8, "enable_suffix_decoding": true}'])
     spec = engine_config(args).speculative_config
     assert (spec.method, spec.enable_suffix_decoding, spec.suffix_decoding_max_tree_depth) == ("eagle", True, 24)
+
+
+def test_a_salted_response_drafts_only_for_requests_with_its_salt():
+    corpus = ResponseCorpus(max_requests=10, depth=8)
+    corpus.add(PROMPT + [1, 2, 3, 4], len(PROMPT), salt="tenant a")
+    corpus.add(PROMPT + [5, 6, 7, 8], len(PROMPT))
+    ctx = [0] + PROMPT
+    assert corpus.propose(ctx, 8, 4.0, 0.1, "tenant a") == ([1, 2, 3, 4], 5)
+    assert corpus.propose(ctx, 8, 4.0, 0.1) == ([5, 6, 7, 8], 5)
+    assert corpus.propose(ctx, 8, 4.0, 0.1, "tenant b") == ([], 0)
+    for i in range(10):  # both leave, and their salts with them
+        corpus.add([9, 9, 9, i, i], 3)
+    assert len(corpus) == 10 and corpus.salts == {}
+
+
+def test_requests_with_another_cache_salt_do_not_draft_a_tenants_responses(tiny_model_dirs):
+    """A response drafts a later request's answer to the same prompt only where both carry the same cache_salt
+    (or neither does): a draft's acceptance would show in another tenant's stream speed what this one was told."""
+    path, _ = tiny_model_dirs["llama"]
+    p = prompts(8, [12])[0]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine = make_engine(path, SUFFIX)
+    ref = run_waves(make_engine(path), [[("ref", p, params)]])["ref"].outputs[0].token_ids
+    drafted: dict[str, int] = {}
+    record = engine.speculator.record
+
+    def counted(seq, num_drafted, num_accepted, *rest):
+        if seq.spec_state.draft_class >= CORPUS_CLASS:
+            drafted[seq.request_id] = drafted.get(seq.request_id, 0) + num_drafted
+        record(seq, num_drafted, num_accepted, *rest)
+    engine.speculator.record = counted
+    for rid, salt in [("a1", "tenant a"), ("b", "tenant b"), ("none", None), ("a2", "tenant a")]:
+        engine.add_request(rid, p, params, cache_salt=salt)
+        assert drain(engine)[rid].outputs[0].token_ids == ref, rid
+    assert "a1" not in drafted and "b" not in drafted and "none" not in drafted, drafted
+    assert drafted["a2"] > 10, drafted
+    assert_no_leaks(engine)

@@ -2,7 +2,8 @@
 
 config.py          SpeculativeConfig (vLLM's field names), parsed and validated
 ngram.py           the prompt-lookup proposer
-suffix.py          method "suffix": drafts from the sequence's own text and earlier requests' responses
+suffix.py          suffix decoding (method "suffix", or in front of a model): drafts from the sequence's own text
+                   and earlier requests' responses
 speculator.py      per step and per request: who drafts, and the acceptance counters
 draft_length.py    how many draft tokens each sequence's step carries: what pays at the measured step times
 confidence.py      the eagle head's calibrated confidence, which sizes a tree's rows

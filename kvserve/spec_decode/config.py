@@ -106,8 +106,10 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     # Methods "draft" and "eagle": suffix decoding (with the fields above) in front of the model, in place of
-    # prompt lookup, as Arctic Inference's field of this name puts it in front of its speculator. Its drafts
-    # are bounded by num_speculative_tokens (a tree's chain), as prompt lookup's are.
+    # prompt lookup, as Arctic Inference's field of this name puts it in front of its speculator (with method
+    # "suffix" it changes nothing). Unlike Arctic's, any match drafts rather than the model (the draft-length
+    # rule then keeps what pays, by each kind's acceptance), and its drafts are bounded by
+    # num_speculative_tokens (a tree's chain), as prompt lookup's are.
     enable_suffix_decoding: bool = False
     draft_depth: int = field(default=0, init=False)       # the chain's tokens
     num_alternatives: int = field(default=0, init=False)  # alternatives to its first token
@@ -136,9 +138,9 @@ class SpeculativeConfig:
         e = self.enable_suffix_decoding
         if not isinstance(e, bool):
             raise bad("enable_suffix_decoding", f"must be true or false, got {e!r}")
-        if e and self.method in MODEL_FREE:
-            raise bad("enable_suffix_decoding", f"puts suffix decoding in front of methods 'draft' and 'eagle', got "
-                                                f"method {self.method!r} (method 'suffix' is suffix decoding alone)")
+        if e and self.method == "ngram":
+            raise bad("enable_suffix_decoding", "puts suffix decoding in front of methods 'draft' and 'eagle' (method "
+                                                "'suffix' is suffix decoding alone), got method 'ngram'")
         if self.suffix_decoding and (lo is not None or hi is not None):
             raise bad("prompt_lookup_min/prompt_lookup_max", "do not apply with suffix decoding, which matches up to "
                       "suffix_decoding_max_tree_depth tokens in place of prompt lookup")
@@ -204,8 +206,8 @@ class SpeculativeConfig:
             given = [f.name for f in fields(self) if f.name.startswith("suffix_decoding_")
                      and getattr(self, f.name) != f.default]
             if given:
-                raise bad(given[0], f"applies only to method 'suffix' or with enable_suffix_decoding, got method "
-                                    f"{self.method!r}")
+                raise bad(given[0], f"applies only to method 'suffix', or to 'draft' and 'eagle' with "
+                                    f"enable_suffix_decoding, got method {self.method!r}")
             return
         d, r = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
         f, p = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob

@@ -196,7 +196,11 @@ class Speculator:
             return []
         if lookup:
             state = spec_state(seq)
-            draft, match_length = self.proposer.propose_with_length(seq.token_ids, max_new, state.lookup)
+            if isinstance(self.proposer, SuffixProposer):  # earlier responses: those its cache_salt may see
+                draft, match_length = self.proposer.propose_with_length(seq.token_ids, max_new, state.lookup,
+                                                                        seq.cache_salt)
+            else:
+                draft, match_length = self.proposer.propose_with_length(seq.token_ids, max_new, state.lookup)
             if draft:
                 state.draft_class = match_length
                 return draft
@@ -217,9 +221,10 @@ class Speculator:
         return []
 
     def finished(self, seq: Sequence) -> None:
-        """seq ended (a stop, its length limit): method "suffix" keeps its response for later requests to draft from."""
+        """seq ended (a stop, its length limit): suffix decoding keeps its response for later requests (with its
+        cache_salt) to draft from."""
         if isinstance(self.proposer, SuffixProposer):
-            self.proposer.corpus.add(seq.token_ids, seq.num_prompt_tokens)
+            self.proposer.corpus.add(seq.token_ids, seq.num_prompt_tokens, seq.cache_salt)
 
     def wants_hidden(self, num_running: int) -> bool:
         """Whether a step of this many running sequences should hand the target's hidden states to the eagle

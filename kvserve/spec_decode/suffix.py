@@ -1,4 +1,5 @@
-"""Suffix decoding (vLLM's method "suffix"): drafts from the sequence's own text and from earlier responses.
+"""Suffix decoding (vLLM's method "suffix"; or in front of a draft model or eagle head, enable_suffix_decoding):
+drafts from the sequence's own text and from earlier responses.
 
 Prompt lookup (ngram.py) finds the sequence's last tokens earlier in the same sequence. Suffix decoding
 (Oliaro et al., arXiv 2411.04975) also searches what earlier requests answered, so that a question asked
@@ -20,7 +21,9 @@ Where vLLM's (Arctic Inference's suffix trees) differs:
 - its tree of earlier responses holds the responses alone; here each comes after its prompt's last `depth`
   tokens, so that an answer's first tokens are found after the same question;
 - the sequence's own match here is prompt lookup's (NgramProposer, from OWN_MIN_MATCH tokens, with its
-  whitespace classes and re-indenting), which drafts the latest occurrence rather than the most frequent.
+  whitespace classes and re-indenting), which drafts the latest occurrence rather than the most frequent;
+- a response of a request with a cache_salt drafts only for requests with the same salt (tenants kept apart
+  in the prefix cache stay apart here).
 """
 from __future__ import annotations
 
@@ -95,6 +98,10 @@ class ResponseCorpus:
         self.entry_of = array("q")   # the id of the response a position belongs to
         self.prevs = [array("q") for _ in self.anchors]
         self.spans: OrderedDict[int, tuple[int, int]] = OrderedDict()  # id -> (first position, end), oldest first
+        # id -> the cache_salt its request carried (unsalted ones absent): a salted response drafts only for
+        # requests with the same salt, so that tenants kept apart in the prefix cache are kept apart here too
+        # (a draft's acceptance shows in a stream's speed what another tenant was answered).
+        self.salts: dict[int, str] = {}
         self.write = 0    # the next position
         self.oldest = 0   # positions below this are gone
         self._next_id = 0
@@ -106,9 +113,9 @@ class ResponseCorpus:
     def num_tokens(self) -> int:
         return self.write - self.oldest
 
-    def add(self, token_ids: Tokens[int], num_prompt_tokens: int) -> None:
+    def add(self, token_ids: Tokens[int], num_prompt_tokens: int, salt: str | None = None) -> None:
         """A finished sequence's tokens, its prompt's first: its response, kept after the prompt's last `depth`
-        tokens (the oldest responses leave to make room)."""
+        tokens (the oldest responses leave to make room); salt: its request's cache_salt."""
         start = max(0, num_prompt_tokens - self.depth)
         new = list(token_ids[start:])
         tail = num_prompt_tokens - start  # the prompt's tokens kept before the response
@@ -117,11 +124,14 @@ class ResponseCorpus:
         stored = array("i", new)  # first, so that an id the array cannot hold fails before anything changes
         while self.spans and (len(self.spans) >= self.max_requests
                               or self.write + len(new) - self.oldest > self.capacity):
-            self.spans.popitem(last=False)
+            gone, _ = self.spans.popitem(last=False)
+            self.salts.pop(gone, None)
             self.oldest = next(iter(self.spans.values()))[0] if self.spans else self.write
         entry, first, cap = self._next_id, self.write, self.capacity
         self._next_id += 1
         self.spans[entry] = (first, first + len(new))
+        if salt is not None:
+            self.salts[entry] = salt
         self.write = first + len(new)
         grown = min(len(new), cap - first) if first < cap else 0  # the ring still growing: appended
         self.tokens.extend(stored[:grown])
@@ -148,19 +158,20 @@ class ResponseCorpus:
                 prev[(first + i) % cap] = head[b]
                 head[b] = first + i
 
-    def propose(self, context: list[int], max_tokens: int, max_spec_factor: float, min_token_prob: float
-                ) -> tuple[list[int], int]:
+    def propose(self, context: list[int], max_tokens: int, max_spec_factor: float, min_token_prob: float,
+                salt: str | None = None) -> tuple[list[int], int]:
         """The draft after context from earlier responses, and the length of the match it continues (0: none).
         The match: the longest suffix of context, up to depth tokens and at least MIN_CORPUS_MATCH, that some
         response's occurrence ends with (among the latest MAX_CANDIDATES that share the longest anchor that
         any shares); the draft: token by token, what most of those occurrences continue with, while the
-        ones that agree are at least min_token_prob of them all; at most max_spec_factor x the match."""
+        ones that agree are at least min_token_prob of them all; at most max_spec_factor x the match. Only
+        responses added with this salt (a request's cache_salt) are looked at."""
         num = len(context)
         if max_tokens <= 0 or not self.spans:
             return [], 0
         for length, head, prev in zip(self.anchors, self.heads, self.prevs):
             if num >= length:
-                best, matches = self._longest(context, length, head, prev)
+                best, matches = self._longest(context, length, head, prev, salt)
                 if matches:
                     break
         else:
@@ -184,7 +195,7 @@ class ResponseCorpus:
             draft.append(token)
         return (draft, best) if draft else ([], 0)
 
-    def _longest(self, context: list[int], length: int, head: array, prev: array
+    def _longest(self, context: list[int], length: int, head: array, prev: array, salt: str | None
                  ) -> tuple[int, list[tuple[int, int]]]:
         """The longest match among the latest occurrences of context's last `length` tokens, and for each
         occurrence that long (latest first): where its continuation starts, and its response's end."""
@@ -196,7 +207,11 @@ class ResponseCorpus:
         while pos >= oldest and seen < MAX_CANDIDATES and visits < MAX_VISITS:
             visits += 1
             r = pos % cap
-            first, end = self.spans[self.entry_of[r]]
+            entry = self.entry_of[r]
+            if self.salts.get(entry) != salt:  # another tenant's
+                pos = prev[r]
+                continue
+            first, end = self.spans[entry]
             n = 0
             while n < depth and pos - n >= first and tokens[(pos - n) % cap] == context[num - 1 - n]:
                 n += 1
@@ -211,8 +226,9 @@ class ResponseCorpus:
 
 
 class SuffixProposer:
-    """Method "suffix": propose_with_length() as prompt lookup's (the Speculator calls both alike), the
-    earlier responses in `corpus`, which the Speculator adds finished sequences to."""
+    """Suffix decoding (method "suffix", or enable_suffix_decoding in front of a model): propose_with_length()
+    as prompt lookup's, with the request's cache_salt besides; the earlier responses in `corpus`, which the
+    Speculator adds finished sequences to."""
 
     def __init__(self, max_depth: int, max_cached_requests: int, max_spec_factor: float, min_token_prob: float,
                  token_classes: np.ndarray | None = None, indents: Indents | None = None,
@@ -222,15 +238,16 @@ class SuffixProposer:
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
 
-    def propose_with_length(self, token_ids: list[int], max_tokens: int, index: LookupIndex | None = None
-                            ) -> tuple[list[int], int]:
+    def propose_with_length(self, token_ids: list[int], max_tokens: int, index: LookupIndex | None = None,
+                            salt: str | None = None) -> tuple[list[int], int]:
         """Up to max_tokens draft tokens following token_ids, and the draft's class (0 without a draft): the
-        sequence's own match's length, or CORPUS_CLASS plus an earlier response's."""
+        sequence's own match's length, or CORPUS_CLASS plus an earlier response's (one its request's
+        cache_salt, `salt`, may see)."""
         own, n = self.own.propose_with_length(token_ids, max_tokens, index)
         own = own[:draft_limit(max_tokens, self.max_spec_factor, n)]
         if own and n >= self.corpus.depth:  # no earlier response can match longer
             return own, n
-        theirs, m = self.corpus.propose(token_ids, max_tokens, self.max_spec_factor, self.min_token_prob)
+        theirs, m = self.corpus.propose(token_ids, max_tokens, self.max_spec_factor, self.min_token_prob, salt)
         if theirs and (m > n or not own):
             return theirs, CORPUS_CLASS + m
         return (own, n) if own else ([], 0)
