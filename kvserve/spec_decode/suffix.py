@@ -44,8 +44,9 @@ MIN_CORPUS_MATCH = ANCHORS[-1]
 MAX_CANDIDATES = 64   # occurrences that share the anchor, latest first, that a lookup extends
 MAX_VISITS = 256      # chain links a lookup follows at most (occurrences that share only the hash included)
 # A draft's class (draft_length.py keeps acceptance per class): for the sequence's own match its length, as
-# prompt lookup's; for an earlier response's, this plus its length (the two kinds are trusted apart).
-CORPUS_CLASS = 1000
+# prompt lookup's; for an earlier response's, this plus its length (the two kinds are trusted apart). Above any
+# match a context can hold, so that no depth makes the two kinds share a class.
+CORPUS_CLASS = 1 << 32
 
 
 def draft_limit(max_tokens: int, max_spec_factor: float, match: int) -> int:
