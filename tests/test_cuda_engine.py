@@ -183,6 +183,27 @@ def test_cuda_verification_graphs_give_the_eager_steps_tokens(tiny_model_dirs) -
     assert any(shape[1] == 4 and lens != {4} for shape, lens in shapes)
 
 
+def test_cuda_suffix_decoding_drafts_earlier_responses(tiny_model_dirs) -> None:
+    """Method suffix on the GPU (verification graphs of up to 1 + 8 tokens): a second wave of the same prompts
+    drafts the first wave's responses; the greedy tokens of an engine without speculation, the KV bookkeeping
+    checked after every step, no block leaks."""
+    from spec_helpers import prompts, run_waves
+
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(7, [5, 13, 9, 22])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    waves = [[(f"{w}{i}", p, params) for i, p in enumerate(ps)] for w in "ab"]
+    ref = run_waves(cuda_engine(path, "float32"), waves)
+    spec = {"method": "suffix", "num_speculative_tokens": 8, "disable_by_batch_size": None,
+            "min_acceptance_rate": 0.0, "adaptive_draft_length": False}
+    engine = cuda_engine(path, "float32", speculative_config=spec)
+    got = run_waves(engine, waves, check=True)
+    for rid, want in ref.items():
+        assert got[rid].outputs[0].token_ids == want.outputs[0].token_ids, rid
+    # The second wave's 4 x 24 tokens are drafted from the first's responses, 5 to 8 tokens a draft.
+    assert engine.get_stats().spec_num_accepted_tokens >= 48
+
+
 def test_cuda_preemption_keeps_greedy_tokens(tiny_model_dirs) -> None:
     """A KV pool too small for every sequence at once: sequences are preempted and recomputed, and their
     tokens are the ones an unconstrained engine gives; no block leaks."""
