@@ -136,10 +136,13 @@ LOOKUP_WITHOUT = {"ngram-plain": ("token_classes",), "ngram-no-indents": ("inden
 
 
 DENSE_PROBES = "-dense-probes"  # a method's variant that probes the next length every PROBE_EVERY-th decision
+# A method's variant whose draft classes learn their acceptance at the moving average's weight from their first
+# draft on (draft_length.PRIOR_OUTCOMES large enough), the rule before session 57.
+SLOW_CLASSES = "-slow-classes"
 
 
 def method_config(method: str, args) -> dict | None:
-    method = method.removesuffix(DENSE_PROBES)
+    method = method.removesuffix(DENSE_PROBES).removesuffix(SLOW_CLASSES)
     if method in ("none", "none-control"):
         return None
     if method.startswith("draft"):
@@ -538,7 +541,9 @@ def main() -> None:
                                                "suffix", "suffix-own")
                                for v in ("", "-fixed", "-always", "-unlimited")),
                              *(m + DENSE_PROBES for m in ("ngram", "ngram-long", "draft", "eagle", "eagle-lookup",
-                                                          "eagle-tree-lookup"))])
+                                                          "eagle-tree-lookup")),
+                             *(m + SLOW_CLASSES for m in ("ngram", "ngram-long", "eagle-tree-lookup",
+                                                          "eagle-suffix-long", "suffix"))])
     ap.add_argument("--num-requests", type=int, default=8, help="per run; at least the concurrency")
     ap.add_argument("--max-tokens", type=int, default=128, help="per request of summarise and chat")
     ap.add_argument("--repeat-max-tokens", default="text",
@@ -606,6 +611,8 @@ def main() -> None:
             for part in parts:
                 setattr(llms[method].engine.speculator.proposer, part, None)
     for method, llm in llms.items():
+        if method.endswith(SLOW_CLASSES):
+            llm.engine.speculator.length.prior_outcomes = round(1 / draft_length._POSITION_WEIGHT) - 1
         if method.endswith(DENSE_PROBES):
             llm.engine.speculator.length.probe_cost = math.inf
     if "ngram-one-class" in llms:

@@ -58,7 +58,11 @@ import math
 from collections.abc import Callable
 
 _TIME_WEIGHT = 0.2        # moving-average weight of a new step time
-_POSITION_WEIGHT = 1 / 32  # ... of one draft's outcome at a position
+_POSITION_WEIGHT = 1 / 32  # ... of one draft's outcome at a position, once the position has seen enough of them
+# A class's first outcomes at a position weigh as in a mean with this many prior outcomes at its prior rate, until
+# that weight falls to _POSITION_WEIGHT: a class seen a few times (suffix decoding's ~45 match lengths) learns its
+# rate in a few drafts instead of ~32.
+PRIOR_OUTCOMES = 2
 MODEL_CLASS = 0           # a draft model's or eagle head's drafts (a greedy eagle tree's: TREE_CLASS); lookup: n >= 1
 # A greedy request's eagle draft as a token tree: with alternatives to its first token where the config has them,
 # or with the rule a chain of k > 1, the rows sized by the head's confidence (speculator.py).
@@ -168,6 +172,8 @@ class DraftLength:
         self.max_length = max_length
         # Per draft class, P(draft token i accepted | the tokens before it were), None before it is observed.
         self.continue_rate: dict[int, list[float | None]] = {}
+        self._outcomes: dict[int, list[int]] = {}  # per class and position, the outcomes seen there
+        self.prior_outcomes = PRIOR_OUTCOMES
         self.acceptance = 1.0         # accepted / tested, a moving average over all sequences
         self.draft_seconds = 0.0      # the proposer's time per draft position
         self._since_probe = 0         # decisions since the last probe started
@@ -202,10 +208,13 @@ class DraftLength:
         num_accepted is 1, as the engine counts it, and the chain's first token was rejected)."""
         chain_accepted = 0 if kept_alternative else num_accepted
         rates = self.continue_rate.setdefault(draft_class, [None] * self.max_length)
+        seen = self._outcomes.setdefault(draft_class, [0] * self.max_length)
         # Token i's outcome given all before it were accepted is seen for i up to the first rejection.
         for i in range(tested_tokens(num_drafted, chain_accepted)):
             old = rates[i] if rates[i] is not None else (rates[i - 1] if i else 1.0)
-            rates[i] = old + _POSITION_WEIGHT * ((1.0 if i < chain_accepted else 0.0) - old)
+            weight = max(_POSITION_WEIGHT, 1.0 / (seen[i] + 1 + self.prior_outcomes))
+            rates[i] = old + weight * ((1.0 if i < chain_accepted else 0.0) - old)
+            seen[i] += 1
         # As a request's own acceptance counts it (speculator.py): a kept alternative as its first token.
         self.acceptance += _POSITION_WEIGHT * (num_accepted / tested_tokens(num_drafted, num_accepted)
                                                - self.acceptance)
