@@ -9,7 +9,8 @@ from collections.abc import Callable
 import pytest
 
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.draft_length import MAX_AGE, PROBE_EVERY, PROBE_RUN, TREE_CLASS, DraftLength, StepTimes
+from kvserve.spec_decode.draft_length import (MAX_AGE, PRIOR_OUTCOMES, PROBE_EVERY, PROBE_RUN, TREE_CLASS,
+                                              DraftLength, StepTimes)
 from engine_helpers import assert_no_leaks, drain
 from spec_helpers import ScriptedProposer, make_engine
 
@@ -248,6 +249,28 @@ def test_record_moves_the_acceptance_of_each_verified_position():
     assert q[1] < 0.01 and q[2] < 0.01
     # Per tested token: the third was never tested, so one of two accepted (not one of three).
     assert p.acceptance == pytest.approx(1 / 2, abs=0.01)
+
+
+def test_a_class_learns_from_its_first_drafts_as_a_mean_then_as_a_moving_average():
+    """A class's first outcomes at a position count as in a mean with PRIOR_OUTCOMES outcomes at its prior rate
+    (1.0 for a first position), so three rejections take it to 2 / 5; once that weight would fall below the moving
+    average's, each outcome moves it by that weight (1/32). A position's prior is the one before's rate."""
+    p = DraftLength(2)
+    assert PRIOR_OUTCOMES == 2
+    for _ in range(3):
+        p.record(2, 0)
+    assert p.continue_rate[0] == [pytest.approx(2 / 5), None]
+    p.record(2, 1)  # the first position's 4th outcome (a mean of 6: 0.5), then the second's first, from it
+    assert p.continue_rate[0] == [pytest.approx(1 / 2), pytest.approx(1 / 2 * 2 / 3)]
+    q = DraftLength(1)
+    for _ in range(40):
+        q.record(1, 1)
+    before = q.continue_rate[0][0]
+    q.record(1, 0)
+    assert before == 1.0 and q.continue_rate[0][0] == pytest.approx(1 - 1 / 32)
+    # Other classes learn apart: a fresh one starts over.
+    q.record(1, 0, draft_class=3)
+    assert q.continue_rate[3][0] == pytest.approx(2 / 3)
 
 
 K = 4

@@ -33,7 +33,9 @@ by position is kept per class, so a step drafts long after a long match and litt
 short one. It is kept as the rate at which token i is accepted where all before it were: a position not
 yet drafted in a class is assumed to continue at the rate of the last one that was (the first at 1.0, so
 drafting gets tried). Starting every position at 1.0 instead promised that a class whose first token was
-accepted half the time would keep all later tokens whenever it kept the first.
+accepted half the time would keep all later tokens whenever it kept the first. A position's first outcomes
+count as in a mean with PRIOR_OUTCOMES outcomes at that prior, then as a moving average: a class seen a few
+times (suffix decoding's) learns its rate in a few drafts.
 
 A step whose size without drafts was never measured goes without drafts, to measure it; unmeasured sizes
 with drafts are estimated from the nearest measured ones (optimistically flat above the largest when only
