@@ -163,7 +163,7 @@ class SpeculativeConfig:
         if b is not None and (not _is_int(b) or b < 1):
             raise bad("disable_by_batch_size", f"must be an integer >= 1 or null, got {b!r}")
         r = self.min_acceptance_rate
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+        if not _is_number(r) or not 0 <= r <= 1:
             raise bad("min_acceptance_rate", f"must be in [0, 1], got {r!r}")
         if not _is_int(self.acceptance_window) or self.acceptance_window < 1:
             raise bad("acceptance_window", f"must be an integer >= 1, got {self.acceptance_window!r}")
@@ -219,9 +219,9 @@ class SpeculativeConfig:
         if not _is_int(t) or not 1 <= t <= MAX_CORPUS_TOKENS:
             raise bad("suffix_decoding_corpus_tokens", f"must be an integer in [1, {MAX_CORPUS_TOKENS}] (2**20 "
                                                        f"take 46 MiB), got {t!r}")
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < math.inf:
+        if not _is_number(f) or not 0 < f < math.inf:
             raise bad("suffix_decoding_max_spec_factor", f"must be a finite number > 0, got {f!r}")
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+        if not _is_number(p) or not 0 <= p <= 1:
             raise bad("suffix_decoding_min_token_prob", f"must be in [0, 1], got {p!r}")
 
     @property
@@ -273,3 +273,8 @@ class SpeculativeConfig:
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    """An int or float from JSON or Python; true and false are not numbers here."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
