@@ -85,7 +85,7 @@ from kvserve.kernels import cpu as cpu_kernels
 from kvserve.spec_decode import draft_length
 from kvserve.spec_decode.draft_length import DraftLength
 from kvserve.spec_decode.ngram import NgramProposer
-from kvserve.spec_decode.suffix import ResponseCorpus, SuffixProposer
+from kvserve.spec_decode.suffix import SuffixProposer
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [
@@ -328,8 +328,7 @@ def forget_responses(llms: dict[str, LLM]) -> None:
     for llm in llms.values():
         proposer = getattr(llm.engine.speculator, "proposer", None)
         if isinstance(proposer, SuffixProposer):
-            corpus = proposer.corpus
-            proposer.corpus = ResponseCorpus(corpus.max_requests, corpus.depth, corpus.capacity)
+            proposer.corpus.clear()
 
 
 def rotated(order: list[str], k: int) -> list[str]:
@@ -388,8 +387,9 @@ class OneClassProposer:
     def __init__(self, proposer: NgramProposer) -> None:
         self.proposer = proposer
 
-    def propose_with_length(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
-        return self.proposer.propose_with_length(token_ids, max_tokens)[0], 0
+    def propose_with_length(self, token_ids: list[int], max_tokens: int, index=None, salt=None
+                            ) -> tuple[list[int], int]:
+        return self.proposer.propose_with_length(token_ids, max_tokens, index, salt)[0], 0
 
 
 class OneLengthDraftLength(DraftLength):
@@ -612,7 +612,7 @@ def main() -> None:
                 setattr(llms[method].engine.speculator.proposer, part, None)
     for method, llm in llms.items():
         if method.endswith(SLOW_CLASSES):
-            llm.engine.speculator.length.prior_outcomes = round(1 / draft_length._POSITION_WEIGHT) - 1
+            llm.engine.speculator.length.prior_outcomes = round(1 / draft_length.POSITION_WEIGHT) - 1
         if method.endswith(DENSE_PROBES):
             llm.engine.speculator.length.probe_cost = math.inf
     if "ngram-one-class" in llms:

@@ -35,7 +35,8 @@ class ScriptedProposer:
         self.rng = random.Random(seed)
         self.calls = 0
 
-    def propose_with_length(self, token_ids: list[int], max_tokens: int, index=None) -> tuple[list[int], int]:
+    def propose_with_length(self, token_ids: list[int], max_tokens: int, index=None, salt=None
+                            ) -> tuple[list[int], int]:
         return self.propose(token_ids, max_tokens), 0  # one draft class
 
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
@@ -67,19 +68,28 @@ def reference_and_drafts(path, prompt_list, params, wrong, **kw):
     return outs, scripted(prompt_list, outs, wrong)
 
 
+def on_record(engine: LLMEngine, fn) -> None:
+    """Calls fn(seq, num_drafted, num_accepted) for every draft the engine verifies, before its speculator
+    records it (seq.spec_state.draft_class still says what drafted it)."""
+    record = engine.speculator.record
+
+    def recorded(seq, num_drafted, num_accepted, *tree):
+        fn(seq, num_drafted, num_accepted)
+        record(seq, num_drafted, num_accepted, *tree)
+    engine.speculator.record = recorded
+
+
 def count_draft_kinds(engine: LLMEngine) -> dict[str, dict[str, int]]:
     """Counts, as the engine runs, the verified drafts of prompt lookup ("lookup") and of the draft model or
     eagle head ("model"): drafts, draft tokens, accepted tokens."""
     kinds = {kind: {"drafts": 0, "tokens": 0, "accepted": 0} for kind in ("lookup", "model")}
-    record = engine.speculator.record
 
-    def counted(seq, num_drafted, num_accepted, *tree):
+    def count(seq, num_drafted, num_accepted):
         c = kinds["model" if seq.spec_state.draft_class <= MODEL_CLASS else "lookup"]
         c["drafts"] += 1
         c["tokens"] += num_drafted
         c["accepted"] += num_accepted
-        record(seq, num_drafted, num_accepted, *tree)
-    engine.speculator.record = counted
+    on_record(engine, count)
     return kinds
 
 

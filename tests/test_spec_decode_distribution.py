@@ -42,7 +42,8 @@ class TableProposer:
         self.prompt, self.table, self.kind = prompt, table, kind
         self.rng = random.Random(0)
 
-    def propose_with_length(self, token_ids: list[int], max_tokens: int, index=None) -> tuple[list[int], int]:
+    def propose_with_length(self, token_ids: list[int], max_tokens: int, index=None, salt=None
+                            ) -> tuple[list[int], int]:
         return self.propose(token_ids, max_tokens), 0  # one draft class
 
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:

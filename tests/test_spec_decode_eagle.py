@@ -37,8 +37,8 @@ from kvserve.spec_decode.state import spec_state
 from kvserve.spec_decode.suffix import CORPUS_CLASS, SuffixProposer
 from engine_helpers import assert_no_leaks
 from spec_helpers import (PREEMPTING, abort_mid_speculation, check_request_acceptance, count_alternatives,
-                          count_draft_kinds, make_draft_file, make_engine, preempting_wave, prefix_hit_waves, prompts,
-                          run_waves)
+                          count_draft_kinds, make_draft_file, make_engine, on_record, preempting_wave, prefix_hit_waves,
+                          prompts, run_waves)
 from test_spec_decode_distribution import BANNED
 from test_spec_decode_draft import assert_same, sampled_acceptance_and_chisquare
 
@@ -488,16 +488,14 @@ def test_suffix_decoding_in_front_of_the_head(tree, tiny_model_dirs, heads):
     proposer = engine.speculator.proposer
     assert isinstance(proposer, SuffixProposer) and proposer.own.token_classes is not None
     kinds = Counter()  # (draft kind, wave): drafts, then their accepted tokens, then their tokens
-    record = engine.speculator.record
 
-    def counted(seq, num_drafted, num_accepted, *rest):
+    def count(seq, num_drafted, num_accepted):
         c = seq.spec_state.draft_class
         kind = "corpus" if c >= CORPUS_CLASS else "own" if c > MODEL_CLASS else "model"
         kinds[kind, seq.request_id[0]] += 1
         kinds[kind, seq.request_id[0], "accepted"] += num_accepted
         kinds[kind, seq.request_id[0], "tokens"] += num_drafted
-        record(seq, num_drafted, num_accepted, *rest)
-    engine.speculator.record = counted
+    on_record(engine, count)
     checks: list[int] = []
     got = run_waves(engine, waves, check=True, after_step=lambda e: checks.append(check_head_inputs(e, hf)))
     assert_same(got, ref, engine)

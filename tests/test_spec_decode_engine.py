@@ -257,7 +257,9 @@ def test_rejected_drafts_blocks_go_back_and_cost_no_preemption(tiny_model_dirs):
     for spec in (None, every_step_ngram(3)):
         engine = make_engine(path, spec, **tight)
         if spec:
-            engine.speculator.proposer.propose_with_length = lambda ids, k, index=None: ([258] * k, 2)  # never right
+            def never_right(ids, k, index=None, salt=None):
+                return [258] * k, 2
+            engine.speculator.proposer.propose_with_length = never_right
         got[spec is not None] = (run(engine, [wave], check=True), engine.get_stats())
     (plain, s0), (drafted, s1) = got[False], got[True]
     assert s1.spec_num_draft_tokens > 0 and s1.spec_num_accepted_tokens == 0

@@ -15,7 +15,7 @@ from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.suffix import (ANCHORS, CORPUS_CLASS, MAX_CANDIDATES, ResponseCorpus, SuffixProposer,
                                        draft_limit)
 from engine_helpers import assert_no_leaks, drain
-from spec_helpers import make_engine, prompts, run_waves
+from spec_helpers import make_engine, on_record, prompts, run_waves
 
 PROMPT = [50, 51, 52, 53, 54]
 
@@ -203,12 +203,8 @@ def test_greedy_outputs_equal_with_drafts_from_earlier_responses(tiny_model_dirs
     ref = run_waves(ref_engine, waves)
     engine = make_engine(path, SUFFIX, **kw)
     kinds = []
-    record = engine.speculator.record
-
-    def counted(seq, num_drafted, num_accepted, *tree):
-        kinds.append((seq.spec_state.draft_class >= CORPUS_CLASS, num_drafted, num_accepted))
-        record(seq, num_drafted, num_accepted, *tree)
-    engine.speculator.record = counted
+    on_record(engine, lambda seq, num_drafted, num_accepted: kinds.append(
+        (seq.spec_state.draft_class >= CORPUS_CLASS, num_drafted, num_accepted)))
     got = run_waves(engine, waves, check=True)
     for rid, want in ref.items():
         for g, w in zip(got[rid].outputs, want.outputs):
@@ -332,6 +328,21 @@ def test_a_salted_response_drafts_only_for_requests_with_its_salt():
     assert len(corpus) == 10 and corpus.salts == {}
 
 
+def test_a_cleared_corpus_drafts_only_what_comes_after():
+    corpus = ResponseCorpus(max_requests=10, depth=8, max_tokens=64)
+    corpus.add(PROMPT + [1, 2, 3, 4], len(PROMPT), salt="tenant a")
+    corpus.add(PROMPT + [1, 2, 3, 4], len(PROMPT))
+    corpus.clear()
+    ctx = [0] + PROMPT
+    assert len(corpus) == 0 and corpus.num_tokens == 0 and corpus.salts == {}
+    assert corpus.propose(ctx, 8, 4.0, 0.1) == ([], 0) and corpus.propose(ctx, 8, 4.0, 0.1, "tenant a") == ([], 0)
+    # New responses draft, the ring wraps over the forgotten ones, and the old chains never lead back to them.
+    for i in range(12):
+        corpus.add(PROMPT + [5, 6, 7, i], len(PROMPT))
+    assert corpus.propose(ctx, 8, 4.0, 0.1) == ([5, 6, 7, 11], 5)
+    assert corpus.propose([0] + PROMPT + [1, 2], 8, 4.0, 0.1) == ([], 0)
+
+
 def test_requests_with_another_cache_salt_do_not_draft_a_tenants_responses(tiny_model_dirs):
     """A response drafts a later request's answer to the same prompt only where both carry the same cache_salt
     (or neither does): a draft's acceptance would show in another tenant's stream speed what this one was told."""
@@ -341,13 +352,11 @@ def test_requests_with_another_cache_salt_do_not_draft_a_tenants_responses(tiny_
     engine = make_engine(path, SUFFIX)
     ref = run_waves(make_engine(path), [[("ref", p, params)]])["ref"].outputs[0].token_ids
     drafted: dict[str, int] = {}
-    record = engine.speculator.record
 
-    def counted(seq, num_drafted, num_accepted, *rest):
+    def count(seq, num_drafted, num_accepted):
         if seq.spec_state.draft_class >= CORPUS_CLASS:
             drafted[seq.request_id] = drafted.get(seq.request_id, 0) + num_drafted
-        record(seq, num_drafted, num_accepted, *rest)
-    engine.speculator.record = counted
+    on_record(engine, count)
     for rid, salt in [("a1", "tenant a"), ("b", "tenant b"), ("none", None), ("a2", "tenant a")]:
         engine.add_request(rid, p, params, cache_salt=salt)
         assert drain(engine)[rid].outputs[0].token_ids == ref, rid

@@ -60,9 +60,9 @@ import math
 from collections.abc import Callable
 
 _TIME_WEIGHT = 0.2        # moving-average weight of a new step time
-_POSITION_WEIGHT = 1 / 32  # ... of one draft's outcome at a position, once the position has seen enough of them
+POSITION_WEIGHT = 1 / 32  # ... of one draft's outcome at a position, once the position has seen enough of them
 # A class's first outcomes at a position weigh as in a mean with this many prior outcomes at its prior rate, until
-# that weight falls to _POSITION_WEIGHT: a class seen a few times (suffix decoding's ~45 match lengths) learns its
+# that weight falls to POSITION_WEIGHT: a class seen a few times (suffix decoding's ~45 match lengths) learns its
 # rate in a few drafts instead of ~32.
 PRIOR_OUTCOMES = 2
 MODEL_CLASS = 0           # a draft model's or eagle head's drafts (a greedy eagle tree's: TREE_CLASS); lookup: n >= 1
@@ -214,11 +214,11 @@ class DraftLength:
         # Token i's outcome given all before it were accepted is seen for i up to the first rejection.
         for i in range(tested_tokens(num_drafted, chain_accepted)):
             old = rates[i] if rates[i] is not None else (rates[i - 1] if i else 1.0)
-            weight = max(_POSITION_WEIGHT, 1.0 / (seen[i] + 1 + self.prior_outcomes))
+            weight = max(POSITION_WEIGHT, 1.0 / (seen[i] + 1 + self.prior_outcomes))
             rates[i] = old + weight * ((1.0 if i < chain_accepted else 0.0) - old)
             seen[i] += 1
         # As a request's own acceptance counts it (speculator.py): a kept alternative as its first token.
-        self.acceptance += _POSITION_WEIGHT * (num_accepted / tested_tokens(num_drafted, num_accepted)
+        self.acceptance += POSITION_WEIGHT * (num_accepted / tested_tokens(num_drafted, num_accepted)
                                                - self.acceptance)
         if draft_class != TREE_CLASS:  # a tree's rows are sized by the head's confidence, not by `choose`
             self._realized += num_accepted

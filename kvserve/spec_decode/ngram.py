@@ -132,9 +132,10 @@ class NgramProposer:
         steps (None: one made for this call)."""
         return self.propose_with_length(token_ids, max_tokens, index)[0]
 
-    def propose_with_length(self, token_ids: list[int], max_tokens: int, index: LookupIndex | None = None
-                            ) -> tuple[list[int], int]:
-        """propose()'s draft and the length n of the match it continues (0 without a draft).
+    def propose_with_length(self, token_ids: list[int], max_tokens: int, index: LookupIndex | None = None,
+                            salt: str | None = None) -> tuple[list[int], int]:
+        """propose()'s draft and the length n of the match it continues (0 without a draft). salt (the request's
+        cache_salt, which SuffixProposer's signature takes too) changes nothing: the text is the sequence's own.
 
         n says how far to trust the draft: replayed on the default model's greedy outputs for the
         benchmark's copy prompts, a 4-token draft after a 4-gram match had 3.2 tokens accepted on average,

@@ -196,11 +196,9 @@ class Speculator:
             return []
         if lookup:
             state = spec_state(seq)
-            if isinstance(self.proposer, SuffixProposer):  # earlier responses: those its cache_salt may see
-                draft, match_length = self.proposer.propose_with_length(seq.token_ids, max_new, state.lookup,
-                                                                        seq.cache_salt)
-            else:
-                draft, match_length = self.proposer.propose_with_length(seq.token_ids, max_new, state.lookup)
+            # The salt: suffix decoding drafts only from earlier responses that this request's cache_salt may see.
+            draft, match_length = self.proposer.propose_with_length(seq.token_ids, max_new, state.lookup,
+                                                                    seq.cache_salt)
             if draft:
                 state.draft_class = match_length
                 return draft

@@ -110,6 +110,12 @@ class ResponseCorpus:
     def __len__(self) -> int:
         return len(self.spans)
 
+    def clear(self) -> None:
+        """Forgets every response (the chains stop at `oldest`, so nothing else needs touching)."""
+        self.spans.clear()
+        self.salts.clear()
+        self.oldest = self.write
+
     @property
     def num_tokens(self) -> int:
         return self.write - self.oldest
