@@ -99,6 +99,23 @@ def test_token_trees_in_vllms_notation():
             SpeculativeConfig(method="eagle", num_speculative_tokens=3).num_alternatives) == (3, 0)
 
 
+def test_a_tree_whose_chain_caps_text_drafts_at_one_token_is_warned_about(caplog):
+    """Drafts from the text are as long as a tree's chain: with a chain of one, prompt lookup or suffix decoding in
+    front of the head draft one token each, which the user hears about (a chain of two does not warn)."""
+    one = "[(0,), (1,), (2,)]"
+    for extra in ({"prompt_lookup_max": 4}, {"enable_suffix_decoding": True}, {}):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvserve.spec_decode.config"):
+            SpeculativeConfig.parse({"method": "eagle", "num_speculative_tokens": 3, "speculative_token_tree": one,
+                                     **extra})
+        assert bool(extra) == ("chain of one token" in caplog.text), (extra, caplog.text)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvserve.spec_decode.config"):
+        SpeculativeConfig.parse({"method": "eagle", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                                 "speculative_token_tree": "[(0,), (0, 0), (1,)]"})
+    assert caplog.text == ""
+
+
 def test_serve_flag_parses_and_validates(capsys):
     args = build_parser().parse_args(["serve", "--speculative-config",
                                       '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'])

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 METHODS = ("ngram", "draft", "eagle", "suffix")
 MODEL_FREE = ("ngram", "suffix")  # methods that draft from text alone
@@ -173,6 +176,11 @@ class SpeculativeConfig:
         self.draft_depth, self.num_alternatives = k, 0
         if self.speculative_token_tree is not None:
             self.draft_depth, self.num_alternatives = self._parse_tree(bad)
+            if self.matches_text and self.draft_depth == 1:  # allowed, but rarely what was meant
+                logger.warning("speculative_token_tree %s has a chain of one token, and drafts from the text "
+                               "(prompt lookup, suffix decoding) are as long as the chain: one token each. A longer "
+                               "chain lets them run on; the draft-length rule cuts the head's chain to what pays",
+                               self.speculative_token_tree)
 
     def _parse_tree(self, bad) -> tuple[int, int]:
         """(chain depth, alternatives) of speculative_token_tree, or a ValueError saying what is supported."""
