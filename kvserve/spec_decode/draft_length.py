@@ -219,7 +219,7 @@ class DraftLength:
             seen[i] += 1
         # As a request's own acceptance counts it (speculator.py): a kept alternative as its first token.
         self.acceptance += POSITION_WEIGHT * (num_accepted / tested_tokens(num_drafted, num_accepted)
-                                               - self.acceptance)
+                                              - self.acceptance)
         if draft_class != TREE_CLASS:  # a tree's rows are sized by the head's confidence, not by `choose`
             self._realized += num_accepted
 
