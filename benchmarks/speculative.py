@@ -25,7 +25,8 @@ ngram-long (ngram with num_speculative_tokens and prompt_lookup_max --ngram-long
 ngram-no-indents, ngram-long-no-indents (those without moving a draft's indentation with the copy's: ngram.Indents);
 eagle-lookup-plain (eagle-lookup's prompt lookup without whitespace classes and indentation, as before session 35);
 draft, draft-fixed, draft-always, the same with the draft model (--draft-model, default: the draft shipped
-for the default model, k = --draft-k); eagle, eagle-fixed, eagle-always, eagle-unlimited, the same with the eagle head
+for the default model, k = --draft-k); draft-b (and its variants), a second draft (--draft-b-model) side by
+side with the first; eagle, eagle-fixed, eagle-always, eagle-unlimited, the same with the eagle head
 (--eagle-model, default: the shipped head, k = --eagle-k); eagle-lookup, the head with prompt lookup in
 front of it (lookup --prompt-lookup-min..max drafts where the last tokens occurred before, the head
 elsewhere; k = --eagle-lookup-k for both); eagle-lookup-long, the head behind ngram-long's lookup (k and
@@ -145,7 +146,9 @@ def method_config(method: str, args) -> dict | None:
     method = method.removesuffix(DENSE_PROBES).removesuffix(SLOW_CLASSES)
     if method in ("none", "none-control"):
         return None
-    if method.startswith("draft"):
+    if method.startswith("draft-b"):
+        cfg = {"method": "draft", "num_speculative_tokens": args.draft_k, "model": args.draft_b_model}
+    elif method.startswith("draft"):
         cfg = {"method": "draft", "num_speculative_tokens": args.draft_k, "model": args.draft_model}
     elif method.startswith("eagle-lookup-long"):
         cfg = {"method": "eagle", "num_speculative_tokens": args.ngram_long_k, "model": args.eagle_model,
@@ -497,6 +500,7 @@ def write_report(args, results: dict, device: torch.device, load_before: tuple[f
              + (f"; eagle-suffix-long k={args.ngram_long_k} behind suffix decoding"
                 if "eagle-suffix-long" in args.methods else "")
              + (f"; eagle-b: {args.eagle_b_model}" if any(m.startswith("eagle-b") for m in args.methods) else "")
+             + (f"; draft-b: {args.draft_b_model}" if any(m.startswith("draft-b") for m in args.methods) else "")
              + "); "
              + (f"suffix k={args.suffix_k} (vLLM's other suffix_decoding_* defaults; each round from an empty "
                 f"corpus); " if any(m.startswith("suffix") for m in args.methods) else "")
@@ -537,8 +541,8 @@ def main() -> None:
                              "ngram-long", "ngram-no-indents", "ngram-long-no-indents", "eagle-lookup",
                              "eagle-lookup-plain", "eagle-lookup-long", "eagle-tree-lookup", "eagle-tree-suffix",
                              "eagle-suffix-long",
-                             *(m + v for m in ("ngram", "draft", "eagle", "eagle-b", "eagle-tree", "eagle-tree2",
-                                               "suffix", "suffix-own")
+                             *(m + v for m in ("ngram", "draft", "draft-b", "eagle", "eagle-b", "eagle-tree",
+                                               "eagle-tree2", "suffix", "suffix-own")
                                for v in ("", "-fixed", "-always", "-unlimited")),
                              *(m + DENSE_PROBES for m in ("ngram", "ngram-long", "draft", "eagle", "eagle-lookup",
                                                           "eagle-tree-lookup")),
@@ -569,6 +573,7 @@ def main() -> None:
                     help="speculative_token_tree of eagle-tree-lookup: its chain of 4 lets lookup draft 4 tokens")
     ap.add_argument("--eagle-model", default=None, help="the eagle methods' head (default: the shipped head)")
     ap.add_argument("--eagle-b-model", default=None, help="method eagle-b's head (required with eagle-b*)")
+    ap.add_argument("--draft-b-model", default=None, help="method draft-b's model (required with draft-b*)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--num-threads", type=int, default=None)
@@ -591,6 +596,8 @@ def main() -> None:
     if any(m.startswith("eagle-b") for m in args.methods) and args.eagle_b_model is None:
         # Without it eagle-b ran the shipped head, the same as eagle, and its rows only looked like a comparison.
         ap.error("methods eagle-b* compare a second head: pass it with --eagle-b-model")
+    if any(m.startswith("draft-b") for m in args.methods) and args.draft_b_model is None:
+        ap.error("methods draft-b* compare a second draft: pass it with --draft-b-model")
     if "none" not in args.methods:
         args.methods = ["none", *args.methods]  # the baseline every ratio is taken against
 

@@ -79,8 +79,9 @@ def test_shipped_draft_greedy_identical_with_preemption_and_prefix_hits(referenc
     assert after2.prefix_cache_hits - after.prefix_cache_hits >= 3 * 16
     accepted = after2.spec_num_accepted_tokens - before.spec_num_accepted_tokens
     drafted = after2.spec_num_draft_tokens - before.spec_num_draft_tokens
-    # The shipped draft is weak (13% measured here; a broken one, e.g. stale K/V or a wrong RoPE, accepts
-    # next to nothing): raise this bar with a better draft.
+    # These prompts are plain text, not the chat answers the draft learnt from: 13-14% measured here with the
+    # shipped draft and with the one before it, which accepts half as many on chat (a broken draft, e.g. stale
+    # K/V or a wrong RoPE, accepts next to nothing).
     assert accepted > 0.05 * drafted > 0, (accepted, drafted)
 
 
