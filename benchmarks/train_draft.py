@@ -1,7 +1,8 @@
 """Train the draft model shipped for the default model (speculative decoding, method "draft").
 
     python benchmarks/train_draft.py      # the shipped draft: data 13 min, training 21 min (2 cores, quiet)
-    nice -n 10 python benchmarks/train_draft.py --steps 50 --num-prompts 40 --out /tmp/d.safetensors   # smoke
+    python benchmarks/train_draft.py --steps 50 --num-prompts 40 --num-texts 10 --out /tmp/d.safetensors \
+        --data-cache /tmp/d-data.pt --name train_draft_smoke   # smoke (results/train_draft.md stays the shipped one)
 
 Self-distillation: the target (SmolLM2-135M-Instruct, Q4_1) answers offline prompts greedily, and the
 draft learns to predict the target's own next token on those answers (so under greedy decoding a draft
