@@ -41,7 +41,9 @@ suffix decoding with k = --ngram-long-k.
 suffix (vLLM's method "suffix", kvserve/spec_decode/suffix.py: the sequence's own text and the responses of the
 requests the engine finished before, up to --suffix-k tokens; every round starts from an empty corpus, after the
 warm-up, so that no round drafts the answers of a round before: a request's prompt and seed recur only across
-rounds); suffix-own (the same with suffix_decoding_max_cached_requests 0: the sequence's own text alone).
+rounds); suffix-own (the same with suffix_decoding_max_cached_requests 0: the sequence's own text alone);
+suffix-finished and eagle-suffix-long-finished (those drafting from finished responses only, not from those of
+the other running sequences, as before session 59).
 <method>-dense-probes (ngram, ngram-long, draft, eagle, eagle-lookup, eagle-tree-lookup): the method probing one
 draft token more every PROBE_EVERY-th decision wherever that length is estimated at half the best rate or more,
 the draft-length rule before session 41 (now its probes are spaced to cost PROBE_COST: draft_length.py).
@@ -540,7 +542,7 @@ def main() -> None:
                     choices=["none", "none-control", "ngram-plain", "ngram-one-class", "ngram-one-length",
                              "ngram-long", "ngram-no-indents", "ngram-long-no-indents", "eagle-lookup",
                              "eagle-lookup-plain", "eagle-lookup-long", "eagle-tree-lookup", "eagle-tree-suffix",
-                             "eagle-suffix-long",
+                             "eagle-suffix-long", "eagle-suffix-long-finished", "suffix-finished",
                              *(m + v for m in ("ngram", "draft", "draft-b", "eagle", "eagle-b", "eagle-tree",
                                                "eagle-tree2", "suffix", "suffix-own")
                                for v in ("", "-fixed", "-always", "-unlimited")),
@@ -625,6 +627,9 @@ def main() -> None:
     if "ngram-one-class" in llms:
         speculator = llms["ngram-one-class"].engine.speculator
         speculator.proposer = OneClassProposer(speculator.proposer)
+    for method in ("suffix-finished", "eagle-suffix-long-finished"):
+        if method in llms:  # other running sequences' responses never searched
+            llms[method].engine.speculator.proposer.set_running = lambda running: None
     if "ngram-one-length" in llms:
         speculator = llms["ngram-one-length"].engine.speculator
         speculator.length = OneLengthDraftLength(speculator.length.max_length)

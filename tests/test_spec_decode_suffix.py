@@ -12,10 +12,11 @@ from kvserve.config import EngineConfig
 from kvserve.entrypoints.cli import build_parser, engine_config
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.config import SpeculativeConfig
-from kvserve.spec_decode.suffix import (ANCHORS, CORPUS_CLASS, MAX_CANDIDATES, ResponseCorpus, SuffixProposer,
-                                       draft_limit)
+from kvserve.spec_decode.ngram import LookupIndex
+from kvserve.spec_decode.suffix import (ANCHORS, CORPUS_CLASS, MAX_CANDIDATES, MAX_PEERS, ResponseCorpus, Running,
+                                       SuffixProposer, draft_limit)
 from engine_helpers import assert_no_leaks, drain
-from spec_helpers import make_engine, on_record, prompts, run_waves
+from spec_helpers import check_kv_bookkeeping, make_engine, num_tokens_now, on_record, prompts, run_waves
 
 PROMPT = [50, 51, 52, 53, 54]
 
@@ -180,6 +181,52 @@ def test_the_longer_of_the_own_and_the_earlier_match_drafts():
     seq = [7, 30, 31, 32, 50, 51, 30, 31, 32]
     assert tie.corpus.propose(seq, 8, 1.0, 0.1) == ([40, 41], 3)
     assert tie.propose_with_length(seq, 8) == ([50, 51, 30], 3)
+
+
+def test_a_running_response_drafts_for_the_others_while_it_is_generated():
+    """vLLM's suffix decoding adds a response to its corpus as it is generated: here another running sequence's
+    response so far drafts, from a match at least MIN_CORPUS_MATCH long that a response token follows."""
+    proposer = SuffixProposer(max_depth=24, max_cached_requests=10, max_spec_factor=1.0, min_token_prob=0.1)
+    first = [9] + PROMPT + [1, 2, 3, 4, 5, 6]  # a prompt of 6 tokens, and 6 of its response so far
+    proposer.set_running([Running(first, 6, LookupIndex(), None)])
+    ctx = [8] + PROMPT  # the same question after another first token
+    assert proposer.propose_with_length(ctx, 8) == ([1, 2, 3, 4, 5], CORPUS_CLASS + 5)  # factor 1 x 5 matched
+    assert proposer.propose_with_length(ctx + [1, 2, 3], 8) == ([4, 5, 6], CORPUS_CLASS + 8)  # what it has so far
+    assert proposer.propose_with_length(ctx + [1, 2, 3, 4, 5, 6], 8) == ([], 0)  # caught up: nothing follows yet
+    assert proposer.propose_with_length([7, 9, 50, 51], 8) == ([], 0)  # in its prompt: a prompt token follows
+    assert proposer.propose_with_length([7, 8, 3, 4], 8) == ([], 0)    # 2 tokens: shorter than MIN_CORPUS_MATCH
+    # Another tenant's response drafts nothing; the same tenant's does.
+    salted = SuffixProposer(24, 10, 1.0, 0.1)
+    salted.set_running([Running(first, 6, LookupIndex(), "a")])
+    assert salted.propose_with_length(ctx, 8) == ([], 0)
+    assert salted.propose_with_length(ctx, 8, salt="b") == ([], 0)
+    assert salted.propose_with_length(ctx, 8, salt="a") == ([1, 2, 3, 4, 5], CORPUS_CLASS + 5)
+    # The longer match drafts: a finished response matching only 3 tokens loses to the running one's 8, a
+    # finished one as long wins the tie; the sequence's own match wins a tie against either.
+    proposer.corpus.add([40, 1, 2, 3, 70, 71, 72], 1)
+    assert proposer.propose_with_length(ctx + [1, 2, 3], 8) == ([4, 5, 6], CORPUS_CLASS + 8)
+    assert proposer.propose_with_length([40, 1, 2, 3], 8) == ([70, 71, 72], CORPUS_CLASS + 4)
+    proposer.corpus.add([8] + PROMPT + [1, 2, 3, 80, 81, 82, 83, 84], 6)
+    assert proposer.propose_with_length(ctx + [1, 2, 3], 8) == ([80, 81, 82, 83, 84], CORPUS_CLASS + 9)
+    own = [1, 2, 3, 60, 61, 62, 63, 64, 65, 1, 2, 3]  # its own 1, 2, 3 (3 tokens) against the running one's 3
+    runs = SuffixProposer(24, 10, 1.0, 0.1)
+    runs.set_running([Running([9, 9, 1, 2, 3, 4, 5, 6], 2, LookupIndex(), None)])
+    assert runs.propose_with_length(own, 8) == ([60, 61, 62], 3)
+    # Among running responses the longest match, then the one with more after it; never the sequence's own
+    # (passed as its index), nor any without a corpus or above MAX_PEERS others.
+    a, b = [5, 1, 2, 3, 4], [6, 1, 2, 3, 4, 7, 8]
+    many = SuffixProposer(24, 10, 1.0, 0.1)
+    many.set_running([Running(a, 1, LookupIndex(), None), Running(b, 1, LookupIndex(), None)])
+    assert many.propose_with_length([0, 1, 2], 8) == ([], 0)
+    assert many.propose_with_length([0, 1, 2, 3], 3) == ([4, 7, 8], CORPUS_CLASS + 3)
+    assert many.propose_with_length([5, 1, 2, 3], 8) == ([4], CORPUS_CLASS + 4)
+    mine = many.running[1]
+    assert many.propose_with_length(b[:4], 8, mine.index) == ([4], CORPUS_CLASS + 3)  # a's, not its own b's
+    many.set_running([Running(list(b), 1, LookupIndex(), None) for _ in range(MAX_PEERS + 2)])
+    assert many.propose_with_length([0, 1, 2, 3], 3) == ([], 0)
+    alone = SuffixProposer(24, 0, 1.0, 0.1)  # suffix_decoding_max_cached_requests 0: the own text alone
+    alone.set_running([Running(b, 1, LookupIndex(), None)])
+    assert alone.propose_with_length([0, 1, 2, 3], 3) == ([], 0)
 
 
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 8, "disable_by_batch_size": None, "min_acceptance_rate": 0.0,
@@ -362,4 +409,45 @@ def test_requests_with_another_cache_salt_do_not_draft_a_tenants_responses(tiny_
         assert drain(engine)[rid].outputs[0].token_ids == ref, rid
     assert "a1" not in drafted and "b" not in drafted and "none" not in drafted, drafted
     assert drafted["a2"] > 10, drafted
+    assert_no_leaks(engine)
+
+
+def test_outputs_equal_where_running_responses_draft_for_each_other(tiny_model_dirs):
+    """A question asked again while its first answer is still being generated drafts from that answer (no
+    response has finished: the corpus is empty), beside seeded samples running side by side (n = 3), which
+    may draft from each other: the same tokens as without speculation, and no leak."""
+    path, _ = tiny_model_dirs["llama"]
+    p, q = prompts(11, [14, 9])
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    sampled = SamplingParams(n=3, temperature=0.9, max_tokens=30, seed=5, ignore_eos=True)
+    ref_engine = make_engine(path)
+    want = run_waves(ref_engine, [[("first", p, greedy), ("again", p, greedy), ("samples", q, sampled)]])
+    engine = make_engine(path, SUFFIX)
+    corpus = engine.speculator.proposer.corpus
+    from_running: dict[str, list[int]] = {}
+
+    def count(seq, num_drafted, num_accepted):
+        if seq.spec_state.draft_class >= CORPUS_CLASS and not len(corpus):
+            got = from_running.setdefault(seq.request_id, [0, 0])
+            got[0] += num_drafted
+            got[1] += num_accepted
+    on_record(engine, count)
+    engine.add_request("first", p, greedy)
+    engine.add_request("samples", q, sampled)
+    done = {}
+    for step in range(200):
+        if step == 10:
+            engine.add_request("again", p, greedy)
+        if not engine.has_unfinished_requests():
+            break
+        before = num_tokens_now(engine)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        check_kv_bookkeeping(engine, before)
+    for rid, w in want.items():
+        assert [o.token_ids for o in done[rid].outputs] == [o.token_ids for o in w.outputs], rid
+    # The first answer's 10 or more tokens, drafted whole (the answers are equal), then the two in step.
+    drafted, accepted = from_running["again"]
+    assert drafted >= 10 and accepted == drafted, from_running
     assert_no_leaks(engine)

@@ -105,6 +105,8 @@ class LookupIndex:
 
     def extend(self, token_ids: list[int], token_classes: np.ndarray | None, n: int) -> None:
         classes = self.classes
+        if len(token_ids) == len(classes):  # up to date (suffix decoding's lookups of other sequences extend first)
+            return
         if len(token_ids) < len(classes):  # never expected: a sequence's tokens only grow
             classes.clear()
             self.ends.clear()

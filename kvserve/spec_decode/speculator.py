@@ -8,7 +8,8 @@ gets the target's hidden state after each step (`observe`). With prompt lookup t
 (SpeculativeConfig.uses_lookup), a sequence whose last tokens occurred before drafts their continuation
 instead, and only the others wait for the model. Suffix decoding (method "suffix", or in front of a model
 with enable_suffix_decoding, in place of prompt lookup) drafts as prompt lookup does, from earlier requests'
-responses too (suffix.py), which the engine hands over as they finish (`finished`). Drafting pays
+responses too (suffix.py): those of other running sequences, and those the engine hands over as they
+finish (`finished`). Drafting pays
 only while the step is memory-bound and the drafts are good: each step carries only as many draft tokens as
 this engine's measured step times say pay (draft_length.py), none above `disable_by_batch_size` sequences, and
 none for a request while its acceptance stays low.
@@ -39,7 +40,7 @@ from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.eagle_proposer import EagleProposer
 from kvserve.spec_decode.ngram import Indents, NgramProposer
 from kvserve.spec_decode.state import FIRST_PAUSE_STEPS, spec_state
-from kvserve.spec_decode.suffix import SuffixProposer
+from kvserve.spec_decode.suffix import Running, SuffixProposer
 
 _MAX_PAUSE_STEPS = 256
 PLACEHOLDER = -1  # a draft token the draft model fills in after the schedule
@@ -106,9 +107,15 @@ class Speculator:
         lookup = self.proposer is not None and allowed(cfg.lookup_disable_by_batch_size)
         model = self.draft is not None and allowed(cfg.disable_by_batch_size)
         self._behind, self._drafting_left = [], self.max_num_batched_tokens - self.max_num_batched_tokens // 2
+        suffix = self.proposer if lookup and isinstance(self.proposer, SuffixProposer) else None
+        if suffix is not None:  # responses being generated draft for the others too
+            suffix.set_running([Running(seq.token_ids, seq.num_prompt_tokens, spec_state(seq).lookup, seq.cache_salt)
+                                for seq in running if seq.num_output_tokens > 0])
         for seq in running:
             seq.spec_token_ids = self._propose_one(seq, lookup, model) if lookup or model else []
             seq.spec_alternatives = 0
+        if suffix is not None:
+            suffix.set_running([])  # holds no finished sequence's tokens
         # Trees (greedy requests' eagle drafts): the chain tokens each may draft, before the rule cuts them.
         trees = {seq.seq_id: len(seq.spec_token_ids) for seq in running
                  if seq.spec_token_ids and seq.spec_state.draft_class == TREE_CLASS} if model else None

@@ -16,8 +16,10 @@ draws nothing for it from a request's generator, so outputs are exactly the targ
 Where vLLM's (Arctic Inference's suffix trees) differs:
 - its depth bounds a match and its draft together, and among match lengths it keeps the draft whose token
   probabilities sum highest; here the depth bounds the match, num_speculative_tokens and the factor the draft;
-- it adds a response to its tree while it is generated, so samples running side by side (n > 1) draft from
-  each other; here a response is added when its sequence finishes;
+- as there, a response drafts for other requests while it is generated (samples running side by side, n > 1,
+  or a question asked again before its first answer is done); here a running response is searched where it
+  is (the other sequence's own lookup index) rather than added to the corpus, which takes it when it
+  finishes, and only while at most MAX_PEERS + 1 sequences run;
 - its tree of earlier responses holds the responses alone; here each comes after its prompt's last `depth`
   tokens, so that an answer's first tokens are found after the same question;
 - the sequence's own match here is prompt lookup's (NgramProposer, from OWN_MIN_MATCH tokens, with its
@@ -30,6 +32,7 @@ from __future__ import annotations
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Sequence as Tokens
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -43,6 +46,9 @@ ANCHORS = (8, 3)
 MIN_CORPUS_MATCH = ANCHORS[-1]
 MAX_CANDIDATES = 64   # occurrences that share the anchor, latest first, that a lookup extends
 MAX_VISITS = 256      # chain links a lookup follows at most (occurrences that share only the hash included)
+# Responses still being generated that a lookup searches: each costs a dict lookup and a walk a step, so above
+# this many others running (where text drafts are off by default anyway: lookup_disable_by_batch_size) none.
+MAX_PEERS = 8
 # A draft's class (draft_length.py keeps acceptance per class): for the sequence's own match its length, as
 # prompt lookup's; for an earlier response's, this plus its length (the two kinds are trusted apart). Above any
 # match a context can hold, so that no depth makes the two kinds share a class.
@@ -232,10 +238,20 @@ class ResponseCorpus:
         return best, matches
 
 
+@dataclass
+class Running:
+    """A response being generated, as another sequence's lookup reads it: its sequence's tokens (the prompt's
+    first) and prompt lookup's index of them (ngram.LookupIndex), kept by the sequence's own drafting."""
+    token_ids: list[int]
+    num_prompt_tokens: int
+    index: LookupIndex
+    salt: str | None  # its request's cache_salt
+
+
 class SuffixProposer:
     """Suffix decoding (method "suffix", or enable_suffix_decoding in front of a model): propose_with_length()
     as prompt lookup's, with the request's cache_salt besides; the earlier responses in `corpus`, which the
-    Speculator adds finished sequences to."""
+    Speculator adds finished sequences to, and the running ones in `running`, which it sets each step."""
 
     def __init__(self, max_depth: int, max_cached_requests: int, max_spec_factor: float, min_token_prob: float,
                  token_classes: np.ndarray | None = None, indents: Indents | None = None,
@@ -244,17 +260,64 @@ class SuffixProposer:
         self.corpus = ResponseCorpus(max_cached_requests, max_depth, max_corpus_tokens)
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
+        self.running: list[Running] = []
+
+    def set_running(self, running: list[Running]) -> None:
+        """This step's running responses (none without a corpus, as vLLM keeps them in its corpus's tree, or
+        above MAX_PEERS others), their indexes brought up to date once for every lookup of the step."""
+        if self.corpus.max_requests <= 0 or len(running) > MAX_PEERS + 1:
+            running = []
+        for r in running:
+            r.index.extend(r.token_ids, self.own.token_classes, self.own.min_n)
+        self.running = running
 
     def propose_with_length(self, token_ids: list[int], max_tokens: int, index: LookupIndex | None = None,
                             salt: str | None = None) -> tuple[list[int], int]:
         """Up to max_tokens draft tokens following token_ids, and the draft's class (0 without a draft): the
         sequence's own match's length, or CORPUS_CLASS plus an earlier response's (one its request's
-        cache_salt, `salt`, may see)."""
+        cache_salt, `salt`, may see), finished or still running (a finished one's match wins a tie)."""
+        index = index if index is not None else LookupIndex()
         own, n = self.own.propose_with_length(token_ids, max_tokens, index)
         own = own[:draft_limit(max_tokens, self.max_spec_factor, n)]
         if own and n >= self.corpus.depth:  # no earlier response can match longer
             return own, n
         theirs, m = self.corpus.propose(token_ids, max_tokens, self.max_spec_factor, self.min_token_prob, salt)
+        if self.running:
+            index.extend(token_ids, self.own.token_classes, self.own.min_n)  # if the own lookup returned early
+            running, r = self._propose_running(index, max_tokens, salt)
+            if running and r > m:
+                theirs, m = running, r
         if theirs and (m > n or not own):
             return theirs, CORPUS_CLASS + m
         return (own, n) if own else ([], 0)
+
+    def _propose_running(self, index: LookupIndex, max_tokens: int, salt: str | None) -> tuple[list[int], int]:
+        """The draft from the longest match, up to depth tokens and at least MIN_CORPUS_MATCH, of the sequence's
+        end (its index's classes, as its own lookup matches) in another running response that this salt may
+        see, followed there by at least one response token; among equal matches, the longest continuation."""
+        classes, n0 = index.classes, self.own.min_n
+        num = len(classes)
+        if num < n0:
+            return [], 0
+        key, depth = tuple(classes[num - n0:]), min(self.corpus.depth, num)
+        best, best_start, best_peer, visits = (0, 0), 0, None, 0  # best: (match, tokens after it)
+        for peer in self.running:
+            if peer.index is index or peer.salt != salt:  # the sequence itself: its own match is prompt lookup's
+                continue
+            ends = peer.index.ends.get(key, ())
+            theirs, total = peer.index.classes, len(peer.token_ids)
+            for e in reversed(ends):  # latest first; an end before the prompt's last token is not followed by
+                if e < peer.num_prompt_tokens - 1 or visits >= MAX_VISITS:  # a response token
+                    break
+                visits += 1
+                if e + 1 >= total:  # the response's end: nothing follows yet
+                    continue
+                n = n0
+                while n < depth and e - n >= 0 and theirs[e - n] == classes[num - 1 - n]:
+                    n += 1
+                if (n, total - e - 1) > best:
+                    best, best_start, best_peer = (n, total - e - 1), e + 1, peer
+        match = best[0]
+        if match < MIN_CORPUS_MATCH:
+            return [], 0
+        return best_peer.token_ids[best_start:best_start + draft_limit(max_tokens, self.max_spec_factor, match)], match
