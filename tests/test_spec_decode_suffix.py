@@ -195,38 +195,46 @@ def test_a_running_response_drafts_for_the_others_while_it_is_generated():
     assert proposer.propose_with_length(ctx + [1, 2, 3, 4, 5, 6], 8) == ([], 0)  # caught up: nothing follows yet
     assert proposer.propose_with_length([7, 9, 50, 51], 8) == ([], 0)  # in its prompt: a prompt token follows
     assert proposer.propose_with_length([7, 8, 3, 4], 8) == ([], 0)    # 2 tokens: shorter than MIN_CORPUS_MATCH
-    # Another tenant's response drafts nothing; the same tenant's does.
+    # A response with a salt drafts only for requests with that salt; an unsalted one only for unsalted ones.
     salted = SuffixProposer(24, 10, 1.0, 0.1)
     salted.set_running([Running(first, 6, LookupIndex(), "a")])
     assert salted.propose_with_length(ctx, 8) == ([], 0)
     assert salted.propose_with_length(ctx, 8, salt="b") == ([], 0)
     assert salted.propose_with_length(ctx, 8, salt="a") == ([1, 2, 3, 4, 5], CORPUS_CLASS + 5)
-    # The longer match drafts: a finished response matching only 3 tokens loses to the running one's 8, a
-    # finished one as long wins the tie; the sequence's own match wins a tie against either.
+    assert proposer.propose_with_length(ctx, 8, salt="a") == ([], 0)
+    # The longer match drafts: a finished response matching 4 tokens loses to the running one's 8 and wins over
+    # its 3; a finished one as long wins the tie; the sequence's own match wins a tie against either.
     proposer.corpus.add([40, 1, 2, 3, 70, 71, 72], 1)
     assert proposer.propose_with_length(ctx + [1, 2, 3], 8) == ([4, 5, 6], CORPUS_CLASS + 8)
     assert proposer.propose_with_length([40, 1, 2, 3], 8) == ([70, 71, 72], CORPUS_CLASS + 4)
-    proposer.corpus.add([8] + PROMPT + [1, 2, 3, 80, 81, 82, 83, 84], 6)
-    assert proposer.propose_with_length(ctx + [1, 2, 3], 8) == ([80, 81, 82, 83, 84], CORPUS_CLASS + 9)
+    proposer.corpus.add([0] + PROMPT + [1, 2, 3, 80, 81, 82], 6)  # the same 8 as the running one's
+    assert proposer.propose_with_length(ctx + [1, 2, 3], 8) == ([80, 81, 82], CORPUS_CLASS + 8)
     own = [1, 2, 3, 60, 61, 62, 63, 64, 65, 1, 2, 3]  # its own 1, 2, 3 (3 tokens) against the running one's 3
     runs = SuffixProposer(24, 10, 1.0, 0.1)
     runs.set_running([Running([9, 9, 1, 2, 3, 4, 5, 6], 2, LookupIndex(), None)])
     assert runs.propose_with_length(own, 8) == ([60, 61, 62], 3)
-    # Among running responses the longest match, then the one with more after it; never the sequence's own
-    # (passed as its index), nor any without a corpus or above MAX_PEERS others.
+    # Among running responses the longest match, then a whole draft after it, the latest.
     a, b = [5, 1, 2, 3, 4], [6, 1, 2, 3, 4, 7, 8]
     many = SuffixProposer(24, 10, 1.0, 0.1)
     many.set_running([Running(a, 1, LookupIndex(), None), Running(b, 1, LookupIndex(), None)])
     assert many.propose_with_length([0, 1, 2], 8) == ([], 0)
     assert many.propose_with_length([0, 1, 2, 3], 3) == ([4, 7, 8], CORPUS_CLASS + 3)
     assert many.propose_with_length([5, 1, 2, 3], 8) == ([4], CORPUS_CLASS + 4)
-    mine = many.running[1]
-    assert many.propose_with_length(b[:4], 8, mine.index) == ([4], CORPUS_CLASS + 3)  # a's, not its own b's
-    many.set_running([Running(list(b), 1, LookupIndex(), None) for _ in range(MAX_PEERS + 2)])
-    assert many.propose_with_length([0, 1, 2, 3], 3) == ([], 0)
-    alone = SuffixProposer(24, 0, 1.0, 0.1)  # suffix_decoding_max_cached_requests 0: the own text alone
-    alone.set_running([Running(b, 1, LookupIndex(), None)])
-    assert alone.propose_with_length([0, 1, 2, 3], 3) == ([], 0)
+    repeats = [0, 0, 1, 2, 3, 10, 11, 12, 1, 2, 3, 20, 21, 22, 1, 2, 3, 30]
+    latest = SuffixProposer(24, 10, 1.0, 0.1)
+    latest.set_running([Running(repeats, 1, LookupIndex(), None)])
+    assert latest.propose_with_length([9, 1, 2, 3], 3) == ([20, 21, 22], CORPUS_CLASS + 3)  # 30 alone is short
+    assert latest.propose_with_length([9, 1, 2, 3], 1) == ([30], CORPUS_CLASS + 3)
+    # A response that repeats the last tokens hundreds of times does not hide the others': each is searched
+    # through its latest MAX_CANDIDATES occurrences.
+    busy = Running([0] + [1, 2, 9] * 300, 1, LookupIndex(), None)
+    exact = Running([0, 5, 6, 7, 1, 2, 42, 43], 1, LookupIndex(), None)
+    crowd = SuffixProposer(24, 10, 1.0, 0.1)
+    crowd.set_running([busy, exact])
+    assert crowd.propose_with_length([5, 6, 7, 1, 2], 8) == ([42, 43], CORPUS_CLASS + 5)
+    # Searched only with a corpus (vLLM keeps running responses in it) and while at most MAX_PEERS others run.
+    assert many.searches_running(MAX_PEERS + 1) and not many.searches_running(MAX_PEERS + 2)
+    assert not SuffixProposer(24, 0, 1.0, 0.1).searches_running(2)
 
 
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 8, "disable_by_batch_size": None, "min_acceptance_rate": 0.0,
@@ -390,13 +398,15 @@ def test_a_cleared_corpus_drafts_only_what_comes_after():
     assert corpus.propose([0] + PROMPT + [1, 2], 8, 4.0, 0.1) == ([], 0)
 
 
-def test_requests_with_another_cache_salt_do_not_draft_a_tenants_responses(tiny_model_dirs):
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_requests_with_another_cache_salt_do_not_draft_a_tenants_responses(tiny_model_dirs, prefix_caching):
     """A response drafts a later request's answer to the same prompt only where both carry the same cache_salt
-    (or neither does): a draft's acceptance would show in another tenant's stream speed what this one was told."""
+    (or neither does), whether or not the prefix cache uses the salt: a draft's acceptance would show in another
+    tenant's stream speed what this one was told."""
     path, _ = tiny_model_dirs["llama"]
     p = prompts(8, [12])[0]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    engine = make_engine(path, SUFFIX)
+    engine = make_engine(path, SUFFIX, enable_prefix_caching=prefix_caching)
     ref = run_waves(make_engine(path), [[("ref", p, params)]])["ref"].outputs[0].token_ids
     drafted: dict[str, int] = {}
 

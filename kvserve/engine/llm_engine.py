@@ -250,7 +250,7 @@ class LLMEngine:
             seq = Sequence(
                 seq_id=next(self._seq_ids), request_id=request_id, index=i, token_ids=list(token_ids),
                 num_prompt_tokens=n_prompt, params=params, priority=priority, arrival_time=arrival,
-                parent=seqs[0] if seqs else None, cache_salt=salt,
+                parent=seqs[0] if seqs else None, cache_salt=salt, tenant_salt=cache_salt,
                 # One sequence computes the prompt's logprobs for the whole request.
                 needs_prompt_logprobs=params.prompt_logprobs is not None and i == 0,
             )

@@ -36,6 +36,9 @@ class Sequence:
     arrival_time: float = 0.0
     parent: Sequence | None = None        # sibling 0, for n > 1; we wait for its prefill
     cache_salt: str | None = None         # keeps this request's blocks out of other requests' reach
+    # The request's cache_salt as given, whether or not the prefix cache uses it: suffix decoding drafts a
+    # response only for requests with the same one (spec_decode/suffix.py), prefix caching on or off.
+    tenant_salt: str | None = None
     # Sequence 0 of a request with prompt_logprobs, until the request has them all. Positions served from
     # the prefix cache are never run through the model, so they would have no logits: like vLLM, such a
     # sequence does not read the cache (it still fills it). Its n > 1 siblings read it as usual.

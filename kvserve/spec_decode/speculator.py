@@ -107,15 +107,19 @@ class Speculator:
         lookup = self.proposer is not None and allowed(cfg.lookup_disable_by_batch_size)
         model = self.draft is not None and allowed(cfg.disable_by_batch_size)
         self._behind, self._drafting_left = [], self.max_num_batched_tokens - self.max_num_batched_tokens // 2
-        suffix = self.proposer if lookup and isinstance(self.proposer, SuffixProposer) else None
-        if suffix is not None:  # responses being generated draft for the others too
-            suffix.set_running([Running(seq.token_ids, seq.num_prompt_tokens, spec_state(seq).lookup, seq.cache_salt)
-                                for seq in running if seq.num_output_tokens > 0])
-        for seq in running:
-            seq.spec_token_ids = self._propose_one(seq, lookup, model) if lookup or model else []
-            seq.spec_alternatives = 0
+        # Suffix decoding: the responses being generated draft for the others too.
+        suffix = (self.proposer if lookup and isinstance(self.proposer, SuffixProposer)
+                  and self.proposer.searches_running(len(running)) else None)
         if suffix is not None:
-            suffix.set_running([])  # holds no finished sequence's tokens
+            suffix.set_running([Running(seq.token_ids, seq.num_prompt_tokens, spec_state(seq).lookup,
+                                        seq.tenant_salt) for seq in running if seq.num_output_tokens > 0])
+        try:
+            for seq in running:
+                seq.spec_token_ids = self._propose_one(seq, lookup, model) if lookup or model else []
+                seq.spec_alternatives = 0
+        finally:
+            if suffix is not None:
+                suffix.set_running([])
         # Trees (greedy requests' eagle drafts): the chain tokens each may draft, before the rule cuts them.
         trees = {seq.seq_id: len(seq.spec_token_ids) for seq in running
                  if seq.spec_token_ids and seq.spec_state.draft_class == TREE_CLASS} if model else None
@@ -203,9 +207,9 @@ class Speculator:
             return []
         if lookup:
             state = spec_state(seq)
-            # The salt: suffix decoding drafts only from earlier responses that this request's cache_salt may see.
+            # The salt: suffix decoding drafts only from responses that this request's cache_salt may see.
             draft, match_length = self.proposer.propose_with_length(seq.token_ids, max_new, state.lookup,
-                                                                    seq.cache_salt)
+                                                                    seq.tenant_salt)
             if draft:
                 state.draft_class = match_length
                 return draft
@@ -229,7 +233,7 @@ class Speculator:
         """seq ended (a stop, its length limit): suffix decoding keeps its response for later requests (with its
         cache_salt) to draft from."""
         if isinstance(self.proposer, SuffixProposer):
-            self.proposer.corpus.add(seq.token_ids, seq.num_prompt_tokens, seq.cache_salt)
+            self.proposer.corpus.add(seq.token_ids, seq.num_prompt_tokens, seq.tenant_salt)
 
     def wants_hidden(self, num_running: int) -> bool:
         """Whether a step of this many running sequences should hand the target's hidden states to the eagle

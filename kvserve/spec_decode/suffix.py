@@ -19,16 +19,17 @@ Where vLLM's (Arctic Inference's suffix trees) differs:
 - as there, a response drafts for other requests while it is generated (samples running side by side, n > 1,
   or a question asked again before its first answer is done); here a running response is searched where it
   is (the other sequence's own lookup index) rather than added to the corpus, which takes it when it
-  finishes, and only while at most MAX_PEERS + 1 sequences run;
+  finishes, and only while at most MAX_PEERS + 1 sequences run (prefilling ones included);
 - its tree of earlier responses holds the responses alone; here each comes after its prompt's last `depth`
   tokens, so that an answer's first tokens are found after the same question;
 - the sequence's own match here is prompt lookup's (NgramProposer, from OWN_MIN_MATCH tokens, with its
   whitespace classes and re-indenting), which drafts the latest occurrence rather than the most frequent;
-- a response of a request with a cache_salt drafts only for requests with the same salt (tenants kept apart
-  in the prefix cache stay apart here).
+- a response of a request with a cache_salt drafts only for requests with the same salt, prefix caching on
+  or off (tenants kept apart in the prefix cache stay apart here).
 """
 from __future__ import annotations
 
+import itertools
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Sequence as Tokens
@@ -46,8 +47,9 @@ ANCHORS = (8, 3)
 MIN_CORPUS_MATCH = ANCHORS[-1]
 MAX_CANDIDATES = 64   # occurrences that share the anchor, latest first, that a lookup extends
 MAX_VISITS = 256      # chain links a lookup follows at most (occurrences that share only the hash included)
-# Responses still being generated that a lookup searches: each costs a dict lookup and a walk a step, so above
-# this many others running (where text drafts are off by default anyway: lookup_disable_by_batch_size) none.
+# Responses still being generated that a lookup searches: each costs a dict lookup and a walk of up to
+# MAX_CANDIDATES occurrences a step, so above this many others running (where text drafts are off by default
+# anyway: lookup_disable_by_batch_size) none.
 MAX_PEERS = 8
 # A draft's class (draft_length.py keeps acceptance per class): for the sequence's own match its length, as
 # prompt lookup's; for an earlier response's, this plus its length (the two kinds are trusted apart). Above any
@@ -262,11 +264,15 @@ class SuffixProposer:
         self.min_token_prob = min_token_prob
         self.running: list[Running] = []
 
+    def searches_running(self, num_running: int) -> bool:
+        """Whether a step of this many running sequences drafts from their responses too: not without a corpus
+        (as vLLM keeps them in its corpus's tree) or a depth that holds a corpus match, nor above MAX_PEERS
+        others."""
+        return bool(self.corpus.anchors) and num_running <= MAX_PEERS + 1
+
     def set_running(self, running: list[Running]) -> None:
-        """This step's running responses (none without a corpus, as vLLM keeps them in its corpus's tree, or
-        above MAX_PEERS others), their indexes brought up to date once for every lookup of the step."""
-        if self.corpus.max_requests <= 0 or len(running) > MAX_PEERS + 1:
-            running = []
+        """This step's running responses (where searches_running), their indexes brought up to date once for
+        every lookup of the step; [] after it, so that no finished sequence's tokens are held."""
         for r in running:
             r.index.extend(r.token_ids, self.own.token_classes, self.own.min_n)
         self.running = running
@@ -294,30 +300,37 @@ class SuffixProposer:
     def _propose_running(self, index: LookupIndex, max_tokens: int, salt: str | None) -> tuple[list[int], int]:
         """The draft from the longest match, up to depth tokens and at least MIN_CORPUS_MATCH, of the sequence's
         end (its index's classes, as its own lookup matches) in another running response that this salt may
-        see, followed there by at least one response token; among equal matches, the longest continuation."""
+        see, followed there by at least one response token. Among equal matches, one with a whole draft after
+        it, the latest (in a response that repeats, what it is doing now), as prompt lookup chooses; else the
+        one with the most after it. Each response's latest MAX_CANDIDATES occurrences of the last n0 tokens."""
         classes, n0 = index.classes, self.own.min_n
         num = len(classes)
         if num < n0:
             return [], 0
         key, depth = tuple(classes[num - n0:]), min(self.corpus.depth, num)
-        best, best_start, best_peer, visits = (0, 0), 0, None, 0  # best: (match, tokens after it)
+        full = (depth, draft_limit(max_tokens, self.max_spec_factor, depth))  # what nothing can beat
+        best, best_start, best_peer = (0, 0), 0, None  # best: (match, draft tokens after it)
         for peer in self.running:
+            if best == full:
+                break
             if peer.index is index or peer.salt != salt:  # the sequence itself: its own match is prompt lookup's
                 continue
-            ends = peer.index.ends.get(key, ())
             theirs, total = peer.index.classes, len(peer.token_ids)
-            for e in reversed(ends):  # latest first; an end before the prompt's last token is not followed by
-                if e < peer.num_prompt_tokens - 1 or visits >= MAX_VISITS:  # a response token
+            for e in itertools.islice(reversed(peer.index.ends.get(key, ())), MAX_CANDIDATES):  # latest first
+                if e < peer.num_prompt_tokens - 1:  # this and all earlier ones: a prompt token follows
                     break
-                visits += 1
                 if e + 1 >= total:  # the response's end: nothing follows yet
                     continue
                 n = n0
                 while n < depth and e - n >= 0 and theirs[e - n] == classes[num - 1 - n]:
                     n += 1
-                if (n, total - e - 1) > best:
-                    best, best_start, best_peer = (n, total - e - 1), e + 1, peer
-        match = best[0]
-        if match < MIN_CORPUS_MATCH:
+                limit = draft_limit(max_tokens, self.max_spec_factor, n)
+                found = (n, min(total - e - 1, limit))
+                if found > best:
+                    best, best_start, best_peer = found, e + 1, peer
+                    if found == full:
+                        break
+        match, length = best
+        if match < MIN_CORPUS_MATCH or not length:
             return [], 0
-        return best_peer.token_ids[best_start:best_start + draft_limit(max_tokens, self.max_spec_factor, match)], match
+        return best_peer.token_ids[best_start:best_start + length], match
