@@ -891,11 +891,19 @@ def test_tree_drafts_stop_at_max_model_len(tiny_model_dirs, heads, monkeypatch):
     assert any(end == limit and alternatives for end, alternatives in ends), ends
 
 
-def test_tree_drafts_need_a_backend_that_takes_them(tiny_model_dirs, heads):
-    """The Triton backend (run here in its interpreter) has no tree rows: the engine refuses to start, saying so."""
+def test_tree_drafts_greedy_identical_on_the_triton_backend(tiny_model_dirs, heads, monkeypatch):
+    """The GPU's attention backend (Triton, run here in its interpreter) takes tree rows too: a Triton engine's
+    non-speculative tokens and logprobs with chunked prefills, n = 2 and preemptions, kept alternatives' K/V moved
+    to their position (copy_slots) and read by every later token."""
     path, _ = tiny_model_dirs["llama"]
-    with pytest.raises(ValueError, match="speculative_token_tree.*attention backend"):
-        make_engine(path, tree_spec(heads["partial"]), attention_backend="triton")
+    wave, ref = preempting_wave(path, attention_backend="triton")
+    counts = count_alternatives(monkeypatch)
+    engine = make_engine(path, tree_spec(heads["right"]), attention_backend="triton", **PREEMPTING)
+    assert engine.runner.attn_backend.name == "triton"
+    second_choice_first(engine, monkeypatch)
+    assert_same(run(engine, wave, check=True), ref, engine)
+    assert engine.get_stats().num_preemptions > 0
+    assert counts["kept"] > counts["trees"] / 2, counts
 
 
 def test_abort_mid_tree_speculation_frees_everything(tiny_model_dirs, heads, monkeypatch):

@@ -243,3 +243,83 @@ def test_triton_attention_padding_tiles_write_nothing() -> None:
         vals = torch.cat([vc[b] for b in blocks])[:n]
         want = reference(q[row:row + 1].cpu(), keys, vals, n - 1, D ** -0.5, None)
         torch.testing.assert_close(out[row:row + 1].double().cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+def tree_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: list[int], position: list[int],
+                   scale: float, window: int | None) -> torch.Tensor:
+    """float64 attention of q [n, H, D] whose token j is stored at index[j] and sits at position[j]: it sees the
+    keys at indices below its position (each at its index's position) and its own key (backend.py)."""
+    n, H, D = q.shape
+    G = H // k.shape[1]
+    k, v = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    key = torch.arange(k.shape[0])[None, :]
+    idx, pos = torch.tensor(index)[:, None], torch.tensor(position)[:, None]
+    visible = (key < pos) | (key == idx)
+    if window is not None:
+        key_pos = torch.where(key == idx, pos, key)
+        visible &= key_pos > pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
+
+
+@pytest.mark.parametrize("H,Hkv,window,splits", [(4, 2, None, None), (8, 1, None, None), (4, 2, 5, None),
+                                                 (4, 2, None, 2), (6, 2, 4, 2)])
+def test_triton_attention_tree_rows(H: int, Hkv: int, window: int | None, splits: int | None) -> None:
+    """Speculative tree rows (a chain, then alternatives to its first token, each stored past the chain at that
+    token's position) beside a decode and a plain verification row, against float64 attention with the tree's
+    visibility; GQA, sliding windows, split-KV."""
+    g = torch.Generator().manual_seed(3)
+    D, bs = 16, 4
+    spec = KVCacheSpec(1, bs, Hkv, D, torch.float32)
+    layer = PagedAttention(H, Hkv, D, 0, window, scale=0.7 / math.sqrt(D))
+    backend = TritonBackend([layer], spec, 64, DEVICE, torch.float32)
+    backend.block_n = 16
+    kv = [(torch.randn(backend.kv_cache_shape(64), generator=g).to(DEVICE),
+           torch.randn(backend.kv_cache_shape(64), generator=g).to(DEVICE))]
+    pool = Pool(64, bs, 3)
+    history = [19, 6, 33]
+    first = pool.step([0, 0, 0], history)  # the prompts
+    # Then: sequence 0 a chain of 2 and 3 alternatives (rows 1 + 2 + 3), 1 a decode, 2 a chain of 3 and 2.
+    rows = [(2, 3), (0, 0), (3, 2)]
+    step = pool.step(history, [1 + c + a for c, a in rows])
+    positions = []
+    for old, (c, a) in zip(history, rows):
+        positions += list(range(old, old + 1 + c)) + [old + 1] * a
+    step.positions_list = positions
+    keys = [torch.zeros(0, Hkv, D) for _ in history]
+    vals = [torch.zeros(0, Hkv, D) for _ in history]
+    for batch in (first, step):
+        T = batch.num_tokens
+        q, k, v = (torch.randn(T, n, D, generator=g).to(DEVICE) for n in (H, Hkv, Hkv))
+        meta = backend.build_metadata(batch)
+        if splits is not None:
+            meta.num_splits = {bq: splits for bq in meta.num_splits}
+        out = backend.forward(layer, q, k, v, kv[0], meta).view(T, H, D)
+        for i in range(len(history)):
+            s, e = batch.query_start_loc_list[i], batch.query_start_loc_list[i + 1]
+            old = len(keys[i])
+            keys[i], vals[i] = torch.cat([keys[i], k[s:e].cpu()]), torch.cat([vals[i], v[s:e].cpu()])
+            index = list(range(old, old + e - s))
+            position = index if batch.positions_list is None else batch.positions_list[s:e]
+            want = tree_reference(q[s:e].cpu(), keys[i], vals[i], index, position, layer.scale, window)
+            torch.testing.assert_close(out[s:e].double().cpu(), want, atol=1e-4, rtol=1e-4)
+    assert meta.positions is not None
+
+
+def test_triton_backend_moves_a_kept_alternatives_kv() -> None:
+    """copy_slots: every layer's K and V at the source slots land at the destination slots, float8 too."""
+    for dtype in (torch.float32, FP8):
+        spec = KVCacheSpec(2, 4, 2, 8, dtype)
+        layers = [PagedAttention(4, 2, 8, i, None, scale=1.0) for i in range(2)]
+        backend = TritonBackend(layers, spec, 8, DEVICE, torch.float32)
+        caches = [(torch.randn(backend.kv_cache_shape(8)).to(DEVICE, dtype),
+                   torch.randn(backend.kv_cache_shape(8)).to(DEVICE, dtype)) for _ in layers]
+        before = [(k.clone(), v.clone()) for k, v in caches]
+        backend.copy_slots(caches, [9, 22], [5, 30])
+        for (k, v), (k0, v0) in zip(caches, before):
+            for cache, old in ((k, k0), (v, v0)):
+                flat, was = cache.view(torch.uint8).flatten(0, 1), old.view(torch.uint8).flatten(0, 1)
+                assert torch.equal(flat[5], was[9]) and torch.equal(flat[30], was[22])
+                keep = [s for s in range(32) if s not in (5, 30)]
+                assert torch.equal(flat[keep], was[keep])

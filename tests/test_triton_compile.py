@@ -1,6 +1,6 @@
-"""The Triton kernels (attention, KV write, the elementwise ops) through Triton's real compiler for an
-H100/H200 (sm_90), on the CPU: the interpreter, which runs the kernels' tests here, accepts code that the
-compiler rejects. Run in a subprocess because this process's kernels were decorated under
+"""The Triton kernels (attention with and without tree rows, KV write, the elementwise ops) through Triton's
+real compiler for an H100/H200 (sm_90), on the CPU: the interpreter, which runs the kernels' tests here, accepts
+code that the compiler rejects. Run in a subprocess because this process's kernels were decorated under
 TRITON_INTERPRET=1 (conftest.py)."""
 from __future__ import annotations
 
@@ -19,17 +19,19 @@ import triton
 from triton_helpers import compile_for_gpu
 from kvserve.attention.triton import cache_write as cw, paged_attention as pa
 
-def attention(dt, kv_dt, H, Hkv, D, splits):
+def attention(dt, kv_dt, H, Hkv, D, splits, tree=False):
     g_pad, block_q = pa.tile_rows(H, Hkv)
     types = {n: "i64" for n in pa._paged_attention_kernel.arg_names}
     types.update(q_ptr="*" + dt, out_ptr="*" + dt, k_cache_ptr="*" + kv_dt, v_cache_ptr="*" + kv_dt,
                  block_tables_ptr="*i64", seq_lens_ptr="*i64", query_start_loc_ptr="*i64", tile_seq_ptr="*i32",
-                 tile_start_ptr="*i32", scale="fp32", k_scale="fp32", v_scale="fp32", window="i32",
+                 tile_start_ptr="*i32", positions_ptr="*i64", scale="fp32", k_scale="fp32", v_scale="fp32",
+                 window="i32",
                  part_out_ptr="*fp32" if splits > 1 else "*" + dt, part_lse_ptr="*fp32" if splits > 1 else "*" + dt)
     d_pad = triton.next_power_of_2(D)
     k = compile_for_gpu(pa._paged_attention_kernel, types, dict(
         G=H // Hkv, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_q * g_pad, BLOCK_N=64, NUM_HEADS=H,
-        HEAD_DIM=D, D_PAD=d_pad, BLOCK_SIZE=16, KV_FP8=kv_dt == "fp8e4nv", DOT_F32=False, NUM_SPLITS=splits))
+        HEAD_DIM=D, D_PAD=d_pad, BLOCK_SIZE=16, KV_FP8=kv_dt == "fp8e4nv", TREE=tree, DOT_F32=False,
+        NUM_SPLITS=splits))
     # bf16 dots on the tensor cores; float32 ones in plain float32 (input_precision="ieee")
     assert ("mma.sync" in k.asm["ptx"]) == (dt == "bf16"), (dt, kv_dt)
     if splits > 1:
@@ -53,6 +55,8 @@ for dt in ("bf16", "fp32"):
         for H, Hkv, D in ((16, 8, 128), (9, 3, 64), (4, 1, 256), (4, 2, 24)):
             for splits in (1, 4):
                 attention(dt, kv_dt, H, Hkv, D, splits)
+    for splits in (1, 4):  # tree drafts' rows (positions given), on the default model's heads
+        attention(dt, dt, 9, 3, 64, splits, tree=True)
 from kvserve.kernels.cuda import elementwise as ew
 
 def elementwise(dt):

@@ -106,7 +106,7 @@ class LLMEngine:
                                   config.attention_backend, config.batch_invariant)
         if spec is not None and spec.num_alternatives and not self.runner.attn_backend.supports_tree_drafts:
             raise ValueError(f"speculative_config: speculative_token_tree with alternatives needs an attention "
-                             f"backend that takes tree rows (the CPU's 'torch'); this engine runs "
+                             f"backend that takes tree rows ('torch' or 'triton'); this engine runs "
                              f"{self.runner.attn_backend.name!r}. Use a chain (no speculative_token_tree)")
         draft = (DraftProposer(draft_model, draft_kv_spec, num_blocks, self.device, self.eos_token_ids, self.dtype,
                                config.attention_backend) if draft_model is not None else None)

@@ -95,7 +95,7 @@ class SpeculativeConfig:
     # (0, 0), ... of the head's top choices plus alternatives (1,), (2,), ... to the first token alone, the
     # shape that pays on a CPU (benchmarks/README.md). One node per draft token, so num_speculative_tokens ==
     # len(tree), as in vLLM. Method "eagle" only, greedy requests only (sampled ones draft the chain), and an
-    # attention backend that takes tree rows (the CPU's). None: a chain of num_speculative_tokens.
+    # attention backend that takes tree rows (the CPU's and Triton's). None: a chain of num_speculative_tokens.
     speculative_token_tree: str | None = None
     # Method "suffix" (suffix.py; or enable_suffix_decoding, below), vLLM's fields and defaults: the longest
     # match looked for, in tokens (a match in earlier responses takes 3 at least); how many finished requests'

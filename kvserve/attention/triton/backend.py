@@ -1,7 +1,8 @@
 """The Triton backend: a block-major KV cache ([num_blocks, block_size, Hkv, D]) and one attention kernel
 for every row kind (paged_attention.py), fed by a tile schedule built once per step. Pure-decode steps
 with long contexts and too few tiles to fill the GPU split each tile's keys across programs (split-KV), and so
-do verification steps (rows of 1 + k tokens).
+do verification steps (rows of 1 + k tokens). Tree drafts' rows too (their positions copied once a step; such
+steps run eager, never in a graph).
 
 The metadata's device tensors are the StepBatch's own (no per-step copies), so a CUDA graph captured over
 a StepBatch of persistent buffers reads each replay's values (kvserve/worker/cuda_graphs.py)."""
@@ -15,6 +16,7 @@ from kvserve.attention.backend import FP8, AttentionBackend, AttentionMetadata, 
 from kvserve.attention.triton.cache_write import write_kv
 from kvserve.attention.triton.paged_attention import num_kv_splits, paged_attention, schedule_tiles, tile_rows
 from kvserve.layers.attention import PagedAttention
+from kvserve.utils.device import to_device
 
 
 @dataclass
@@ -22,6 +24,7 @@ class TritonMetadata(AttentionMetadata):
     # Per tile height (BLOCK_Q, which depends on the layer's GQA group): which sequence and first token.
     tiles: dict[int, tuple[torch.Tensor, torch.Tensor]]
     num_splits: dict[int, int]        # per tile height: split-KV parts (1: none)
+    positions: torch.Tensor | None = None  # [T] int64 where tree drafts put tokens off their index (backend.py)
 
 
 # Steps whose rows are all at most this many tokens (decodes, speculative verification rows) may split their
@@ -31,6 +34,7 @@ SPLIT_MAX_QUERY_LEN = 16
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    supports_tree_drafts = True
     block_n = 64  # keys per inner step of the attention kernel (tests shrink it to split short contexts)
 
     def __init__(self, *args, num_sms: int | None = None, **kwargs) -> None:
@@ -61,7 +65,8 @@ class TritonBackend(AttentionBackend):
             splits = {bq: num_kv_splits(len(seq) * self.kv_spec.num_kv_heads, longest, self.num_sms,
                                         self.block_n)
                       for bq, (seq, _) in tiles.items()}
-        return TritonMetadata(batch, self, tiles, splits)
+        positions = None if batch.positions_list is None else to_device(batch.positions_list, dev, torch.int64)
+        return TritonMetadata(batch, self, tiles, splits, positions)
 
     def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -74,5 +79,12 @@ class TritonBackend(AttentionBackend):
         tile_seq, tile_start = meta.tiles[block_q]
         paged_attention(q, out, k_cache, v_cache, meta.batch.block_tables, meta.batch.seq_lens,
                         meta.batch.query_start_loc, tile_seq, tile_start, layer.scale, layer.sliding_window,
-                        k_scale, v_scale, self.block_n, meta.num_splits[block_q])
+                        k_scale, v_scale, self.block_n, meta.num_splits[block_q], positions=meta.positions)
         return out.flatten(1)
+
+    def copy_slots(self, kv_caches: list[KVCache], src: list[int], dst: list[int]) -> None:
+        src_t, dst_t = to_device(src, self.device, torch.int64), to_device(dst, self.device, torch.int64)
+        for cache in (c for pair in kv_caches for c in pair):
+            # Slots are rows of [num_blocks * block_size, Hkv, D]; float8 moved as its bytes (no index ops for it).
+            rows = (cache.view(torch.uint8) if cache.dtype == FP8 else cache).flatten(0, 1)
+            rows[dst_t] = rows[src_t]

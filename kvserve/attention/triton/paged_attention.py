@@ -10,6 +10,10 @@ The cache is block-major, [num_blocks, block_size, Hkv, D]: a key tile of one he
 contiguous elements, each row a coalesced load. The schedule (which sequence and first token each tile
 has) comes from the metadata builder, so the kernel does no searching; a tile with sequence -1 is padding.
 
+Tree drafts (speculative decoding's alternatives to the first draft token, kvserve/attention/backend.py): with
+TREE, each query token's position comes from `positions` instead of its index, and it sees the keys below its
+position and its own key (at its index); the window then starts from the sequence's first query token.
+
 Split-KV (flash-decoding): a decode batch has few tiles, too few programs to fill a GPU's SMs while each
 walks a long context alone. With num_splits > 1 a third grid axis cuts every tile's key range into that
 many BLOCK_N-aligned parts; each program writes its part's normalised output and log-sum-exp in float32,
@@ -28,14 +32,14 @@ from kvserve.utils.device import to_device
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_seq_ptr, tile_start_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_seq_ptr, tile_start_ptr, positions_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch,  # the caches' strides: block, token in block, head (dim: 1)
     stride_bt,
     scale, k_scale, v_scale, window,   # window 0: none
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, TREE: tl.constexpr,
     DOT_F32: tl.constexpr, NUM_SPLITS: tl.constexpr,
     part_out_ptr, part_lse_ptr,       # NUM_SPLITS > 1: [T, H, NUM_SPLITS, D] and [T, H, NUM_SPLITS] float32
 ):
@@ -53,7 +57,13 @@ def _paged_attention_kernel(
     g = m % G_PAD
     head = kv_head * G + g
     row_ok = (token < q_end) & (g < G)
-    pos = seq_len - (q_end - token)                                          # each query token's position
+    idx = seq_len - (q_end - token)                                          # where each query token's key is
+    if TREE:
+        pos = tl.load(positions_ptr + token, mask=row_ok, other=0)              # int64, as idx
+        first_row = tl.load(query_start_loc_ptr + seq)                         # the lowest position's row
+    else:
+        pos = idx                                                            # each query token's position
+        first_row = first.to(tl.int64)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
 
@@ -66,7 +76,7 @@ def _paged_attention_kernel(
     hi = seq_len - (q_end - last) + 1                                        # keys [0, hi) at most
     # One expression, not `lo = 0` then an `if`: the compiler wants one type on both branches (int64 here, from
     # seq_len), which Triton's interpreter does not check.
-    lo = tl.where(window > 0, tl.maximum(seq_len - (q_end - first) - window + 1, 0), 0)
+    lo = tl.where(window > 0, tl.maximum(seq_len - (q_end - first_row) - window + 1, 0), 0)
     lo = (lo // BLOCK_N) * BLOCK_N
     if NUM_SPLITS > 1:  # this program's part of [lo, hi): equal BLOCK_N-aligned parts, the last ones may be empty
         split = tl.program_id(2)
@@ -93,7 +103,10 @@ def _paged_attention_kernel(
             v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale          # [BLOCK_M, BLOCK_N]
-        visible = (n[None, :] <= pos[:, None]) & n_ok[None, :]
+        if TREE:
+            visible = ((n[None, :] < pos[:, None]) | (n[None, :] == idx[:, None])) & n_ok[None, :]
+        else:
+            visible = (n[None, :] <= pos[:, None]) & n_ok[None, :]
         if window > 0:
             visible = visible & (n[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
@@ -165,10 +178,12 @@ def tile_rows(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
 def paged_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     tile_seq: torch.Tensor, tile_start: torch.Tensor, scale: float, window: int | None,
-                    k_scale: float = 1.0, v_scale: float = 1.0, block_n: int = 64, num_splits: int = 1) -> None:
+                    k_scale: float = 1.0, v_scale: float = 1.0, block_n: int = 64, num_splits: int = 1,
+                    positions: torch.Tensor | None = None) -> None:
     """q, out: [T, H, D] (any token and head stride, dim contiguous); caches [NB, bs, Hkv, D];
     tile_seq / tile_start: the schedule from schedule_tiles for this layer's (G_PAD, BLOCK_Q);
-    num_splits > 1: split-KV, each tile's keys in that many parts merged by a second kernel."""
+    num_splits > 1: split-KV, each tile's keys in that many parts merged by a second kernel;
+    positions: [T] int64, each token's position where tree drafts make some differ from its index (None: none)."""
     T, H, D = q.shape
     Hkv = k_cache.shape[2]
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -184,11 +199,13 @@ def paged_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v
         part_out = part_lse = out
     _paged_attention_kernel[(num_tiles, Hkv, num_splits)](
         q, out, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tile_seq, tile_start,
+        positions if positions is not None else seq_lens,  # never read without TREE
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale, k_scale, v_scale, window or 0,
         G=H // Hkv, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_q * g_pad, BLOCK_N=block_n, NUM_HEADS=H,
         HEAD_DIM=D, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1], KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        TREE=positions is not None,
         # Triton's interpreter (on the CPU) multiplies bfloat16 as raw integers: there the dots run in float32
         # on the same bfloat16-rounded inputs, which only spares the rounding of p.
         DOT_F32=q.device.type == "cpu", NUM_SPLITS=num_splits, part_out_ptr=part_out, part_lse_ptr=part_lse,
