@@ -202,8 +202,8 @@ def test_a_running_response_drafts_for_the_others_while_it_is_generated():
     assert salted.propose_with_length(ctx, 8, salt="b") == ([], 0)
     assert salted.propose_with_length(ctx, 8, salt="a") == ([1, 2, 3, 4, 5], CORPUS_CLASS + 5)
     assert proposer.propose_with_length(ctx, 8, salt="a") == ([], 0)
-    # The longer match drafts: a finished response matching 4 tokens loses to the running one's 8 and wins over
-    # its 3; a finished one as long wins the tie; the sequence's own match wins a tie against either.
+    # The longer match drafts: the running response's 8 tokens over a finished one's 3, a finished one's 4 over
+    # the running one's 3; a finished one as long wins the tie; the sequence's own match wins a tie against either.
     proposer.corpus.add([40, 1, 2, 3, 70, 71, 72], 1)
     assert proposer.propose_with_length(ctx + [1, 2, 3], 8) == ([4, 5, 6], CORPUS_CLASS + 8)
     assert proposer.propose_with_length([40, 1, 2, 3], 8) == ([70, 71, 72], CORPUS_CLASS + 4)

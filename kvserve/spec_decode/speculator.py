@@ -7,12 +7,11 @@ drafts, and the engine reports back how many were accepted (`record`). The model
 gets the target's hidden state after each step (`observe`). With prompt lookup turned on for them
 (SpeculativeConfig.uses_lookup), a sequence whose last tokens occurred before drafts their continuation
 instead, and only the others wait for the model. Suffix decoding (method "suffix", or in front of a model
-with enable_suffix_decoding, in place of prompt lookup) drafts as prompt lookup does, from earlier requests'
-responses too (suffix.py): those of other running sequences, and those the engine hands over as they
-finish (`finished`). Drafting pays
-only while the step is memory-bound and the drafts are good: each step carries only as many draft tokens as
-this engine's measured step times say pay (draft_length.py), none above `disable_by_batch_size` sequences, and
-none for a request while its acceptance stays low.
+with enable_suffix_decoding, in place of prompt lookup) drafts as prompt lookup does, from other requests'
+responses too (suffix.py): those of the other running sequences, and those the engine hands over as they
+finish (`finished`). Drafting pays only while the step is memory-bound and the drafts are good: each step
+carries only as many draft tokens as this engine's measured step times say pay (draft_length.py), none above
+`disable_by_batch_size` sequences, and none for a request while its acceptance stays low.
 
 With a token tree of alternatives (SpeculativeConfig.speculative_token_tree), a greedy request's model
 draft also carries the head's next choices for its first token, after the chain (TREE_CLASS drafts). With the
