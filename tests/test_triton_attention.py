@@ -267,8 +267,9 @@ def tree_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: lis
                                                  (4, 2, None, 2), (6, 2, 4, 2)])
 def test_triton_attention_tree_rows(H: int, Hkv: int, window: int | None, splits: int | None) -> None:
     """Speculative tree rows (a chain, then alternatives to its first token, each stored past the chain at that
-    token's position) beside a decode and a plain verification row, against float64 attention with the tree's
-    visibility; GQA, sliding windows, split-KV."""
+    token's position) beside a decode and a prompt chunk, against float64 attention with the tree's visibility;
+    GQA, sliding windows (a tile that begins at an alternative starts its keys from its lowest position),
+    split-KV."""
     g = torch.Generator().manual_seed(3)
     D, bs = 16, 4
     spec = KVCacheSpec(1, bs, Hkv, D, torch.float32)
@@ -278,10 +279,11 @@ def test_triton_attention_tree_rows(H: int, Hkv: int, window: int | None, splits
     kv = [(torch.randn(backend.kv_cache_shape(64), generator=g).to(DEVICE),
            torch.randn(backend.kv_cache_shape(64), generator=g).to(DEVICE))]
     pool = Pool(64, bs, 3)
-    history = [19, 6, 33]
-    first = pool.step([0, 0, 0], history)  # the prompts
-    # Then: sequence 0 a chain of 2 and 3 alternatives (rows 1 + 2 + 3), 1 a decode, 2 a chain of 3 and 2.
-    rows = [(2, 3), (0, 0), (3, 2)]
+    history = [19, 6, 33, 5]
+    first = pool.step([0, 0, 0, 0], history)  # the prompts
+    # Then: sequence 0 a chain of 2 and 3 alternatives (rows 1 + 2 + 3), 1 a decode, 2 a chain of 3 and 2, 3 a
+    # prompt chunk of 10 (plain rows beside the trees, several tiles).
+    rows = [(2, 3), (0, 0), (3, 2), (9, 0)]
     step = pool.step(history, [1 + c + a for c, a in rows])
     positions = []
     for old, (c, a) in zip(history, rows):

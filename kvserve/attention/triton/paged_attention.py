@@ -12,7 +12,7 @@ has) comes from the metadata builder, so the kernel does no searching; a tile wi
 
 Tree drafts (speculative decoding's alternatives to the first draft token, kvserve/attention/backend.py): with
 TREE, each query token's position comes from `positions` instead of its index, and it sees the keys below its
-position and its own key (at its index); the window then starts from the sequence's first query token.
+position and its own key (at its index); the window then starts from the tile's lowest position.
 
 Split-KV (flash-decoding): a decode batch has few tiles, too few programs to fill a GPU's SMs while each
 walks a long context alone. With num_splits > 1 a third grid axis cuts every tile's key range into that
@@ -60,10 +60,10 @@ def _paged_attention_kernel(
     idx = seq_len - (q_end - token)                                          # where each query token's key is
     if TREE:
         pos = tl.load(positions_ptr + token, mask=row_ok, other=0)              # int64, as idx
-        first_row = tl.load(query_start_loc_ptr + seq)                         # the lowest position's row
+        lowest = tl.min(tl.where(row_ok, pos, seq_len), 0)                   # a tile may begin at an alternative
     else:
         pos = idx                                                            # each query token's position
-        first_row = first.to(tl.int64)
+        lowest = seq_len - (q_end - first)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
 
@@ -76,7 +76,7 @@ def _paged_attention_kernel(
     hi = seq_len - (q_end - last) + 1                                        # keys [0, hi) at most
     # One expression, not `lo = 0` then an `if`: the compiler wants one type on both branches (int64 here, from
     # seq_len), which Triton's interpreter does not check.
-    lo = tl.where(window > 0, tl.maximum(seq_len - (q_end - first_row) - window + 1, 0), 0)
+    lo = tl.where(window > 0, tl.maximum(lowest - window + 1, 0), 0)
     lo = (lo // BLOCK_N) * BLOCK_N
     if NUM_SPLITS > 1:  # this program's part of [lo, hi): equal BLOCK_N-aligned parts, the last ones may be empty
         split = tl.program_id(2)
