@@ -39,6 +39,12 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
+def as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """float8 as its bytes (torch's index_copy_ / index_select / indexed assignment have no float8 kernels on the
+    CPU); any other dtype as it is."""
+    return x.view(torch.uint8) if x.dtype == FP8 else x
+
+
 @dataclass
 class StepBatch:
     """What the runner knows about a step's attention, built from the scheduler's plan."""

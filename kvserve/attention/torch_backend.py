@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.backend import FP8, FP8_MAX, AttentionBackend, AttentionMetadata, KVCache, StepBatch
+from kvserve.attention.backend import (FP8, FP8_MAX, AttentionBackend, AttentionMetadata, KVCache, StepBatch,
+                                       as_bytes)
 from kvserve.attention.torch_plan import AttentionPlan, DecodeGroup, PrefillPlan, build_plan
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.layers.attention import PagedAttention
@@ -33,11 +34,6 @@ from kvserve.layers.attention import PagedAttention
 logger = logging.getLogger(__name__)
 
 PlanKey = tuple[int | None, bool]  # (sliding window, native kernel)
-
-
-def _bytes(x: torch.Tensor) -> torch.Tensor:
-    """float8 as its bytes: torch's CPU index_copy_ / index_select have no float8 kernels."""
-    return x.view(torch.uint8) if x.dtype == FP8 else x
 
 
 @dataclass
@@ -93,7 +89,7 @@ class TorchPagedBackend(AttentionBackend):
         src_t = torch.tensor(src, device=self.device)
         dst_t = torch.tensor(dst, device=self.device)
         for cache in (c for pair in kv_caches for c in pair):
-            rows = _bytes(cache).view(Hkv, -1, D)
+            rows = as_bytes(cache).view(Hkv, -1, D)
             rows[:, dst_t] = rows[:, src_t]
 
     def _plan_key(self, layer: PagedAttention) -> PlanKey:
@@ -117,7 +113,7 @@ class TorchPagedBackend(AttentionBackend):
             cpu_kernels.ops().cache_kv_(k, v, k_cache, v_cache, meta.batch.slot_mapping, k_scale, v_scale)
         else:  # one row per (head, token) of the cache seen as [Hkv * NB * bs, D]
             for x, cache, sc in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-                _bytes(cache.view(-1, D)).index_copy_(0, plan.write_idx, _bytes(_to_cache(x, sc, cache.dtype)))
+                as_bytes(cache.view(-1, D)).index_copy_(0, plan.write_idx, as_bytes(_to_cache(x, sc, cache.dtype)))
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.kernel_rows is not None:
@@ -148,7 +144,7 @@ def _gather(blocks: torch.Tensor, idx: torch.Tensor, scale: float, dtype: torch.
     compute), or float8's float32 times the scale."""
     if blocks.dtype != FP8:
         return blocks.index_select(0, idx).to(dtype)
-    return _bytes(blocks).index_select(0, idx).view(FP8).float() * scale
+    return as_bytes(blocks).index_select(0, idx).view(FP8).float() * scale
 
 
 def _decode(layer: PagedAttention, q: torch.Tensor, out: torch.Tensor, k_blocks: torch.Tensor,

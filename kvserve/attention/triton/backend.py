@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.attention.backend import FP8, AttentionBackend, AttentionMetadata, KVCache, StepBatch
+from kvserve.attention.backend import FP8, AttentionBackend, AttentionMetadata, KVCache, StepBatch, as_bytes
 from kvserve.attention.triton.cache_write import write_kv
 from kvserve.attention.triton.paged_attention import num_kv_splits, paged_attention, schedule_tiles, tile_rows
 from kvserve.layers.attention import PagedAttention
@@ -85,6 +85,5 @@ class TritonBackend(AttentionBackend):
     def copy_slots(self, kv_caches: list[KVCache], src: list[int], dst: list[int]) -> None:
         src_t, dst_t = to_device(src, self.device, torch.int64), to_device(dst, self.device, torch.int64)
         for cache in (c for pair in kv_caches for c in pair):
-            # Slots are rows of [num_blocks * block_size, Hkv, D]; float8 moved as its bytes (no index ops for it).
-            rows = (cache.view(torch.uint8) if cache.dtype == FP8 else cache).flatten(0, 1)
+            rows = as_bytes(cache).flatten(0, 1)  # slots are rows of [num_blocks * block_size, Hkv, D]
             rows[dst_t] = rows[src_t]
