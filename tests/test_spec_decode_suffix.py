@@ -16,7 +16,7 @@ from kvserve.spec_decode.ngram import LookupIndex
 from kvserve.spec_decode.suffix import (ANCHORS, CORPUS_CLASS, MAX_CANDIDATES, MAX_PEERS, ResponseCorpus, Running,
                                        SuffixProposer, draft_limit)
 from engine_helpers import assert_no_leaks, drain
-from spec_helpers import check_kv_bookkeeping, make_engine, num_tokens_now, on_record, prompts, run_waves
+from spec_helpers import make_engine, on_record, prompts, run_waves
 
 PROMPT = [50, 51, 52, 53, 54]
 
@@ -442,22 +442,16 @@ def test_outputs_equal_where_running_responses_draft_for_each_other(tiny_model_d
             got[0] += num_drafted
             got[1] += num_accepted
     on_record(engine, count)
-    engine.add_request("first", p, greedy)
-    engine.add_request("samples", q, sampled)
-    done = {}
-    for step in range(200):
-        if step == 10:
+    steps = []
+
+    def ask_again_at_step_10(engine):
+        steps.append(1)
+        if len(steps) == 10:
             engine.add_request("again", p, greedy)
-        if not engine.has_unfinished_requests():
-            break
-        before = num_tokens_now(engine)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        check_kv_bookkeeping(engine, before)
+    done = run_waves(engine, [[("first", p, greedy), ("samples", q, sampled)]], check=True,
+                     after_step=ask_again_at_step_10)
     for rid, w in want.items():
         assert [o.token_ids for o in done[rid].outputs] == [o.token_ids for o in w.outputs], rid
     # The first answer's 10 or more tokens, drafted whole (the answers are equal), then the two in step.
     drafted, accepted = from_running["again"]
     assert drafted >= 10 and accepted == drafted, from_running
-    assert_no_leaks(engine)
