@@ -69,11 +69,12 @@ class Pool:
 
 def run_steps(H: int, Hkv: int, D: int, bs: int, window: int | None, dtype: torch.dtype, kv_dtype: torch.dtype,
               steps: list[list[int]], fused_qkv: bool = False, seed: int = 0, num_splits: int | None = None,
-              block_n: int | None = None) -> None:
+              block_n: int | None = None, positions: list[list[int] | None] | None = None) -> None:
     """Run steps of new-token counts per sequence (0: not in this step's batch is not modelled; every
     sequence is in every step) through TritonBackend.forward and check every output row.
     num_splits: force split-KV with that many parts on every step (the backend itself splits only steps of
-    short rows: decodes and verification)."""
+    short rows: decodes and verification). positions: per step, each token's position where a tree puts some
+    off their index (StepBatch.positions_list; None: none), checked against tree_reference."""
     g = torch.Generator().manual_seed(seed)
     num_seqs = len(steps[0])
     spec = KVCacheSpec(1, bs, Hkv, D, kv_dtype)
@@ -89,9 +90,10 @@ def run_steps(H: int, Hkv: int, D: int, bs: int, window: int | None, dtype: torc
     pool = Pool(64, bs, seed)
     hist_k = [torch.empty(0, Hkv, D) for _ in range(num_seqs)]
     hist_v = [torch.empty(0, Hkv, D) for _ in range(num_seqs)]
-    for q_lens in steps:
+    for step, q_lens in enumerate(steps):
         lens = [len(h) for h in hist_k]
         batch = pool.step(lens, q_lens)
+        batch.positions_list = positions[step] if positions is not None else None
         T = batch.num_tokens
         if fused_qkv:  # q, k, v as views of one projection's output, as the models pass them
             qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(DEVICE, dtype)
@@ -102,6 +104,7 @@ def run_steps(H: int, Hkv: int, D: int, bs: int, window: int | None, dtype: torc
         meta = backend.build_metadata(batch)
         if num_splits is not None:
             meta.num_splits = {bq: num_splits for bq in meta.num_splits}
+        assert (meta.positions is not None) == (batch.positions_list is not None)
         out = backend.forward(layer, q, k, v, kv[0], meta).view(T, H, D)
         assert out.dtype == dtype
         for i, n in enumerate(q_lens):
@@ -114,7 +117,11 @@ def run_steps(H: int, Hkv: int, D: int, bs: int, window: int | None, dtype: torc
             else:
                 k_new, v_new = k_new.to(kv_dtype).float(), v_new.to(kv_dtype).float()
             hist_k[i], hist_v[i] = torch.cat([hist_k[i], k_new]), torch.cat([hist_v[i], v_new])
-            want = reference(q[s:e].float().cpu(), hist_k[i], hist_v[i], lens[i], layer.scale, window)
+            if batch.positions_list is None:
+                want = reference(q[s:e].float().cpu(), hist_k[i], hist_v[i], lens[i], layer.scale, window)
+            else:
+                want = tree_reference(q[s:e].float().cpu(), hist_k[i], hist_v[i], list(range(lens[i], lens[i] + n)),
+                                      batch.positions_list[s:e], layer.scale, window)
             tol = 1e-4 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(out[s:e].double().cpu(), want, atol=tol, rtol=tol)
 
@@ -270,43 +277,15 @@ def test_triton_attention_tree_rows(H: int, Hkv: int, window: int | None, splits
     token's position) beside a decode and a prompt chunk, against float64 attention with the tree's visibility;
     GQA, sliding windows (a tile that begins at an alternative starts its keys from its lowest position),
     split-KV."""
-    g = torch.Generator().manual_seed(3)
-    D, bs = 16, 4
-    spec = KVCacheSpec(1, bs, Hkv, D, torch.float32)
-    layer = PagedAttention(H, Hkv, D, 0, window, scale=0.7 / math.sqrt(D))
-    backend = TritonBackend([layer], spec, 64, DEVICE, torch.float32)
-    backend.block_n = 16
-    kv = [(torch.randn(backend.kv_cache_shape(64), generator=g).to(DEVICE),
-           torch.randn(backend.kv_cache_shape(64), generator=g).to(DEVICE))]
-    pool = Pool(64, bs, 3)
-    history = [19, 6, 33, 5]
-    first = pool.step([0, 0, 0, 0], history)  # the prompts
+    history = [19, 6, 33, 5]  # the prompts
     # Then: sequence 0 a chain of 2 and 3 alternatives (rows 1 + 2 + 3), 1 a decode, 2 a chain of 3 and 2, 3 a
     # prompt chunk of 10 (plain rows beside the trees, several tiles).
     rows = [(2, 3), (0, 0), (3, 2), (9, 0)]
-    step = pool.step(history, [1 + c + a for c, a in rows])
     positions = []
     for old, (c, a) in zip(history, rows):
         positions += list(range(old, old + 1 + c)) + [old + 1] * a
-    step.positions_list = positions
-    keys = [torch.zeros(0, Hkv, D) for _ in history]
-    vals = [torch.zeros(0, Hkv, D) for _ in history]
-    for batch in (first, step):
-        T = batch.num_tokens
-        q, k, v = (torch.randn(T, n, D, generator=g).to(DEVICE) for n in (H, Hkv, Hkv))
-        meta = backend.build_metadata(batch)
-        if splits is not None:
-            meta.num_splits = {bq: splits for bq in meta.num_splits}
-        out = backend.forward(layer, q, k, v, kv[0], meta).view(T, H, D)
-        for i in range(len(history)):
-            s, e = batch.query_start_loc_list[i], batch.query_start_loc_list[i + 1]
-            old = len(keys[i])
-            keys[i], vals[i] = torch.cat([keys[i], k[s:e].cpu()]), torch.cat([vals[i], v[s:e].cpu()])
-            index = list(range(old, old + e - s))
-            position = index if batch.positions_list is None else batch.positions_list[s:e]
-            want = tree_reference(q[s:e].cpu(), keys[i], vals[i], index, position, layer.scale, window)
-            torch.testing.assert_close(out[s:e].double().cpu(), want, atol=1e-4, rtol=1e-4)
-    assert meta.positions is not None
+    run_steps(H, Hkv, 16, 4, window, torch.float32, torch.float32, [history, [1 + c + a for c, a in rows]], seed=3,
+              num_splits=splits, block_n=16, positions=[None, positions])
 
 
 def test_triton_backend_moves_a_kept_alternatives_kv() -> None:
