@@ -26,17 +26,20 @@ FP8 = torch.float8_e4m3fn
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float,
-              window: int | None) -> torch.Tensor:
-    """float64 attention of q [n, H, D] (positions first_pos...) over one sequence's k, v [S, Hkv, D]."""
+              window: int | None, positions: list[int] | None = None) -> torch.Tensor:
+    """float64 attention of q [n, H, D] (stored at first_pos...) over one sequence's k, v [S, Hkv, D]. positions:
+    where a tree puts its tokens (default: where they are stored); a token sees the keys stored below its
+    position (each at the position it is stored at) and its own key (backend.py)."""
     n, H, D = q.shape
     G = H // k.shape[1]
     k, v = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    q_pos = torch.arange(first_pos, first_pos + n)[:, None]
-    key_pos = torch.arange(k.shape[0])[None, :]
-    visible = key_pos <= q_pos
+    idx = torch.arange(first_pos, first_pos + n)[:, None]
+    pos = idx if positions is None else torch.tensor(positions)[:, None]
+    key = torch.arange(k.shape[0])[None, :]
+    visible = (key < pos) | (key == idx)
     if window is not None:
-        visible &= key_pos > q_pos - window
+        visible &= torch.where(key == idx, pos, key) > pos - window
     scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
 
@@ -74,7 +77,7 @@ def run_steps(H: int, Hkv: int, D: int, bs: int, window: int | None, dtype: torc
     sequence is in every step) through TritonBackend.forward and check every output row.
     num_splits: force split-KV with that many parts on every step (the backend itself splits only steps of
     short rows: decodes and verification). positions: per step, each token's position where a tree puts some
-    off their index (StepBatch.positions_list; None: none), checked against tree_reference."""
+    off their index (StepBatch.positions_list; None: none), which the reference takes too."""
     g = torch.Generator().manual_seed(seed)
     num_seqs = len(steps[0])
     spec = KVCacheSpec(1, bs, Hkv, D, kv_dtype)
@@ -117,11 +120,8 @@ def run_steps(H: int, Hkv: int, D: int, bs: int, window: int | None, dtype: torc
             else:
                 k_new, v_new = k_new.to(kv_dtype).float(), v_new.to(kv_dtype).float()
             hist_k[i], hist_v[i] = torch.cat([hist_k[i], k_new]), torch.cat([hist_v[i], v_new])
-            if batch.positions_list is None:
-                want = reference(q[s:e].float().cpu(), hist_k[i], hist_v[i], lens[i], layer.scale, window)
-            else:
-                want = tree_reference(q[s:e].float().cpu(), hist_k[i], hist_v[i], list(range(lens[i], lens[i] + n)),
-                                      batch.positions_list[s:e], layer.scale, window)
+            want = reference(q[s:e].float().cpu(), hist_k[i], hist_v[i], lens[i], layer.scale, window,
+                             None if batch.positions_list is None else batch.positions_list[s:e])
             tol = 1e-4 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(out[s:e].double().cpu(), want, atol=tol, rtol=tol)
 
@@ -250,24 +250,6 @@ def test_triton_attention_padding_tiles_write_nothing() -> None:
         vals = torch.cat([vc[b] for b in blocks])[:n]
         want = reference(q[row:row + 1].cpu(), keys, vals, n - 1, D ** -0.5, None)
         torch.testing.assert_close(out[row:row + 1].double().cpu(), want, atol=1e-4, rtol=1e-4)
-
-
-def tree_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: list[int], position: list[int],
-                   scale: float, window: int | None) -> torch.Tensor:
-    """float64 attention of q [n, H, D] whose token j is stored at index[j] and sits at position[j]: it sees the
-    keys at indices below its position (each at its index's position) and its own key (backend.py)."""
-    n, H, D = q.shape
-    G = H // k.shape[1]
-    k, v = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    key = torch.arange(k.shape[0])[None, :]
-    idx, pos = torch.tensor(index)[:, None], torch.tensor(position)[:, None]
-    visible = (key < pos) | (key == idx)
-    if window is not None:
-        key_pos = torch.where(key == idx, pos, key)
-        visible &= key_pos > pos - window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
 
 
 @pytest.mark.parametrize("H,Hkv,window,splits", [(4, 2, None, None), (8, 1, None, None), (4, 2, 5, None),
