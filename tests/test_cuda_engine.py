@@ -350,3 +350,8 @@ def test_cuda_eagle_head_graphs_keep_greedy_tokens(tiny_model_dirs, trained_head
     assert torch.equal(replayed[2], graphs.head.vocab_ids[replayed[1].argmax(-1)])
     drain(engine)
     assert_no_leaks(engine)
+    # speculative_config's enforce_eager (vLLM's field): the head drafts eagerly, the target keeps its graphs.
+    eager = make_engine(path, spec(trained_head, enforce_eager=True), device="cuda")
+    assert eager.speculator.draft.model.graphs is None and eager.runner.graphs is not None
+    got = run(eager, wave, check=True)
+    assert all(got[str(i)].outputs[0].token_ids == ref[str(i)].outputs[0].token_ids for i in range(len(ps)))

@@ -140,3 +140,82 @@ def test_per_request_metrics_option_parses_and_validates(capsys):
     assert "invalid choice: 'all'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="per_request_spec_decode_metrics must be none|summary|detailed"):
         EngineConfig(per_request_spec_decode_metrics="sumary")
+
+
+def test_without_method_it_follows_from_model_as_in_vllm(tmp_path):
+    """vLLM's rule: model "ngram" (or "[ngram]") is prompt lookup; a path is a draft, here the eagle head where
+    the file holds one; neither method nor model is an error."""
+    from kvserve.spec_decode.eagle_head import SHIPPED_HEAD
+    from kvserve.spec_decode.draft_format import SHIPPED_DRAFT
+
+    for name in ("ngram", "[ngram]"):
+        c = SpeculativeConfig.parse({"model": name, "num_speculative_tokens": 3})
+        assert (c.method, c.model, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", None, 2, 4)
+    assert SpeculativeConfig.parse({"model": str(SHIPPED_HEAD), "num_speculative_tokens": 1}).method == "eagle"
+    assert SpeculativeConfig.parse({"model": str(SHIPPED_DRAFT), "num_speculative_tokens": 3}).method == "draft"
+    # Not a head (a directory, a missing file, a file that is not safetensors at all): a draft, whose loading
+    # then says what is wrong with the path.
+    garbage = tmp_path / "x.safetensors"
+    garbage.write_bytes(b"not a safetensors file")
+    for path in (tmp_path, tmp_path / "missing", garbage):
+        assert SpeculativeConfig.parse({"model": str(path), "num_speculative_tokens": 2}).method == "draft"
+    with pytest.raises(ValueError, match="method is required"):
+        SpeculativeConfig.parse({"num_speculative_tokens": 2})
+
+
+def test_batch_size_schedule_in_vllms_notation():
+    """num_speculative_tokens_per_batch_size: k by running sequences; a gap and the sizes past the last range
+    take the range before's k, and k is at most the chain's length (vLLM's expansion). Without
+    disable_by_batch_size the schedule alone says where drafting stops."""
+    c = SpeculativeConfig.parse({"method": "eagle", "num_speculative_tokens": 4,
+                                 "num_speculative_tokens_per_batch_size": [[5, 8, 0], [1, 1, 6], [2, 3, 2]]})
+    assert [c.draft_tokens_at(b) for b in range(1, 11)] == [4, 2, 2, 2, 0, 0, 0, 0, 0, 0]
+    assert (c.disable_by_batch_size, c.lookup_disable_by_batch_size, c.max_drafting_seqs) == (None, None, 4)
+    on = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
+                                  "num_speculative_tokens_per_batch_size": [[1, 2, 3], [8, 16, 1]]})
+    assert [on.draft_tokens_at(b) for b in (1, 2, 3, 7, 8, 100)] == [3, 3, 3, 3, 1, 1]
+    assert on.max_drafting_seqs is None
+    limited = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 6,
+                                       "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 9, 0], [10, 10, 2]]})
+    assert limited.max_drafting_seqs == 6 and limited.draft_tokens_at(3) == 0 and limited.draft_tokens_at(11) == 2
+    never = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
+                                     "num_speculative_tokens_per_batch_size": [[1, 4, 0], [5, 9, 0]]})
+    assert never.max_drafting_seqs == 0 and never.draft_tokens_at(1) == 0
+    # A tree's chain is what the schedule caps.
+    tree = SpeculativeConfig.parse({"method": "eagle", "num_speculative_tokens": 4,
+                                    "speculative_token_tree": "[(0,), (0, 0), (1,), (2,)]",
+                                    "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 2, 1]]})
+    assert (tree.draft_tokens_at(1), tree.draft_tokens_at(2)) == (2, 1)
+    assert SpeculativeConfig(method="ngram", num_speculative_tokens=3).draft_tokens_at(1000) == 3
+
+
+def test_vllms_draft_fields_are_taken_or_refused_with_the_reason():
+    c = SpeculativeConfig.parse({"method": "eagle", "num_speculative_tokens": 1, "draft_tensor_parallel_size": 1,
+                                 "max_model_len": 512, "quantization": "int8", "enforce_eager": True,
+                                 "revision": None})
+    assert (c.max_model_len, c.quantization, c.enforce_eager) == (512, "int8", True)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size must be 1"),
+    ({"draft_tensor_parallel_size": True}, "draft_tensor_parallel_size must be 1"),
+    ({"revision": "main"}, "revision does not apply: kvserve loads a draft from a local path"),
+    ({"code_revision": "v1"}, "code_revision does not apply"),
+    ({"max_model_len": 0}, "max_model_len must be an integer >= 1"),
+    ({"quantization": "fp8"}, "quantization is the draft's weight format, one of 'auto', 'none', 'int8', 'int4'"),
+    ({"enforce_eager": "yes"}, "enforce_eager must be true, false or null"),
+    ({"num_speculative_tokens_per_batch_size": []}, "must be a non-empty list"),
+    ({"num_speculative_tokens_per_batch_size": [[1, 4, 2, 8]]}, "entries must be [first batch size"),
+    ({"num_speculative_tokens_per_batch_size": [[1, 4, 1, 64, 2]]}, "context ranges (5 items) are not supported"),
+    ({"num_speculative_tokens_per_batch_size": [[1, 4, 2], [4, 8, 1]]}, "must not overlap"),
+    ({"num_speculative_tokens_per_batch_size": [[2, 4, 2]]}, "the first range must start at batch size 1"),
+    ({"num_speculative_tokens_per_batch_size": [[1, 4, -1]]}, "needs 1 <= first <= last and k >= 0"),
+    ({"num_speculative_tokens_per_batch_size": [[3, 1, 2]]}, "needs 1 <= first <= last and k >= 0"),
+])
+def test_vllms_draft_fields_with_bad_values_are_refused(extra, message):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(speculative_config={"method": "eagle", "num_speculative_tokens": 2, **extra})
+    assert message in str(e.value) and "speculative_config" in str(e.value)
+    # A model-free method has no weights to format.
+    with pytest.raises(ValueError, match="quantization applies to methods 'draft' and 'eagle'"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"})

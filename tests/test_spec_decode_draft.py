@@ -85,6 +85,27 @@ def test_draft_checkpoint_forward_matches_the_reference(tiny_model_dirs, drafts)
         torch.testing.assert_close(got, want[end - 1], atol=1e-4, rtol=1e-4)
 
 
+def test_speculative_configs_quantization_sets_the_drafts_weight_format(tiny_model_dirs, drafts):
+    """vLLM's quantization field: a draft checkpoint in int8 by default on a CPU, in the format given otherwise
+    ("auto": the file's floats); a Hugging Face draft loaded with it in place of the engine's. And without a
+    method, a draft's path makes method "draft" (vLLM's rule)."""
+    from kvserve.spec_decode.draft_proposer import DraftProposer
+
+    path, _ = tiny_model_dirs["llama"]
+
+    def formats(engine) -> set:
+        layers = [m for m in engine.speculator.draft.model.modules() if hasattr(m, "method")]
+        return {getattr(m.method, "source", None) for m in layers}
+    assert formats(make_engine(path, spec(drafts["checkpoint"]))) == {"int8"}
+    for given, want in (("int4", {"int4"}), ("auto", {None}), ("none", {None})):
+        assert formats(make_engine(path, spec(drafts["checkpoint"], quantization=given))) == want, given
+    assert formats(make_engine(path, spec(drafts["noisy"], quantization="int8"))) == {"int8"}
+    assert formats(make_engine(path, spec(drafts["noisy"]))) == {None}  # as the float32 target: floats
+    given = {k: v for k, v in spec(drafts["checkpoint"]).items() if k != "method"}
+    engine = make_engine(path, given)
+    assert engine.config.speculative_config.method == "draft" and isinstance(engine.speculator.draft, DraftProposer)
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no native CPU kernels on this machine")
 def test_a_quantized_draft_checkpoint_runs_its_layers_in_one_native_call(tiny_model_dirs, drafts):
     """As the target's: with int8 weights (what a draft checkpoint gets on a CPU) the draft's layers run in

@@ -257,6 +257,27 @@ def test_the_engine_keeps_the_heads_weights_in_4_bits(tiny_model_dirs, heads):
     assert formats == ["int4"] * 4
     head = make_engine(path, spec(heads["right"]), quantization="none").speculator.draft.model
     assert not any(isinstance(layer.method, BlockMethod) for layer in (head.fc, head.lm_head))
+    # speculative_config's quantization (vLLM's field) sets the head's format itself; "auto" keeps its floats.
+    for given, want in (("int8", ["int8"] * 4), ("int4", ["int4"] * 4), ("auto", [None] * 4), ("none", [None] * 4)):
+        head = make_engine(path, spec(heads["right"], quantization=given)).speculator.draft.model
+        assert [getattr(layer.method, "source", None)
+                for layer in (head.fc, head.mlp.gate_up_proj, head.mlp.down_proj, head.lm_head)] == want, given
+
+
+def test_without_a_method_a_heads_file_makes_an_eagle_engine(tiny_model_dirs, heads):
+    """vLLM's rule, model alone: a head's file runs method "eagle", with its greedy output unchanged."""
+    from kvserve.spec_decode.eagle_proposer import EagleProposer
+
+    path, _ = tiny_model_dirs["llama"]
+    given = {k: v for k, v in spec(heads["right"]).items() if k != "method"}
+    engine = make_engine(path, given)
+    assert engine.config.speculative_config.method == "eagle" and isinstance(engine.speculator.draft, EagleProposer)
+    ps = prompts(4, [5, 13])  # prompts the heads learned (PROMPTS)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    waves = [[(str(i), p, params) for i, p in enumerate(ps)]]
+    ref, got = run_waves(make_engine(path), waves), run_waves(engine, waves, check=True)
+    assert all(got[str(i)].outputs[0].token_ids == ref[str(i)].outputs[0].token_ids for i in range(len(ps)))
+    assert engine.get_stats().spec_num_accepted_tokens > 0
 
 
 def test_head_graph_step_over_padded_rows_is_the_heads_step(tiny_model_dirs, tmp_path):

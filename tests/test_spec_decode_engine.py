@@ -266,3 +266,56 @@ def test_rejected_drafts_blocks_go_back_and_cost_no_preemption(tiny_model_dirs):
     assert s0.num_preemptions == 0 and s1.num_preemptions == 0
     for rid in ("a", "b"):
         assert drafted[rid].outputs[0].token_ids == plain[rid].outputs[0].token_ids
+
+
+def drafts_by_batch_size(engine: LLMEngine) -> dict[int, list[int]]:
+    """As the engine runs: per step, its running sequences' draft lengths, keyed by how many ran."""
+    seen: dict[int, list[int]] = {}
+    propose = engine.speculator.propose
+
+    def proposed(running):
+        propose(running)
+        seen.setdefault(len(running), []).extend(len(seq.spec_token_ids) for seq in running)
+    engine.speculator.propose = proposed
+    return seen
+
+
+def test_the_batch_size_schedule_caps_each_steps_drafts(tiny_model_dirs):
+    """vLLM's num_speculative_tokens_per_batch_size with right drafts on offer every step: 4 tokens a sequence
+    while it runs alone, 1 beside another, none among three or more; the output is the non-speculative one."""
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(8, [6, 9, 12, 7])
+    waves = [[(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+              for i, (p, n) in enumerate(zip(ps, (6, 14, 22, 40)))]]
+    ref = run(make_engine(path), waves)
+    engine = make_engine(path, {**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 2, 1], [3, 8, 0]]})
+    outs = [ref[str(i)].outputs[0] for i in range(len(ps))]
+    engine.speculator.proposer = ScriptedProposer({tuple(p): o.token_ids for p, o in zip(ps, outs)}, 0.0)
+    seen = drafts_by_batch_size(engine)
+    got = run(engine, waves, check=True)
+    assert all(got[str(i)].outputs[0].token_ids == outs[i].token_ids for i in range(len(ps)))
+    assert max(seen[1]) == 4 and max(seen[2]) == 1
+    assert all(n == 0 for size, lengths in seen.items() if size >= 3 for n in lengths) and 4 in seen
+
+
+def test_drafts_stop_at_the_drafts_max_model_len(tiny_model_dirs):
+    """speculative_config's max_model_len below the engine's: right drafts stop where a sequence would pass it
+    (a step's drafts and bonus token stay inside), and decoding goes on without them to the engine's limit."""
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(7, [9, 14])
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref, proposer = reference_and_drafts(path, ps, params, 0.0)
+    engine = make_engine(path, {**NGRAM, "max_model_len": 24})
+    engine.speculator.proposer = proposer
+    longest = []
+
+    def check(running):
+        engine.speculator.__class__.propose(engine.speculator, running)
+        for seq in running:
+            if seq.spec_token_ids:
+                longest.append(seq.num_tokens + len(seq.spec_token_ids))
+    engine.speculator.propose = check
+    got = run(engine, [[(str(i), p, params) for i, p in enumerate(ps)]], check=True)
+    assert all(got[str(i)].outputs[0].token_ids == ref[i].token_ids for i in range(len(ps)))
+    assert longest and max(longest) == 23  # the bonus token lands at position 23, the limit's last
+    assert all(len(p) + 30 > 24 for p in ps)  # both sequences outgrew it

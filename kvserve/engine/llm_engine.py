@@ -76,13 +76,14 @@ class LLMEngine:
         draft_model = draft_kv_spec = None
         if spec is not None and spec.method == "draft":
             # The draft's KV pool is addressed by the same block ids: each block costs both pools' bytes.
-            draft_model = load_draft(spec.model, loaded, self.dtype, self.device, config.quantization)
+            draft_model = load_draft(spec.model, loaded, self.dtype, self.device, config.quantization,
+                                     spec.quantization)
             draft_kv_spec = kv_cache_spec(draft_model.config, config.block_size, self.kv_cache_dtype)
             block_bytes += draft_kv_spec.bytes_per_block
         eagle_head = None
         if spec is not None and spec.method == "eagle":  # before the KV sizing, which counts what is loaded
             eagle_head = load_eagle_head(spec.model, loaded, self.dtype, self.device,
-                                         head_quantization(config.quantization, self.device))
+                                         head_quantization(config.quantization, self.device, spec.quantization))
         if config.num_kv_blocks:
             num_blocks = config.num_kv_blocks
         elif config.kv_cache_memory is None and self.device.type == "cuda":
@@ -119,7 +120,7 @@ class LLMEngine:
             verify_seqs = 0 if spec is None else spec.max_drafting_seqs or config.max_num_seqs
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len,
                                        1 + spec.num_speculative_tokens if spec is not None else None, verify_seqs)
-            if isinstance(draft, EagleProposer):
+            if isinstance(draft, EagleProposer) and not spec.enforce_eager:
                 draft.model.capture_graphs(verify_seqs)
         self.speculator = None
         if spec is not None:

@@ -15,7 +15,16 @@
                                        # suffix decoding in front of the head: where the text or an earlier
                                        # response matches, it drafts; the head drafts the others
 
-given as `LLM(..., speculative_config={...})` or `kvserve serve --speculative-config '{...}'`.
+    {"model": PATH, "num_speculative_tokens": 3}                     # no method: as vLLM, it follows from
+                                       # model ("ngram", an eagle head's file, else a draft)
+    {"method": "eagle", "num_speculative_tokens": 4,
+     "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 4, 2], [5, 256, 0]]}
+                                       # vLLM's schedule of the most draft tokens by batch size
+
+given as `LLM(..., speculative_config={...})` or `kvserve serve --speculative-config '{...}'`. vLLM's fields for
+the draft's placement and loading are taken where they mean something here (max_model_len, quantization,
+enforce_eager, draft_tensor_parallel_size 1) and refused with the reason where they cannot (revision: no model
+hub; a tensor-parallel draft).
 """
 from __future__ import annotations
 
@@ -62,8 +71,10 @@ MAX_CORPUS_TOKENS = 1 << 26  # suffix_decoding_corpus_tokens' bound: ~3 GiB of a
 
 @dataclass
 class SpeculativeConfig:
-    method: str
-    num_speculative_tokens: int
+    # Not given: vLLM's rule, from model (_method_from_model).
+    method: str | None = None
+    # Not given: required, except for method "suffix" (the depth, as vLLM's).
+    num_speculative_tokens: int | None = None
     # n-gram (prompt lookup): match the last n tokens, n from prompt_lookup_max down to prompt_lookup_min,
     # against the sequence's earlier tokens and propose what followed the most recent match. With method
     # "draft" or "eagle", given bounds turn lookup on in front of the model (uses_lookup).
@@ -114,18 +125,47 @@ class SpeculativeConfig:
     # rule then keeps what pays, by each kind's acceptance), and its drafts are bounded by
     # num_speculative_tokens (a tree's chain), as prompt lookup's are.
     enable_suffix_decoding: bool = False
+    # vLLM's schedule of draft lengths by batch size: [[first, last, k], ...], ranges of running sequences from 1
+    # on; a gap, and the sizes past the last range, take the range before's k (vLLM's rule). k caps a step's draft
+    # tokens a sequence (a tree's chain; its alternatives stay sized by the head's confidence), 0 drafts nothing;
+    # the draft-length rule still cuts below it unless adaptive_draft_length is false. Without
+    # disable_by_batch_size, the schedule alone says where drafting stops.
+    num_speculative_tokens_per_batch_size: list[list[int]] | None = None
+    # vLLM's fields for the draft itself. max_model_len: drafting stops where a sequence would pass this many
+    # tokens (None: the engine's max_model_len; a draft model also stops at its own context length).
+    max_model_len: int | None = None
+    # Methods "draft" and "eagle": the draft's or head's weight format, kvserve's names ("auto": the file's own,
+    # a GGUF's blocks kept, float weights as floats). None: int8 for a draft checkpoint and int4 for a head on a
+    # CPU, floats on a GPU or under --quantization none; a Hugging Face or GGUF draft as the target is loaded.
+    quantization: str | None = None
+    # True: the eagle head drafts without CUDA graphs (the target's steps follow the engine's enforce_eager).
+    enforce_eager: bool | None = None
+    # The draft runs in the engine's process, on its device: 1 (or None) only.
+    draft_tensor_parallel_size: int | None = None
+    # Hub revisions: drafts are local paths here, so only None.
+    revision: str | None = None
+    code_revision: str | None = None
     draft_depth: int = field(default=0, init=False)       # the chain's tokens
     num_alternatives: int = field(default=0, init=False)  # alternatives to its first token
+    # The schedule as ((first batch size, k), ...), sorted: see draft_tokens_at.
+    batch_schedule: tuple[tuple[int, int], ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"speculative_config: {name} {why}")
 
+        if self.method is None:
+            self.method = self._method_from_model(bad)
         if isinstance(self.method, str):  # a list or object would not hash: the message below says what is wanted
             self.method = METHOD_ALIASES.get(self.method, self.method)
         if self.method not in METHODS:
             raise bad("method", f"must be one of {', '.join(map(repr, METHODS))} ('draft_model' is taken for "
                                 f"'draft'), got {self.method!r}")
+        if self.num_speculative_tokens is None:
+            if self.method != "suffix":
+                raise bad("num_speculative_tokens", "is required")
+            # vLLM's default for suffix decoding: as many as the deepest match (its drafts are sized per match).
+            self.num_speculative_tokens = self.suffix_decoding_max_tree_depth
         k = self.num_speculative_tokens
         if not _is_int(k) or k < 1:
             raise bad("num_speculative_tokens", f"must be an integer >= 1, got {k!r}")
@@ -156,11 +196,16 @@ class SpeculativeConfig:
         self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
         if self.model is not None and (self.method in MODEL_FREE or not isinstance(self.model, str) or not self.model):
             raise bad("model", "must be a path (a string), and applies only to methods 'draft' and 'eagle'")
+        if self.num_speculative_tokens_per_batch_size is not None:
+            self.batch_schedule = self._parse_schedule(bad)
         given = self.disable_by_batch_size != _METHOD_DEFAULT
-        if not given:
+        if not given and self.batch_schedule:  # the schedule says where drafting stops
+            self.disable_by_batch_size = None
+        elif not given:
             self.disable_by_batch_size = (DEFAULT_DISABLE_BY_BATCH_SIZE if self.method in MODEL_FREE
                                           else DRAFT_DEFAULT_DISABLE_BY_BATCH_SIZE)
-        self.lookup_disable_by_batch_size = (self.disable_by_batch_size if given or self.method in MODEL_FREE
+        self.lookup_disable_by_batch_size = (self.disable_by_batch_size
+                                             if given or self.method in MODEL_FREE or self.batch_schedule
                                              else DEFAULT_DISABLE_BY_BATCH_SIZE)
         b = self.disable_by_batch_size
         if b is not None and (not _is_int(b) or b < 1):
@@ -173,6 +218,7 @@ class SpeculativeConfig:
         if not isinstance(self.adaptive_draft_length, bool):
             raise bad("adaptive_draft_length", f"must be true or false, got {self.adaptive_draft_length!r}")
         self._check_suffix(bad)
+        self._check_draft_fields(bad)
         self.draft_depth, self.num_alternatives = k, 0
         if self.speculative_token_tree is not None:
             self.draft_depth, self.num_alternatives = self._parse_tree(bad)
@@ -181,6 +227,82 @@ class SpeculativeConfig:
                                "(prompt lookup, suffix decoding) are as long as the chain: one token each. A longer "
                                "chain lets them run on; the draft-length rule cuts the head's chain to what pays",
                                self.speculative_token_tree)
+
+    def _method_from_model(self, bad) -> str:
+        """vLLM's rule where method is not given: model "ngram" (or "[ngram]") is prompt lookup, a path a draft
+        (here: the eagle head its file holds, else a draft model)."""
+        m = self.model
+        if m is None:
+            raise bad("method", "is required (or model: a draft's path, the method following from what it holds)")
+        if m in ("ngram", "[ngram]"):
+            self.model = None
+            return "ngram"
+        if isinstance(m, str):
+            from kvserve.spec_decode.eagle_head import is_head_file  # reads the file's metadata only
+            return "eagle" if is_head_file(m) else "draft"
+        return "draft"  # the check of model names what is wrong with it
+
+    def _parse_schedule(self, bad) -> tuple[tuple[int, int], ...]:
+        """num_speculative_tokens_per_batch_size as ((first batch size, k), ...), by first size, checked as vLLM
+        checks it: ranges of positive sizes that do not overlap, the first from 1, k >= 0."""
+        name, entries = "num_speculative_tokens_per_batch_size", self.num_speculative_tokens_per_batch_size
+        form = "[first batch size, last batch size, k]"
+        if not isinstance(entries, (list, tuple)) or not entries:
+            raise bad(name, f"must be a non-empty list of {form} entries, got {entries!r}")
+        ranges = []
+        for e in entries:
+            if isinstance(e, (list, tuple)) and len(e) == 5:
+                raise bad(name, f"entries with context ranges (5 items) are not supported; give {form}, got {e!r}")
+            if not (isinstance(e, (list, tuple)) and len(e) == 3 and all(_is_int(v) for v in e)):
+                raise bad(name, f"entries must be {form}, integers, got {e!r}")
+            lo, hi, k = e
+            if not 1 <= lo <= hi or k < 0:
+                raise bad(name, f"entry {list(e)} needs 1 <= first <= last and k >= 0")
+            ranges.append((lo, hi, k))
+        ranges.sort()
+        for (_, hi, _), (lo, _, _) in zip(ranges, ranges[1:]):
+            if lo <= hi:
+                raise bad(name, f"batch-size ranges must not overlap: one ends at {hi}, another starts at {lo}")
+        if ranges[0][0] != 1:
+            raise bad(name, f"the first range must start at batch size 1 (every batch size needs a k), got "
+                            f"{ranges[0][0]}")
+        return tuple((lo, k) for lo, _, k in ranges)
+
+    def _check_draft_fields(self, bad) -> None:
+        """vLLM's fields for the draft's placement and loading: taken where they apply here, refused otherwise."""
+        from kvserve.config import QUANTIZATIONS  # kvserve.config imports this module
+        n = self.max_model_len
+        if n is not None and (not _is_int(n) or n < 1):
+            raise bad("max_model_len", f"must be an integer >= 1 or null, got {n!r}")
+        q = self.quantization
+        if q is not None:
+            if q not in QUANTIZATIONS:
+                raise bad("quantization", f"is the draft's weight format, one of {', '.join(map(repr, QUANTIZATIONS))} "
+                                          f"(a GGUF draft's own blocks are kept under 'auto'), got {q!r}")
+            if self.method in MODEL_FREE:
+                raise bad("quantization", f"applies to methods 'draft' and 'eagle' (a model's weights), got method "
+                                          f"{self.method!r}")
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise bad("enforce_eager", f"must be true, false or null, got {self.enforce_eager!r}")
+        tp = self.draft_tensor_parallel_size
+        if tp is not None and (not _is_int(tp) or tp != 1):
+            raise bad("draft_tensor_parallel_size", f"must be 1: the draft runs in the engine's process, on its "
+                                                    f"device (kvserve has no tensor parallelism), got {tp!r}")
+        for name in ("revision", "code_revision"):
+            if getattr(self, name) is not None:
+                raise bad(name, "does not apply: kvserve loads a draft from a local path (there is no model hub to "
+                                "take a revision from); pass that revision's directory or file as model")
+
+    def draft_tokens_at(self, batch_size: int) -> int:
+        """The most draft tokens (a tree's chain) a sequence carries in a step of batch_size running sequences:
+        the chain's length, or the schedule's k for that size (a gap, and the sizes past the last range, take the
+        range before's k), at most the chain's length."""
+        k = self.draft_depth
+        for first, scheduled in self.batch_schedule:
+            if first > batch_size:
+                break
+            k = min(scheduled, self.draft_depth)
+        return k
 
     def _parse_tree(self, bad) -> tuple[int, int]:
         """(chain depth, alternatives) of speculative_token_tree, or a ValueError saying what is supported."""
@@ -251,7 +373,15 @@ class SpeculativeConfig:
     def max_drafting_seqs(self) -> int | None:
         """The most sequences a step may draft for (None: no limit): what verification graphs are captured up to."""
         limits = [self.disable_by_batch_size] + ([self.lookup_disable_by_batch_size] if self.matches_text else [])
-        return None if None in limits else max(limits)
+        most = None if None in limits else max(limits)
+        schedule = self.batch_schedule
+        if schedule and schedule[-1][1] == 0:  # the schedule drafts nothing from some size on
+            j = len(schedule) - 1
+            while j > 0 and schedule[j - 1][1] == 0:
+                j -= 1
+            last = schedule[j][0] - 1  # 0 where it never drafts
+            most = last if most is None else min(most, last)
+        return most
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
@@ -269,13 +399,6 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - set(known))
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {known}")
-        if "method" not in value:
-            raise ValueError("speculative_config: method is required")
-        if "num_speculative_tokens" not in value:
-            if value["method"] != "suffix":
-                raise ValueError("speculative_config: num_speculative_tokens is required")
-            # vLLM's default for suffix decoding: as many as the deepest match (its drafts are sized per match).
-            value = {**value, "num_speculative_tokens": value.get("suffix_decoding_max_tree_depth", SUFFIX_DEPTH)}
         return cls(**value)
 
 

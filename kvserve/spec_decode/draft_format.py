@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 METADATA_KEY = "kvserve_draft"
@@ -61,8 +61,11 @@ def has_metadata(path: str | Path, key: str) -> bool:
     p = Path(path)
     if not (p.is_file() and p.suffix == ".safetensors"):
         return False
-    with safe_open(str(p), "pt") as f:
-        return key in (f.metadata() or {})
+    try:
+        with safe_open(str(p), "pt") as f:
+            return key in (f.metadata() or {})
+    except SafetensorError:  # not a safetensors file after all: the caller says what it expected
+        return False
 
 
 def save_with_config(path: str | Path, key: str, cfg: Any, tensors: dict[str, torch.Tensor],

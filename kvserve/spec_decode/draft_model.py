@@ -75,10 +75,13 @@ def draft_model_config(target: ModelConfig, f: DraftFileConfig) -> ModelConfig:
         attention_bias=False, qk_norm=False, sliding_window=None, layer_types=None, final_logit_softcapping=None)
 
 
-def draft_quantization(engine_quantization: str, device: torch.device) -> str:
-    """A draft checkpoint's linear layers: int8 weights on CPU (one pass of the 2-layer draft at batch 1
-    measured 2.4 ms in int8 against 18-36 ms in float32 on the 2-core AVX2 machine, loaded), unless the
-    engine runs unquantized ("none": exact float comparisons in tests) or on a GPU."""
+def draft_quantization(engine_quantization: str, device: torch.device, given: str | None = None) -> str:
+    """A draft checkpoint's linear layers: speculative_config's quantization where given ("auto": the file's
+    floats), else int8 weights on CPU (one pass of the 2-layer draft at batch 1 measured 2.4 ms in int8 against
+    18-36 ms in float32 on the 2-core AVX2 machine, loaded), unless the engine runs unquantized ("none": exact
+    float comparisons in tests) or on a GPU."""
+    if given is not None:
+        return "none" if given == "auto" else given
     return "int8" if device.type == "cpu" and engine_quantization != "none" else "none"
 
 
@@ -119,10 +122,11 @@ def build_draft_lm(path: str | Path, target: LoadedModel, dtype: torch.dtype, de
 
 
 def load_draft(model_path: str | None, target: LoadedModel, dtype: torch.dtype, device: torch.device,
-               quantization: str = "auto") -> nn.Module:
+               quantization: str = "auto", given: str | None = None) -> nn.Module:
     """The draft of method "draft": model_path (None: the draft shipped for the default model).
-    quantization: the engine's (a Hugging Face or GGUF draft is loaded with it as the target is)."""
-    ckpt_quant = draft_quantization(quantization, device)
+    quantization: the engine's (a Hugging Face or GGUF draft is loaded with it as the target is); given:
+    speculative_config's, the draft's own weight format where set."""
+    ckpt_quant = draft_quantization(quantization, device, given)
     if model_path is None:
         if not SHIPPED_DRAFT.exists():
             raise FileNotFoundError(f"speculative_config: the shipped draft {SHIPPED_DRAFT} is missing; "
@@ -143,7 +147,7 @@ def load_draft(model_path: str | None, target: LoadedModel, dtype: torch.dtype, 
         raise ValueError(f"speculative_config: model {model_path!r} is neither a Hugging Face directory, a "
                          ".gguf file nor a kvserve draft .safetensors")
     try:
-        draft = load_model(str(p), dtype, device, quantization=quantization)
+        draft = load_model(str(p), dtype, device, quantization=given or quantization)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"speculative_config: cannot load draft model {model_path!r}: {e}") from None
     if draft.config.vocab_size != target.config.vocab_size:

@@ -341,13 +341,16 @@ class EagleHead(nn.Module):
             layer.finalize()
 
 
-def head_quantization(engine_quantization: str, device: torch.device) -> str:
-    """The head's linear layers, its LM head's included: 4-bit weights on a CPU, unless the engine runs
+def head_quantization(engine_quantization: str, device: torch.device, given: str | None = None) -> str:
+    """The head's linear layers, its LM head's included: speculative_config's quantization where given ("auto":
+    the file's floats), else 4-bit weights on a CPU, unless the engine runs
     unquantized ("none": exact float comparisons in tests) or on a GPU. A drafting step reads all of the head's
     weights from memory after the target's pass has pushed them out of cache, so its bytes are its time: 3.5 MB
     in int4 against 6.0 MB in int8. Scratch A/Bs in one process at one stream (AVX-512 Zen 5), a tree each:
     on 16 chat answers as good drafts (1169-1171 steps against 1174-1230) and 1.198x against 1.161-1.180x;
     on 16 summaries 2-4% more steps (1099-1109 against 1059-1084) and 1.275-1.293x against 1.261-1.299x."""
+    if given is not None:
+        return "none" if given == "auto" else given
     return "int4" if device.type == "cpu" and engine_quantization != "none" else "none"
 
 

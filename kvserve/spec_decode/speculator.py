@@ -11,7 +11,8 @@ with enable_suffix_decoding, in place of prompt lookup) drafts as prompt lookup 
 responses too (suffix.py): those of the other running sequences, and those the engine hands over as they
 finish (`finished`). Drafting pays only while the step is memory-bound and the drafts are good: each step
 carries only as many draft tokens as this engine's measured step times say pay (draft_length.py), none above
-`disable_by_batch_size` sequences, and none for a request while its acceptance stays low.
+`disable_by_batch_size` sequences, at most the batch-size schedule's k (num_speculative_tokens_per_batch_size),
+and none for a request while its acceptance stays low.
 
 With a token tree of alternatives (SpeculativeConfig.speculative_token_tree), a greedy request's model
 draft also carries the head's next choices for its first token, after the chain (TREE_CLASS drafts). With the
@@ -65,6 +66,8 @@ class Speculator:
         A tree's alternatives need an attention backend that takes them (the engine checks)."""
         self.config = config
         self.max_model_len = max_model_len
+        # Drafts stop where a sequence would pass this many tokens (speculative_config's max_model_len).
+        self.draft_max_len = min(max_model_len, config.max_model_len or max_model_len)
         self.max_num_batched_tokens = max_num_batched_tokens
         assert (config.method not in MODEL_FREE) == (draft is not None)
         self.draft = draft
@@ -103,8 +106,9 @@ class Speculator:
 
         def allowed(limit: int | None) -> bool:
             return limit is None or len(running) <= limit
-        lookup = self.proposer is not None and allowed(cfg.lookup_disable_by_batch_size)
-        model = self.draft is not None and allowed(cfg.disable_by_batch_size)
+        depth = cfg.draft_tokens_at(len(running))  # the chain, or the batch-size schedule's k
+        lookup = self.proposer is not None and allowed(cfg.lookup_disable_by_batch_size) and depth > 0
+        model = self.draft is not None and allowed(cfg.disable_by_batch_size) and depth > 0
         self._behind, self._drafting_left = [], self.max_num_batched_tokens - self.max_num_batched_tokens // 2
         # Suffix decoding: the responses being generated draft for the others too.
         suffix = (self.proposer if lookup and isinstance(self.proposer, SuffixProposer)
@@ -114,7 +118,7 @@ class Speculator:
                                         seq.tenant_salt) for seq in running if seq.num_output_tokens > 0])
         try:
             for seq in running:
-                seq.spec_token_ids = self._propose_one(seq, lookup, model) if lookup or model else []
+                seq.spec_token_ids = self._propose_one(seq, lookup, model, depth) if lookup or model else []
                 seq.spec_alternatives = 0
         finally:
             if suffix is not None:
@@ -191,17 +195,15 @@ class Speculator:
         """A step's tokens without drafts: each sequence's left to compute (1 when it decodes), up to the budget."""
         return min(self.max_num_batched_tokens, sum(seq.num_tokens - seq.num_computed_tokens for seq in running))
 
-    def _propose_one(self, seq: Sequence, lookup: bool, model: bool) -> list[int]:
+    def _propose_one(self, seq: Sequence, lookup: bool, model: bool, depth: int) -> list[int]:
         if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.prefill_done:
             return []  # still in prefill
         state = seq.spec_state
         if state is not None and self._step < state.paused_until:
             return []
         # Never draft past what the request may still emit: the step emits up to len(drafts) + 1 tokens,
-        # and positions must stay inside max_model_len.
-        max_new = min(self.config.draft_depth,
-                      seq.params.max_tokens - seq.num_output_tokens - 1,
-                      self.max_model_len - seq.num_tokens - 1)
+        # and positions must stay inside max_model_len (the drafts' own, where given).
+        max_new = min(depth, seq.params.max_tokens - seq.num_output_tokens - 1, self.draft_max_len - seq.num_tokens - 1)
         if max_new <= 0:
             return []
         if lookup:
@@ -239,7 +241,8 @@ class Speculator:
         head: only where the head may draft for that many in the next step (above, gathering and storing
         every sequence's state each step pays for drafts that never come)."""
         limit = self.config.disable_by_batch_size
-        return isinstance(self.draft, EagleProposer) and (limit is None or num_running <= limit)
+        return (isinstance(self.draft, EagleProposer) and (limit is None or num_running <= limit)
+                and self.config.draft_tokens_at(num_running) > 0)
 
     def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """The target's hidden state that produced seq's last token (method "eagle"), after a step that emitted
