@@ -122,7 +122,11 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                         "suffix_decoding_max_tree_depth, _max_cached_requests, _corpus_tokens, _max_spec_factor, "
                         "_min_token_prob); eagle and draft take prompt_lookup_min/max too, to draft by prompt "
                         "lookup where the text repeats itself and by the model elsewhere, or "
-                        "enable_suffix_decoding: true, to draft by suffix decoding there instead. Default: off.")
+                        "enable_suffix_decoding: true, to draft by suffix decoding there instead. vLLM's "
+                        "num_speculative_tokens_per_batch_size ([[first, last, k], ...]: draft tokens by running "
+                        "sequences), max_model_len, quantization (the draft's weights), enforce_eager and "
+                        "draft_tensor_parallel_size 1 are taken too; without method it follows from model. "
+                        "Default: off.")
     p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default="none",
                    help="With --speculative-config: each response of one sequence (n = 1, one prompt) carries "
                         "metrics.speculative_decoding, vLLM's per-request acceptance figures (drafts, accepted "
