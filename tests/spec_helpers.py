@@ -111,6 +111,19 @@ def generate_with(llm, speculate: bool, prompts, params):
     return outs, before, after
 
 
+def drafts_by_batch_size(engine: LLMEngine) -> dict[int, list[int]]:
+    """As the engine runs: per step, its running sequences' draft lengths (a tree's alternatives included),
+    keyed by how many ran."""
+    seen: dict[int, list[int]] = {}
+    propose = engine.speculator.propose
+
+    def proposed(running):
+        propose(running)
+        seen.setdefault(len(running), []).extend(len(seq.spec_token_ids) for seq in running)
+    engine.speculator.propose = proposed
+    return seen
+
+
 def num_tokens_now(engine: LLMEngine) -> dict[int, int]:
     return {seq.seq_id: seq.num_tokens for seq in engine.scheduler.running}
 

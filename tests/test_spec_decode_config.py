@@ -148,8 +148,9 @@ def test_without_method_it_follows_from_model_as_in_vllm(tmp_path):
     from kvserve.spec_decode.eagle_head import SHIPPED_HEAD
     from kvserve.spec_decode.draft_format import SHIPPED_DRAFT
 
-    for name in ("ngram", "[ngram]"):
-        c = SpeculativeConfig.parse({"model": name, "num_speculative_tokens": 3})
+    for given in ({"model": "ngram"}, {"model": "[ngram]"}, {"method": "ngram", "model": "ngram"},
+                  {"method": "[ngram]"}):
+        c = SpeculativeConfig.parse({**given, "num_speculative_tokens": 3})
         assert (c.method, c.model, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", None, 2, 4)
     assert SpeculativeConfig.parse({"model": str(SHIPPED_HEAD), "num_speculative_tokens": 1}).method == "eagle"
     assert SpeculativeConfig.parse({"model": str(SHIPPED_DRAFT), "num_speculative_tokens": 3}).method == "draft"
@@ -181,12 +182,15 @@ def test_batch_size_schedule_in_vllms_notation():
     never = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
                                      "num_speculative_tokens_per_batch_size": [[1, 4, 0], [5, 9, 0]]})
     assert never.max_drafting_seqs == 0 and never.draft_tokens_at(1) == 0
-    # A tree's chain is what the schedule caps.
+    # A tree's draft tokens, chain and alternatives together, are what k counts (as num_speculative_tokens does).
     tree = SpeculativeConfig.parse({"method": "eagle", "num_speculative_tokens": 4,
                                     "speculative_token_tree": "[(0,), (0, 0), (1,), (2,)]",
                                     "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 2, 1]]})
-    assert (tree.draft_tokens_at(1), tree.draft_tokens_at(2)) == (2, 1)
+    assert (tree.draft_tokens_at(1), tree.draft_tokens_at(2)) == (4, 1)
     assert SpeculativeConfig(method="ngram", num_speculative_tokens=3).draft_tokens_at(1000) == 3
+    # What verification graphs and a GPU's profiled step are sized by: 0 where the schedule never drafts.
+    assert (never.drafting_seqs(64), limited.drafting_seqs(64), limited.drafting_seqs(4), on.drafting_seqs(64),
+            c.drafting_seqs(64)) == (0, 6, 4, 64, 4)
 
 
 def test_vllms_draft_fields_are_taken_or_refused_with_the_reason():

@@ -37,8 +37,8 @@ from kvserve.spec_decode.state import spec_state
 from kvserve.spec_decode.suffix import CORPUS_CLASS, SuffixProposer
 from engine_helpers import assert_no_leaks
 from spec_helpers import (PREEMPTING, abort_mid_speculation, check_request_acceptance, count_alternatives,
-                          count_draft_kinds, make_draft_file, make_engine, on_record, preempting_wave, prefix_hit_waves,
-                          prompts, run_waves)
+                          count_draft_kinds, drafts_by_batch_size, make_draft_file, make_engine, on_record,
+                          preempting_wave, prefix_hit_waves, prompts, run_waves)
 from test_spec_decode_distribution import BANNED
 from test_spec_decode_draft import assert_same, sampled_acceptance_and_chisquare
 
@@ -264,6 +264,24 @@ def test_the_engine_keeps_the_heads_weights_in_4_bits(tiny_model_dirs, heads):
                 for layer in (head.fc, head.mlp.gate_up_proj, head.mlp.down_proj, head.lm_head)] == want, given
 
 
+def test_a_batch_size_schedule_counts_a_trees_alternatives(tiny_model_dirs, heads):
+    """vLLM's num_speculative_tokens_per_batch_size with a token tree, whole trees (no draft-length rule): k counts
+    the chain and its alternatives together, and the schedule alone sets where the head drafts (its default
+    limit of one sequence gives way), so two sequences draft one token each; the output is unchanged."""
+    path, _ = tiny_model_dirs["llama"]
+    ps = prompts(4, [5, 13, 21])  # prompts the heads learned (PROMPTS)
+    waves = [[(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+              for i, (p, n) in enumerate(zip(ps, (8, 16, 30)))]]
+    given = {"method": "eagle", "model": str(heads["right"]), "num_speculative_tokens": 3,
+             "speculative_token_tree": "[(0,), (1,), (2,)]", "adaptive_draft_length": False,
+             "min_acceptance_rate": 0.0, "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 2, 1], [3, 8, 0]]}
+    engine = make_engine(path, given)
+    seen = drafts_by_batch_size(engine)
+    ref, got = run_waves(make_engine(path), waves), run_waves(engine, waves, check=True)
+    assert all(got[str(i)].outputs[0].token_ids == ref[str(i)].outputs[0].token_ids for i in range(len(ps)))
+    assert max(seen[1]) == 3 and max(seen[2]) == 1 and not any(seen[3])
+
+
 def test_without_a_method_a_heads_file_makes_an_eagle_engine(tiny_model_dirs, heads):
     """vLLM's rule, model alone: a head's file runs method "eagle", with its greedy output unchanged."""
     from kvserve.spec_decode.eagle_proposer import EagleProposer
@@ -422,16 +440,23 @@ def test_head_reads_the_targets_hidden_state_of_the_last_token(tiny_model_dirs, 
     assert_no_leaks(engine)
 
 
-def test_hidden_states_only_where_the_head_may_draft(tiny_model_dirs, heads):
-    """With disable_by_batch_size 2, steps of more running sequences hand the head no hidden states, steps
-    of 2 or fewer do. Every draft is accepted (none read a stale state: a sequence without a fresh one does
-    not draft), and the greedy tokens are non-speculative decoding's."""
+@pytest.mark.parametrize("limit", [{"disable_by_batch_size": 2},
+                                   {"num_speculative_tokens_per_batch_size": [[1, 2, K], [3, 64, 0]]}],
+                         ids=["disable_by_batch_size", "schedule"])
+def test_hidden_states_only_where_the_head_may_draft(limit, tiny_model_dirs, heads):
+    """With disable_by_batch_size 2, or a batch-size schedule whose k is 0 from 3 sequences on, steps of more
+    running sequences hand the head no hidden states, steps of 2 or fewer do. Every draft is accepted (none read
+    a stale state: a sequence without a fresh one does not draft), and the greedy tokens are non-speculative
+    decoding's."""
     path, _ = tiny_model_dirs["llama"]
     ps = prompts(2, [6, 23, 14, 31])
     wave = [[(str(i), p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=1))
              for i, (p, m) in enumerate(zip(ps, [4, 8, 30, 30]))]]
     ref = run(make_engine(path), wave)
-    engine = make_engine(path, spec(heads["right"], disable_by_batch_size=2))
+    given = spec(heads["right"], **limit)
+    if "disable_by_batch_size" not in limit:
+        del given["disable_by_batch_size"]  # the schedule alone says where the head drafts
+    engine = make_engine(path, given)
     seen = []  # per step: running sequences, hidden states kept
     execute = engine.runner.execute
 

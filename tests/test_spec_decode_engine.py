@@ -2,15 +2,18 @@
 rollback of rejected drafts, and outputs identical to non-speculative decoding of the same engine
 (float32), with chunked prefill, preemption and prefix-cache hits forced."""
 import random
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.config import SpeculativeConfig
 from engine_helpers import assert_no_leaks
-from spec_helpers import (ScriptedProposer, abort_mid_speculation, every_step_ngram, logprob_tolerance, make_engine,
-                          prompts, reference_and_drafts, run_waves)
+from spec_helpers import (ScriptedProposer, abort_mid_speculation, drafts_by_batch_size, every_step_ngram,
+                          logprob_tolerance, make_engine, prompts, reference_and_drafts, run_waves)
 
 K = 4
 NGRAM = every_step_ngram(K)
@@ -268,18 +271,6 @@ def test_rejected_drafts_blocks_go_back_and_cost_no_preemption(tiny_model_dirs):
         assert drafted[rid].outputs[0].token_ids == plain[rid].outputs[0].token_ids
 
 
-def drafts_by_batch_size(engine: LLMEngine) -> dict[int, list[int]]:
-    """As the engine runs: per step, its running sequences' draft lengths, keyed by how many ran."""
-    seen: dict[int, list[int]] = {}
-    propose = engine.speculator.propose
-
-    def proposed(running):
-        propose(running)
-        seen.setdefault(len(running), []).extend(len(seq.spec_token_ids) for seq in running)
-    engine.speculator.propose = proposed
-    return seen
-
-
 def test_the_batch_size_schedule_caps_each_steps_drafts(tiny_model_dirs):
     """vLLM's num_speculative_tokens_per_batch_size with right drafts on offer every step: 4 tokens a sequence
     while it runs alone, 1 beside another, none among three or more; the output is the non-speculative one."""
@@ -319,3 +310,19 @@ def test_drafts_stop_at_the_drafts_max_model_len(tiny_model_dirs):
     assert all(got[str(i)].outputs[0].token_ids == ref[i].token_ids for i in range(len(ps)))
     assert longest and max(longest) == 23  # the bonus token lands at position 23, the limit's last
     assert all(len(p) + 30 > 24 for p in ps)  # both sequences outgrew it
+
+
+def test_draft_fields_only_the_engine_can_check(tiny_model_dirs):
+    """speculative_config's max_model_len may not pass the target's (vLLM's check); int8 / int4 draft weights
+    are a CPU format, refused by the field's name elsewhere (the engine's check, called as a CUDA engine would)."""
+    path, _ = tiny_model_dirs["llama"]
+    with pytest.raises(ValueError, match=r"max_model_len \(65\) cannot be larger than the target's \(64\)"):
+        make_engine(path, {**NGRAM, "max_model_len": 65}, max_model_len=64)
+    make_engine(path, {**NGRAM, "max_model_len": 64}, max_model_len=64)
+    cuda = SimpleNamespace(device=torch.device("cuda"))
+    for q in ("int8", "int4"):
+        with pytest.raises(ValueError, match=f"quantization '{q}' .the draft's weights. runs on the CPU only"):
+            LLMEngine._check_draft_fields(cuda, SpeculativeConfig(method="eagle", num_speculative_tokens=1,
+                                                                  quantization=q), 64)
+    LLMEngine._check_draft_fields(cuda, SpeculativeConfig(method="eagle", num_speculative_tokens=1,
+                                                          quantization="auto"), 64)

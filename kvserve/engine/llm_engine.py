@@ -35,6 +35,7 @@ from kvserve.outputs import (PositionLogprobs, RequestDelta, RequestMetrics, Req
                              SpecDecodeMetrics)
 from kvserve.sampling.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.draft_model import load_draft
 from kvserve.spec_decode.draft_proposer import DraftProposer
 from kvserve.spec_decode.eagle_head import head_quantization, load_eagle_head
@@ -73,6 +74,8 @@ class LLMEngine:
         kv_spec = kv_cache_spec(mc, config.block_size, self.kv_cache_dtype)
         block_bytes = kv_spec.bytes_per_block
         spec = config.speculative_config
+        if spec is not None:
+            self._check_draft_fields(spec, config.max_model_len or mc.max_position_embeddings)
         draft_model = draft_kv_spec = None
         if spec is not None and spec.method == "draft":
             # The draft's KV pool is addressed by the same block ids: each block costs both pools' bytes.
@@ -117,10 +120,10 @@ class LLMEngine:
             # An eagle head keeps no K/V (its state is one vector per sequence): a draft model's pool only.
             self._calibrate_kv_scales(self.runner, draft if isinstance(draft, DraftProposer) else None)
         if self.device.type == "cuda" and not config.enforce_eager and self.runner.attn_backend.name == "triton":
-            verify_seqs = 0 if spec is None else spec.max_drafting_seqs or config.max_num_seqs
+            verify_seqs = 0 if spec is None else spec.drafting_seqs(config.max_num_seqs)
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len,
                                        1 + spec.num_speculative_tokens if spec is not None else None, verify_seqs)
-            if isinstance(draft, EagleProposer) and not spec.enforce_eager:
+            if isinstance(draft, EagleProposer) and verify_seqs and not spec.enforce_eager:
                 draft.model.capture_graphs(verify_seqs)
         self.speculator = None
         if spec is not None:
@@ -165,14 +168,23 @@ class LLMEngine:
             if r is not None:
                 calibrate_kv_scales(r.model, r.attn_backend, r.kv_caches, r.block_size, ids, self.device)
 
+    def _check_draft_fields(self, spec: SpeculativeConfig, max_model_len: int) -> None:
+        """speculative_config's fields that only the engine can check: against the target's context length (as
+        vLLM checks them) and the device."""
+        if spec.max_model_len is not None and spec.max_model_len > max_model_len:
+            raise ValueError(f"speculative_config: max_model_len ({spec.max_model_len}) cannot be larger than the "
+                             f"target's ({max_model_len})")
+        if spec.quantization in ("int8", "int4") and self.device.type != "cpu":
+            raise ValueError(f"speculative_config: quantization {spec.quantization!r} (the draft's weights) runs on "
+                             f"the CPU only for now; on {self.device.type} give 'auto' or 'none'")
+
     def _num_blocks_by_profiling(self, model: torch.nn.Module, kv_spec) -> int:
         """CUDA: the blocks that fit in gpu_memory_utilization of the GPU once a worst-case step has run
         (kvserve/worker/memory_profile.py), on a throwaway runner with just the blocks that step needs."""
         cfg = self.config
         probe_blocks = worst_case_batch(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.block_size).num_blocks
         spec = cfg.speculative_config
-        draft_rows = 0 if spec is None else (min(cfg.max_num_seqs, spec.max_drafting_seqs or cfg.max_num_seqs)
-                                             * spec.num_speculative_tokens)
+        draft_rows = 0 if spec is None else spec.drafting_seqs(cfg.max_num_seqs) * spec.num_speculative_tokens
 
         def worst_case_step() -> None:
             probe = ModelRunner(model, kv_spec, probe_blocks, self.device, self.eos_token_ids, self.dtype,

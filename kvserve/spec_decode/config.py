@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 METHODS = ("ngram", "draft", "eagle", "suffix")
 MODEL_FREE = ("ngram", "suffix")  # methods that draft from text alone
 # vLLM's name for a standalone draft model, so that a config written for vLLM runs unchanged.
-METHOD_ALIASES = {"draft_model": "draft"}
+METHOD_ALIASES = {"draft_model": "draft", "[ngram]": "ngram"}
 
 # Above this many running sequences in a step (prefilling ones included), nobody drafts (vLLM's
 # disable_by_batch_size); per method,
@@ -127,9 +127,11 @@ class SpeculativeConfig:
     enable_suffix_decoding: bool = False
     # vLLM's schedule of draft lengths by batch size: [[first, last, k], ...], ranges of running sequences from 1
     # on; a gap, and the sizes past the last range, take the range before's k (vLLM's rule). k caps a step's draft
-    # tokens a sequence (a tree's chain; its alternatives stay sized by the head's confidence), 0 drafts nothing;
-    # the draft-length rule still cuts below it unless adaptive_draft_length is false. Without
-    # disable_by_batch_size, the schedule alone says where drafting stops.
+    # tokens a sequence, a tree's chain and alternatives together (the chain first), 0 drafts nothing; the
+    # draft-length rule still cuts below it unless adaptive_draft_length is false. Without
+    # disable_by_batch_size, the schedule alone says where drafting stops. On CUDA a verification step's rows
+    # are padded to 1 + num_speculative_tokens for its graphs, so there a smaller k saves no step time (k = 0
+    # does: such steps replay the decode graphs).
     num_speculative_tokens_per_batch_size: list[list[int]] | None = None
     # vLLM's fields for the draft itself. max_model_len: drafting stops where a sequence would pass this many
     # tokens (None: the engine's max_model_len; a draft model also stops at its own context length).
@@ -138,7 +140,8 @@ class SpeculativeConfig:
     # a GGUF's blocks kept, float weights as floats). None: int8 for a draft checkpoint and int4 for a head on a
     # CPU, floats on a GPU or under --quantization none; a Hugging Face or GGUF draft as the target is loaded.
     quantization: str | None = None
-    # True: the eagle head drafts without CUDA graphs (the target's steps follow the engine's enforce_eager).
+    # True: the eagle head drafts without CUDA graphs (the only draft kvserve runs in graphs; the target's steps
+    # follow the engine's enforce_eager). False or None: the head follows the engine (graphs where it has its own).
     enforce_eager: bool | None = None
     # The draft runs in the engine's process, on its device: 1 (or None) only.
     draft_tensor_parallel_size: int | None = None
@@ -161,6 +164,8 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise bad("method", f"must be one of {', '.join(map(repr, METHODS))} ('draft_model' is taken for "
                                 f"'draft'), got {self.method!r}")
+        if self.method == "ngram" and self.model in ("ngram", "[ngram]"):  # vLLM's own spelling of no model
+            self.model = None
         if self.num_speculative_tokens is None:
             if self.method != "suffix":
                 raise bad("num_speculative_tokens", "is required")
@@ -294,15 +299,21 @@ class SpeculativeConfig:
                                 "take a revision from); pass that revision's directory or file as model")
 
     def draft_tokens_at(self, batch_size: int) -> int:
-        """The most draft tokens (a tree's chain) a sequence carries in a step of batch_size running sequences:
-        the chain's length, or the schedule's k for that size (a gap, and the sizes past the last range, take the
-        range before's k), at most the chain's length."""
-        k = self.draft_depth
+        """The most draft tokens a sequence carries in a step of batch_size running sequences, a tree's chain and
+        alternatives together: num_speculative_tokens, or the schedule's k for that size (a gap, and the sizes past
+        the last range, take the range before's k), at most num_speculative_tokens (vLLM's rule)."""
+        k = self.num_speculative_tokens
         for first, scheduled in self.batch_schedule:
             if first > batch_size:
                 break
-            k = min(scheduled, self.draft_depth)
+            k = min(scheduled, self.num_speculative_tokens)
         return k
+
+    def drafting_seqs(self, max_num_seqs: int) -> int:
+        """How many sequences a step may draft for, at most max_num_seqs: what the verification graphs and a GPU's
+        profiled worst-case step are sized by (0: a schedule that never drafts)."""
+        most = self.max_drafting_seqs
+        return max_num_seqs if most is None else min(most, max_num_seqs)
 
     def _parse_tree(self, bad) -> tuple[int, int]:
         """(chain depth, alternatives) of speculative_token_tree, or a ValueError saying what is supported."""

@@ -106,9 +106,10 @@ class Speculator:
 
         def allowed(limit: int | None) -> bool:
             return limit is None or len(running) <= limit
-        depth = cfg.draft_tokens_at(len(running))  # the chain, or the batch-size schedule's k
-        lookup = self.proposer is not None and allowed(cfg.lookup_disable_by_batch_size) and depth > 0
-        model = self.draft is not None and allowed(cfg.disable_by_batch_size) and depth > 0
+        budget = cfg.draft_tokens_at(len(running))  # num_speculative_tokens, or the batch-size schedule's k
+        depth = min(budget, cfg.draft_depth)  # of which a chain
+        lookup = self.proposer is not None and allowed(cfg.lookup_disable_by_batch_size) and budget > 0
+        model = self.draft is not None and allowed(cfg.disable_by_batch_size) and budget > 0
         self._behind, self._drafting_left = [], self.max_num_batched_tokens - self.max_num_batched_tokens // 2
         # Suffix decoding: the responses being generated draft for the others too.
         suffix = (self.proposer if lookup and isinstance(self.proposer, SuffixProposer)
@@ -129,7 +130,7 @@ class Speculator:
         if self.length is not None and (lookup or model):
             self._cut_to_paying_length(running)
         if trees:
-            self._draft_trees(running, trees)
+            self._draft_trees(running, trees, budget)
 
     def _cut_to_paying_length(self, running: list[Sequence]) -> None:
         """Cut each sequence's drafts to what pays."""
@@ -147,11 +148,12 @@ class Speculator:
         for seq, n in zip(drafting, keep):
             del seq.spec_token_ids[n:]
 
-    def _draft_trees(self, running: list[Sequence], depths: dict[int, int]) -> None:
+    def _draft_trees(self, running: list[Sequence], depths: dict[int, int], budget: int) -> None:
         """Greedy requests' trees, drafted before the schedule. Without the rule, whole. With it, sized by the
         head's confidence: the head drafts each tree whose first token the rule kept (at the average
         acceptance), and the step keeps, over all of them, the rows whose gains (confidence.py) pay at this
-        engine's step times, best first. depths: seq_id -> the chain tokens a sequence may draft."""
+        engine's step times, best first. depths: seq_id -> the chain tokens a sequence may draft; budget: its
+        draft tokens, chain and alternatives together (the batch-size schedule's k), the chain's first."""
         cal, length = self.calibration, self.length
         trees = [seq for seq in running if seq.seq_id in depths and seq.spec_token_ids]
         if not trees:
@@ -161,7 +163,7 @@ class Speculator:
                                       self.extend_min_gain)
         # Alternatives are stored past the chain, in the K/V slots from seq.num_tokens + len(chain) on: those
         # slots stay below max_model_len too (their positions are the first draft's, always inside it).
-        rooms = [max(0, self.max_model_len - seq.num_tokens - len(d.chain)) for seq, d in zip(trees, made)]
+        rooms = [max(0, min(self.max_model_len - seq.num_tokens, budget) - len(d.chain)) for seq, d in zip(trees, made)]
         if cal is None:  # without the rule, every tree whole
             for seq, d, room in zip(trees, made, rooms):
                 alternatives = d.alternatives[:room]
