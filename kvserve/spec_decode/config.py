@@ -41,6 +41,7 @@ METHODS = ("ngram", "draft", "eagle", "suffix")
 MODEL_FREE = ("ngram", "suffix")  # methods that draft from text alone
 # vLLM's name for a standalone draft model, so that a config written for vLLM runs unchanged.
 METHOD_ALIASES = {"draft_model": "draft", "[ngram]": "ngram"}
+NGRAM_MODELS = ("ngram", "[ngram]")  # vLLM's model for prompt lookup, which has none
 
 # Above this many running sequences in a step (prefilling ones included), nobody drafts (vLLM's
 # disable_by_batch_size); per method,
@@ -164,7 +165,7 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise bad("method", f"must be one of {', '.join(map(repr, METHODS))} ('draft_model' is taken for "
                                 f"'draft'), got {self.method!r}")
-        if self.method == "ngram" and self.model in ("ngram", "[ngram]"):  # vLLM's own spelling of no model
+        if self.method == "ngram" and self.model in NGRAM_MODELS:
             self.model = None
         if self.num_speculative_tokens is None:
             if self.method != "suffix":
@@ -239,9 +240,8 @@ class SpeculativeConfig:
         m = self.model
         if m is None:
             raise bad("method", "is required (or model: a draft's path, the method following from what it holds)")
-        if m in ("ngram", "[ngram]"):
-            self.model = None
-            return "ngram"
+        if m in NGRAM_MODELS:
+            return "ngram"  # model cleared below, as where method "ngram" is given with it
         if isinstance(m, str):
             from kvserve.spec_decode.eagle_head import is_head_file  # reads the file's metadata only
             return "eagle" if is_head_file(m) else "draft"

@@ -68,6 +68,12 @@ def has_metadata(path: str | Path, key: str) -> bool:
         return False
 
 
+def file_quantization(given: str) -> str:
+    """speculative_config's quantization for the weights of a file above (a draft checkpoint, an eagle head),
+    which are floats: "auto" keeps them so."""
+    return "none" if given == "auto" else given
+
+
 def save_with_config(path: str | Path, key: str, cfg: Any, tensors: dict[str, torch.Tensor],
                      training: dict[str, Any] | None) -> None:
     meta = {key: json.dumps(asdict(cfg)), "training": json.dumps(training or {})}

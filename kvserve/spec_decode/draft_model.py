@@ -28,7 +28,8 @@ from kvserve.models.llama import DecoderLayer, run_decoder_layers
 from kvserve.models.loader import LoadedModel, load_model
 from kvserve.models.native_stack import NativeDecoderStack
 from kvserve.models.weight_loading import load_named_weights
-from kvserve.spec_decode.draft_format import SHIPPED_DRAFT, DraftFileConfig, is_draft_file, read_draft
+from kvserve.spec_decode.draft_format import (SHIPPED_DRAFT, DraftFileConfig, file_quantization, is_draft_file,
+                                               read_draft)
 
 # Encoded by target and draft to check that they share a tokenizer.
 _TOKENIZER_PROBE = "Hello, world! The year 2024 was 366 days long.\n    def f(x):\n        return x ** 2  # ok"
@@ -81,7 +82,7 @@ def draft_quantization(engine_quantization: str, device: torch.device, given: st
     18-36 ms in float32 on the 2-core AVX2 machine, loaded), unless the engine runs unquantized ("none": exact
     float comparisons in tests) or on a GPU."""
     if given is not None:
-        return "none" if given == "auto" else given
+        return file_quantization(given)
     return "int8" if device.type == "cpu" and engine_quantization != "none" else "none"
 
 

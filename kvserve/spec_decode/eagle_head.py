@@ -43,7 +43,7 @@ from kvserve.models.native_stack import native_weight
 from kvserve.sampling.sampler import argmax
 from kvserve.spec_decode.confidence import CalibrationFileError, calibration_path, read_calibration
 from kvserve.spec_decode.draft_model import full_vocab_logits, target_embedding
-from kvserve.spec_decode.draft_format import has_metadata, read_with_config, save_with_config
+from kvserve.spec_decode.draft_format import file_quantization, has_metadata, read_with_config, save_with_config
 from kvserve.spec_decode.draft_reference import ReferenceTensors, rope, rms_norm
 from kvserve.spec_decode.eagle_graphs import HeadGraphs
 
@@ -350,7 +350,7 @@ def head_quantization(engine_quantization: str, device: torch.device, given: str
     on 16 chat answers as good drafts (1169-1171 steps against 1174-1230) and 1.198x against 1.161-1.180x;
     on 16 summaries 2-4% more steps (1099-1109 against 1059-1084) and 1.275-1.293x against 1.261-1.299x."""
     if given is not None:
-        return "none" if given == "auto" else given
+        return file_quantization(given)
     return "int4" if device.type == "cpu" and engine_quantization != "none" else "none"
 
 
