@@ -73,9 +73,13 @@ class LLMEngine:
             cpu_auto=self.device.type == "cpu" and config.dtype == "auto" and cpu_kernels.available())
         kv_spec = kv_cache_spec(mc, config.block_size, self.kv_cache_dtype)
         block_bytes = kv_spec.bytes_per_block
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length "
+                             f"({mc.max_position_embeddings})")
+        max_model_len = config.max_model_len or mc.max_position_embeddings
         spec = config.speculative_config
         if spec is not None:
-            self._check_draft_fields(spec, config.max_model_len or mc.max_position_embeddings)
+            self._check_draft_fields(spec, max_model_len)
         draft_model = draft_kv_spec = None
         if spec is not None and spec.method == "draft":
             # The draft's KV pool is addressed by the same block ids: each block costs both pools' bytes.
@@ -96,12 +100,8 @@ class LLMEngine:
             num_blocks = self._num_blocks_for_budget(block_bytes)
         if num_blocks < 1:
             raise ValueError("kv_cache_memory is too small to hold a single KV block")
-        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length "
-                             f"({mc.max_position_embeddings})")
         # A sequence must fit in the pool on its own, or preemption could not always make room for it.
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
-                                 num_blocks * config.block_size)
+        self.max_model_len = min(max_model_len, num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         if config.batch_invariant and self.device.type != "cpu":

@@ -104,12 +104,11 @@ class Speculator:
         self._step += 1
         cfg = self.config
 
-        def allowed(limit: int | None) -> bool:
-            return limit is None or len(running) <= limit
         budget = cfg.draft_tokens_at(len(running))  # num_speculative_tokens, or the batch-size schedule's k
         depth = min(budget, cfg.draft_depth)  # of which a chain
-        lookup = self.proposer is not None and allowed(cfg.lookup_disable_by_batch_size) and budget > 0
-        model = self.draft is not None and allowed(cfg.disable_by_batch_size) and budget > 0
+        limit = cfg.lookup_disable_by_batch_size
+        lookup = self.proposer is not None and (limit is None or len(running) <= limit) and budget > 0
+        model = self._model_drafts(len(running))
         self._behind, self._drafting_left = [], self.max_num_batched_tokens - self.max_num_batched_tokens // 2
         # Suffix decoding: the responses being generated draft for the others too.
         suffix = (self.proposer if lookup and isinstance(self.proposer, SuffixProposer)
@@ -242,8 +241,12 @@ class Speculator:
         """Whether a step of this many running sequences should hand the target's hidden states to the eagle
         head: only where the head may draft for that many in the next step (above, gathering and storing
         every sequence's state each step pays for drafts that never come)."""
+        return isinstance(self.draft, EagleProposer) and self._model_drafts(num_running)
+
+    def _model_drafts(self, num_running: int) -> bool:
+        """Whether the draft model or head drafts in a step of this many running sequences."""
         limit = self.config.disable_by_batch_size
-        return (isinstance(self.draft, EagleProposer) and (limit is None or num_running <= limit)
+        return (self.draft is not None and (limit is None or num_running <= limit)
                 and self.config.draft_tokens_at(num_running) > 0)
 
     def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
