@@ -47,6 +47,11 @@ PLACEHOLDER = -1  # a draft token the draft model fills in after the schedule
 EXTEND_MIN_GAIN = 0.4  # the head drafts a tree's next chain token only while the chain so far is this likely
 
 
+def _within(limit: int | None, num_running: int) -> bool:
+    """A disable_by_batch_size limit's test: drafting stays on at up to limit running sequences."""
+    return limit is None or num_running <= limit
+
+
 @dataclass
 class SpecDecodeStats:
     """Cumulative counters, with vLLM's meanings: a draft is one sequence's proposal in one step."""
@@ -106,9 +111,8 @@ class Speculator:
 
         budget = cfg.draft_tokens_at(len(running))  # num_speculative_tokens, or the batch-size schedule's k
         depth = min(budget, cfg.draft_depth)  # of which a chain
-        limit = cfg.lookup_disable_by_batch_size
-        lookup = self.proposer is not None and (limit is None or len(running) <= limit) and budget > 0
-        model = self._model_drafts(len(running))
+        lookup = self.proposer is not None and budget > 0 and _within(cfg.lookup_disable_by_batch_size, len(running))
+        model = self._model_drafts(len(running), budget)
         self._behind, self._drafting_left = [], self.max_num_batched_tokens - self.max_num_batched_tokens // 2
         # Suffix decoding: the responses being generated draft for the others too.
         suffix = (self.proposer if lookup and isinstance(self.proposer, SuffixProposer)
@@ -241,13 +245,13 @@ class Speculator:
         """Whether a step of this many running sequences should hand the target's hidden states to the eagle
         head: only where the head may draft for that many in the next step (above, gathering and storing
         every sequence's state each step pays for drafts that never come)."""
-        return isinstance(self.draft, EagleProposer) and self._model_drafts(num_running)
+        return (isinstance(self.draft, EagleProposer)
+                and self._model_drafts(num_running, self.config.draft_tokens_at(num_running)))
 
-    def _model_drafts(self, num_running: int) -> bool:
-        """Whether the draft model or head drafts in a step of this many running sequences."""
-        limit = self.config.disable_by_batch_size
-        return (self.draft is not None and (limit is None or num_running <= limit)
-                and self.config.draft_tokens_at(num_running) > 0)
+    def _model_drafts(self, num_running: int, budget: int) -> bool:
+        """Whether the draft model or head drafts in a step of this many running sequences, given the step's
+        draft budget (SpeculativeConfig.draft_tokens_at)."""
+        return self.draft is not None and budget > 0 and _within(self.config.disable_by_batch_size, num_running)
 
     def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """The target's hidden state that produced seq's last token (method "eagle"), after a step that emitted
