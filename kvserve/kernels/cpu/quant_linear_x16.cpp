@@ -132,6 +132,13 @@ inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, 
 }
 
 #else
+// Makes the compiler hold v in a register here. Integer adds reassociate freely, and GCC 12 turned each row's
+// running sums into trees over a block's products: every row's 16 maddubs results live at once, 48 at three
+// rows, most stored to the stack and loaded back (220 stack references in the q4 gemm, 86 with this). The sums
+// and the float work are unchanged, so the same bits; on a 2-core Zen 3, the default model's gate_up 1.47x as
+// fast at 9 rows and 1.54x at 128, its q8 LM head 1.59x and 1.67x.
+inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
+
 // AVX2 (no vpdpbusd): a group's 64 bytes are two 256-bit vectors, rows 0-7 and rows 8-15, which share each
 // broadcast of four activation bytes. q4: maddubs multiplies the nibbles by them; a block's eight products
 // per lane add up in int16 (at most 8 * 2 * 15 * 127 = 30480, no saturation) and one madd widens them. No
@@ -140,13 +147,6 @@ inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, 
 // The float work is x8's, in x8's order: both give the same bits.
 // q8: w + 128 is too wide for maddubs' int16 pairs, so the bytes go back to signed and the sign trick
 // (|w| times a with w's sign) multiplies them; its sums are widened per group.
-// Makes the compiler hold v in a register here. Integer adds reassociate freely, and GCC 12 turned each row's
-// running sums into trees over a block's products: every row's 16 maddubs results live at once, 48 at three
-// rows, most stored to the stack and loaded back (220 stack references in the q4 gemm, 86 with this). The sums
-// and the float work are unchanged, so the same bits; on a 2-core Zen 3, the default model's gate_up 1.47x as
-// fast at 9 rows and 1.54x at 128, its q8 LM head 1.59x and 1.67x.
-inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
-
 template <bool Q4, typename S, int R>
 inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, const S* mt, float (*out)[kRows]) {
   constexpr int64_t kBlockBytes = block_bytes<Q4>();
