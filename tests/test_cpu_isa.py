@@ -83,3 +83,18 @@ def test_unknown_isa_is_an_error(monkeypatch) -> None:
         cpu_kernels.requested_isa()
     monkeypatch.setenv("KVSERVE_CPU_ISA", " AVX2 ")
     assert cpu_kernels.requested_isa() == "avx2"
+
+
+def test_forced_avx2_computes_in_float32() -> None:
+    """KVSERVE_CPU_ISA=avx2 stands in for an AVX2 CPU, which has no bfloat16 arithmetic: dtype "auto" is float32
+    there, as on such a CPU, and bfloat16 without it where /proc/cpuinfo lists AVX512-BF16 or AMX-BF16."""
+    code = ("import torch; from kvserve.utils.device import resolve_dtype; "
+            "print(resolve_dtype('auto', torch.device('cpu')))")
+    assert chosen_in_subprocess(code, KVSERVE_CPU_ISA="avx2")[0] == "torch.float32"
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        pytest.skip("needs /proc/cpuinfo to know whether this CPU has bfloat16 arithmetic")
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    assert chosen_in_subprocess(code)[0] == ("torch.bfloat16" if native else "torch.float32")
+    assert chosen_in_subprocess(code, KVSERVE_CPU_ISA="avx512")[0] == ("torch.bfloat16" if native else "torch.float32")

@@ -53,6 +53,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 @cache
 def cpu_has_native_bf16() -> bool:
+    """Whether this CPU does bfloat16 arithmetic in hardware (AVX512-BF16 or AMX-BF16). Not where KVSERVE_CPU_ISA
+    forces the avx2 kernels: that stands in for an AVX2 CPU, so dtype "auto" picks what such a CPU gets."""
+    from kvserve.kernels import cpu as cpu_kernels  # the kernels' package imports nothing of kvserve's
+
+    if cpu_kernels.requested_isa() == "avx2":
+        return False
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
