@@ -5,6 +5,8 @@ from functools import cache
 
 import torch
 
+from kvserve.kernels import cpu as cpu_kernels
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,8 +57,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU does bfloat16 arithmetic in hardware (AVX512-BF16 or AMX-BF16). Not where KVSERVE_CPU_ISA
     forces the avx2 kernels: that stands in for an AVX2 CPU, so dtype "auto" picks what such a CPU gets."""
-    from kvserve.kernels import cpu as cpu_kernels  # the kernels' package imports nothing of kvserve's
-
     if cpu_kernels.requested_isa() == "avx2":
         return False
     try:
