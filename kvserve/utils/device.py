@@ -59,13 +59,8 @@ def cpu_has_native_bf16() -> bool:
     forces the avx2 kernels: that stands in for an AVX2 CPU, so dtype "auto" picks what such a CPU gets."""
     if cpu_kernels.requested_isa() == "avx2":
         return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
+    flags = cpu_kernels.cpu_flags()
+    if flags is not None:
+        return bool(flags & {"avx512_bf16", "amx_bf16"})
     # No /proc (macOS, Windows): torch's own view of the CPU.
     return torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX")

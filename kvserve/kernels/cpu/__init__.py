@@ -126,15 +126,21 @@ def requested_isa() -> str:
 
 
 @functools.cache
-def cpu_supports(isa_name: str) -> bool:
-    """Whether this CPU runs the variant: /proc/cpuinfo's flags, else torch's own CPU capability."""
+def cpu_flags() -> frozenset[str] | None:
+    """The first CPU's flags in /proc/cpuinfo; None without /proc (macOS, Windows)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+            return next((frozenset(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), None)
     except OSError:
-        flags = None
+        return None
+
+
+@functools.cache
+def cpu_supports(isa_name: str) -> bool:
+    """Whether this CPU runs the variant: /proc/cpuinfo's flags, else torch's own CPU capability."""
+    flags = cpu_flags()
     if flags is not None:
-        return _CPU_FLAGS[isa_name] <= set(flags)
+        return _CPU_FLAGS[isa_name] <= flags
     return torch.backends.cpu.get_cpu_capability() in _TORCH_CAPABILITIES[isa_name]
 
 
