@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -12,6 +11,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from kvserve.utils.cpuinfo import cpu_model_name
 
 # KVSERVE_BENCH_RESULTS: another folder, for rehearsals that must not overwrite the published results.
 RESULTS = Path(os.environ.get("KVSERVE_BENCH_RESULTS") or Path(__file__).parent / "results")
@@ -76,16 +77,8 @@ def prefill_engine(args, model: str | None = None):
 
 
 def machine_info() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1),
+    return {"cpu": cpu_model_name(), "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "python": sys.version.split()[0],
             # PASSIVE puts OpenMP's threads to sleep after every parallel region: at batch 1 that wake-up is

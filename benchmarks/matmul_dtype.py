@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvserve.utils.cpuinfo import cpu_model_name
 from kvserve.utils.device import cpu_has_native_bf16, resolve_dtype
 
 SHAPES = [(576, 1536), (1536, 576), (576, 49152)]  # (in, out): gate/up, down, lm_head
@@ -50,16 +50,6 @@ def bench(in_f: int, out_f: int, rows: int, dtype: torch.dtype, seconds: float) 
     return Result(in_f, out_f, rows, str(dtype).removeprefix("torch."), med, 2 * rows * in_f * out_f / med / 1e9)
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
@@ -72,7 +62,7 @@ def main() -> None:
         bench(i, o, r, dt, args.seconds) for (i, o) in SHAPES for r in ROWS for dt in DTYPES.values()
     ]
     machine = {
-        "cpu": cpu_model(),
+        "cpu": cpu_model_name(),
         "logical_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -4,6 +4,7 @@ catches breakage of the AVX-512 branch."""
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,24 @@ def test_forced_avx2_computes_in_float32() -> None:
     unforced = "torch.bfloat16" if "avx512_bf16" in flags or "amx_bf16" in flags else "torch.float32"
     assert chosen_in_subprocess(code)[0] == unforced
     assert chosen_in_subprocess(code, KVSERVE_CPU_ISA="avx512")[0] == unforced
+
+
+def test_cpuinfo_reads_the_first_processor() -> None:
+    """kvserve/utils/cpuinfo.py against lscpu (util-linux), which parses the same file with its own code."""
+    from kvserve.utils.cpuinfo import cpu_flags, cpu_model_name
+
+    if not Path("/proc/cpuinfo").exists():
+        pytest.skip("no /proc/cpuinfo (macOS, Windows)")
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True,
+                             env={**os.environ, "LC_ALL": "C"}).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("needs lscpu (util-linux)")
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    if "Flags" in fields:
+        assert cpu_flags() == frozenset(fields["Flags"].split())
+    if "Model name" in fields:
+        assert cpu_model_name() == fields["Model name"]
+    if platform.machine() == "x86_64":
+        assert "fpu" in (cpu_flags() or ())  # every x86-64 CPU lists it

@@ -25,6 +25,7 @@ from kvserve.bench.metrics import (DEFAULT_PERCENTILES, BenchmarkMetrics, calcul
 from kvserve.bench.spec_decode import (MetricsUnavailable, SpecCounters, SpecDecodeStats,
                                        settled_spec_counters)
 from kvserve.bench.tokenizer import BenchTokenizer
+from kvserve.utils.cpuinfo import cpu_model_name
 
 
 @dataclass
@@ -82,14 +83,8 @@ class BenchResult:
 
 def machine_info() -> dict[str, object]:
     """Where the client ran (the servers under test run here too in our comparisons)."""
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
     return {"platform": platform.platform(), "python": platform.python_version(),
-            "cpu": cpu, "cpu_count": os.cpu_count()}
+            "cpu": cpu_model_name(), "cpu_count": os.cpu_count()}
 
 
 def _json_float(x: float) -> float | str:

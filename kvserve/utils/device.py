@@ -6,6 +6,7 @@ from functools import cache
 import torch
 
 from kvserve.kernels import cpu as cpu_kernels
+from kvserve.utils.cpuinfo import cpu_flags
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,7 +60,7 @@ def cpu_has_native_bf16() -> bool:
     forces the avx2 kernels: that stands in for an AVX2 CPU, so dtype "auto" picks what such a CPU gets."""
     if cpu_kernels.requested_isa() == "avx2":
         return False
-    flags = cpu_kernels.cpu_flags()
+    flags = cpu_flags()
     if flags is not None:
         return bool(flags & {"avx512_bf16", "amx_bf16"})
     # No /proc (macOS, Windows): torch's own view of the CPU.

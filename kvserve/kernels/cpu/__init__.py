@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.utils.cpuinfo import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
@@ -123,16 +125,6 @@ def requested_isa() -> str:
     if wanted not in ("auto", "none", *MODES):
         raise ValueError(f"KVSERVE_CPU_ISA={wanted!r}: expected one of auto, none, {', '.join(MODES)}")
     return wanted
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str] | None:
-    """The first CPU's flags in /proc/cpuinfo; None without /proc (macOS, Windows)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((frozenset(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), None)
-    except OSError:
-        return None
 
 
 @functools.cache
