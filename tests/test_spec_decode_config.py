@@ -58,6 +58,8 @@ def test_model_methods_look_up_only_where_bounds_are_given(method):
     ({"method": "eagle", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    # -1 is no "not given": the method's default is taken only where the field is absent.
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}, "disable_by_batch_size"),
     ({"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 1.5}, "min_acceptance_rate"),
     ({"method": "ngram", "num_speculative_tokens": 2, "adaptive_draft_length": "yes"}, "adaptive_draft_length"),
     ({"method": "ngram", "num_speculative_tokens": 2, "num_lookahead": 1}, "unknown field(s) ['num_lookahead']"),
@@ -71,6 +73,8 @@ def test_model_methods_look_up_only_where_bounds_are_given(method):
     ({"method": "eagle", "num_speculative_tokens": 2, "speculative_token_tree": "[(0,), (0,)]"}, "is not of the"),
     ({"method": "eagle", "num_speculative_tokens": 1, "speculative_token_tree": "(0,)"}, "tuples of indices"),
     ({"method": "eagle", "num_speculative_tokens": 1, "speculative_token_tree": [[0]]}, "tuples of indices"),
+    # ast.literal_eval raises TypeError here (a list as a dict key), not ValueError
+    ({"method": "eagle", "num_speculative_tokens": 1, "speculative_token_tree": "{[0]: 1}"}, "tuples of indices"),
     ({"method": "ngram", "num_speculative_tokens": 2, "speculative_token_tree": "[(0,), (1,)]"}, "need method 'eagle'"),
     ("{not json", "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),

@@ -29,8 +29,8 @@ from kvserve.spec_decode.confidence import FIRST, KINDS, Calibration, calibratio
 from kvserve.spec_decode.draft_format import DraftFileConfig
 from kvserve.spec_decode.draft_proposer import clone_generator
 from kvserve.spec_decode.draft_reference import DraftReference
-from kvserve.spec_decode.eagle_head import (EagleHead, EagleHeadConfig, EagleHeadReference, head_quantization,
-                                            load_eagle_head, read_head, save_head)
+from kvserve.spec_decode.eagle_head import (NATIVE_MAX_CHOICES, EagleHead, EagleHeadConfig, EagleHeadReference,
+                                            head_quantization, load_eagle_head, read_head, save_head)
 from kvserve.spec_decode.eagle_proposer import EagleProposer
 from kvserve.spec_decode.draft_length import MODEL_CLASS
 from kvserve.spec_decode.state import spec_state
@@ -245,6 +245,20 @@ def test_native_draft_chains_draw_the_trees_of_the_stepwise_loop(dtype, quantiza
                     assert gains[-1] < min_gain or len(d.chain) == depth
                     lengths.add((len(d.chain), len(d.chain) == depth))
     assert {(1, False), (2, False), (2, True)} <= lengths, lengths
+    # Wider than the native top-k picks (NATIVE_MAX_CHOICES choices): the first step through torch's softmax and
+    # topk, the chain natively, and the same tree as the widest native one where they overlap (this raised in the
+    # kernel before, on every step that drafted such a tree). Equal logits (bfloat16 has many) may come in
+    # either order, and a tie at the narrower tree's last choice may be cut either way.
+    n = NATIVE_MAX_CHOICES
+    assert head.draft_chains(feature, tokens, n + 1, depths, cal.chain_rates(), 0.3) is None
+    wide, native = (proposer.draft_trees(seqs, depths, k - 1, cal, 0.3) for k in (n + 1, n))
+    for w, d in zip(wide, native):
+        assert (w.chain, len(w.alternatives)) == (d.chain, n)
+        assert w.chain_probs == pytest.approx(d.chain_probs, rel=1e-5)
+        got = dict(zip(w.alternatives, w.alternative_probs))
+        for token, prob in zip(d.alternatives, d.alternative_probs):
+            assert got.get(token, prob) == pytest.approx(prob, rel=1e-5, abs=1e-7)
+            assert token in got or prob == pytest.approx(d.alternative_probs[-1], rel=1e-5)
 
 
 def test_the_engine_keeps_the_heads_weights_in_4_bits(tiny_model_dirs, heads):
@@ -790,6 +804,8 @@ def test_soft_labels_are_the_targets_distribution(tiny_model_dirs):
 
 TREE = "[(0,), (1,), (2,)]"
 CHAIN_AND_ALTERNATIVES = "[(0,), (0, 0), (1,), (2,)]"
+# 17 choices at the first step: more than the head's native top-k takes (NATIVE_MAX_CHOICES).
+WIDE_TREE = "[(0,), " + ", ".join(f"({i},)" for i in range(1, NATIVE_MAX_CHOICES + 1)) + "]"
 
 
 def tree_spec(head, tree: str = TREE, **kw) -> dict:
@@ -844,6 +860,22 @@ def test_tree_drafts_greedy_identical_with_preemption_and_n(kind, tree, kv_cache
         assert counts["kept"] > counts["trees"] / (10 if kv_cache_dtype == "fp8_e4m3" else 2), counts
     else:
         assert counts["trees"] > 0
+
+
+def test_a_tree_of_sixteen_alternatives_greedy_identical_with_preemption_and_n(tiny_model_dirs, heads, monkeypatch):
+    """A tree as wide as the head's native top-k allows and past it (its chain token and 16 alternatives, 17 rows
+    at one position; the tiny heads draft through torch, the default model's natively: see
+    test_native_draft_chains_draw_the_trees_of_the_stepwise_loop): the non-speculative outputs, with chunked
+    prefills, n = 2 and preemptions."""
+    path, _ = tiny_model_dirs["llama"]
+    wide = dict(PREEMPTING, max_num_batched_tokens=32)  # a tree of 17 nodes needs more than 16 tokens a step
+    wave, ref = preempting_wave(path, max_num_batched_tokens=32)
+    counts = count_alternatives(monkeypatch)
+    engine = make_engine(path, tree_spec(heads["partial"], WIDE_TREE), **wide)
+    assert engine.speculator.num_alternatives == NATIVE_MAX_CHOICES
+    assert_same(run(engine, wave, check=True), ref, engine)
+    assert engine.get_stats().num_preemptions > 0
+    assert counts["trees"] > 0 and counts["kept"] > 0, counts
 
 
 def test_tree_drafts_identical_with_prefix_hits(tiny_model_dirs, heads, monkeypatch):

@@ -49,8 +49,8 @@ class Sequence:
     num_cached_tokens: int = 0            # of the prompt, how many came from the prefix cache (first admission)
     block_table: list[int] = field(default_factory=list)   # block_table[i] holds tokens [i*B, (i+1)*B)
     # Content digests of the full blocks of token_ids computed so far (kvserve/engine/block_hash.py). They
-    # depend on the tokens and salt only, so they outlive a preemption. (Rolling back tokens, as speculative
-    # decoding will, must truncate this list too.)
+    # depend on the tokens and salt only, so they outlive a preemption. Speculative decoding never rolls
+    # tokens back: rejected drafts are never appended to token_ids, so no hash covers them.
     block_hashes: list[bytes] = field(default_factory=list)
     num_committed_blocks: int = 0         # of block_table, how many are registered in the prefix cache
     generator: torch.Generator | None = None

@@ -65,7 +65,17 @@ NGRAM_MODELS = ("ngram", "[ngram]")  # vLLM's model for prompt lookup, which has
 #   without a lower limit that would cost AVX-512 machines their gains at 2-4 sequences.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 DRAFT_DEFAULT_DISABLE_BY_BATCH_SIZE = 1  # methods "draft" and "eagle"
-_METHOD_DEFAULT = -1  # disable_by_batch_size not given: the method's default above
+
+
+class _MethodDefault:
+    """disable_by_batch_size not given: the method's default above. Not an int, so that no value a user passes
+    (-1 included) is taken for "not given"."""
+
+    def __repr__(self) -> str:
+        return "<the method's default>"
+
+
+_METHOD_DEFAULT = _MethodDefault()
 SUFFIX_DEPTH = 24  # vLLM's suffix_decoding_max_tree_depth
 MAX_CORPUS_TOKENS = 1 << 26  # suffix_decoding_corpus_tokens' bound: ~3 GiB of arrays when full
 
@@ -86,9 +96,9 @@ class SpeculativeConfig:
     # for the default model.
     model: str | None = None
     # Per step: no drafting when more sequences than this are running, prefilling ones included (None: always
-    # draft). Not given (-1): the
+    # draft). Not given: the
     # method's measured default (DEFAULT_DISABLE_BY_BATCH_SIZE for ngram, DRAFT_DEFAULT_... for draft, eagle).
-    disable_by_batch_size: int | None = _METHOD_DEFAULT
+    disable_by_batch_size: int | None | _MethodDefault = _METHOD_DEFAULT
     # The same limit for drafts from the text (prompt lookup, suffix decoding): disable_by_batch_size where given
     # or for methods "ngram" and "suffix"; in front of a model, ngram's default (they are free to make, a
     # model's are not).
@@ -204,7 +214,7 @@ class SpeculativeConfig:
             raise bad("model", "must be a path (a string), and applies only to methods 'draft' and 'eagle'")
         if self.num_speculative_tokens_per_batch_size is not None:
             self.batch_schedule = self._parse_schedule(bad)
-        given = self.disable_by_batch_size != _METHOD_DEFAULT
+        given = self.disable_by_batch_size is not _METHOD_DEFAULT
         if not given and self.batch_schedule:  # the schedule says where drafting stops
             self.disable_by_batch_size = None
         elif not given:
@@ -322,7 +332,7 @@ class SpeculativeConfig:
                  "e.g. \"[(0,), (1,), (2,)]\"")
         try:
             nodes = ast.literal_eval(text) if isinstance(text, str) else None
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):  # e.g. "{[0]: 1}": TypeError
             nodes = None
         if (not isinstance(nodes, (list, tuple)) or not nodes
                 or not all(isinstance(n, tuple) and n and all(_is_int(i) and i >= 0 for i in n) for n in nodes)):

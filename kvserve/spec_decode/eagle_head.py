@@ -49,6 +49,9 @@ from kvserve.spec_decode.eagle_graphs import HeadGraphs
 
 METADATA_KEY = "kvserve_eagle"
 SHIPPED_HEAD = Path(__file__).parent / "drafts" / "smollm2-135m-eagle.safetensors"
+# The most choices per row the native top-k calls pick (eagle_head.cpp's kMaxTop): wider trees' first steps
+# take torch's softmax and topk instead.
+NATIVE_MAX_CHOICES = 16
 TENSORS = ("fc.weight", "mlp_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
            "norm.weight", "lm_head.weight")
 ATTENTION_TENSORS = ("attn_norm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -299,7 +302,7 @@ class EagleHead(nn.Module):
         """head_logits_step, then each row's k likeliest tokens (full-vocabulary ids, likeliest first) and their
         probabilities over the head's vocabulary: (the predicted next features, tokens [N, k], probabilities
         [N, k]). In one native call where use_native_kernel() set it up."""
-        if self.graphs is None and self._runs_natively(feature):
+        if self.graphs is None and k <= NATIVE_MAX_CHOICES and self._runs_natively(feature):
             return cpu_kernels.ops().eagle_top_step(*self._native_inputs(feature, token_ids), self.native_weights,
                                                     self.vocab_ids, k, self.norm.eps)
         feature, logits = self.head_logits_step(feature, token_ids)
@@ -313,8 +316,10 @@ class EagleHead(nn.Module):
         likeliest tokens at its first step, then its first choice at each next step while the chain is shorter
         than depths[i] and the product of its tokens' rates (confidence.Calibration.chain_rates) stays at least
         min_gain. -> (per row: the first step's k tokens then the chain's later ones, their probabilities, the
-        chain's length), or None where the native kernels do not run this head (top_step in a loop then)."""
-        if self.native_embedding is None or self.graphs is not None or not self._runs_natively(feature):
+        chain's length), or None where the native kernels do not run this head or k is over NATIVE_MAX_CHOICES
+        (top_step in a loop then)."""
+        if (self.native_embedding is None or self.graphs is not None or k > NATIVE_MAX_CHOICES
+                or not self._runs_natively(feature)):
             return None
         ids, probs, lengths = cpu_kernels.ops().eagle_draft_chains(
             feature.to(self.norm.weight.dtype), token_ids, self.native_weights, self.vocab_ids,
