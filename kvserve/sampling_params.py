@@ -2,7 +2,17 @@
 offline API and the HTTP server reject the same inputs with the same messages."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+# vLLM's thresholds: a temperature below SAMPLING_EPS means greedy, and one below MIN_TEMPERATURE is raised to it.
+# Logits are divided by the temperature in float32: at 1e-39 the scale 1 / T is inf and the sampler refused the
+# whole step (every request in it failed); from ~1e-8 down the scaled logits' rounding outgrows exp's range, and
+# tokens of logprob -16 came out where the argmax was meant (at 1e-10, one a whole logit ahead never did).
+SAMPLING_EPS = 1e-5
+MIN_TEMPERATURE = 1e-2
 
 
 @dataclass
@@ -10,7 +20,7 @@ class SamplingParams:
     n: int = 1
     max_tokens: int | None = 16           # None: up to the model's context length
     min_tokens: int = 0
-    temperature: float = 1.0              # 0 means greedy
+    temperature: float = 1.0              # 0 (or below SAMPLING_EPS) means greedy
     top_p: float = 1.0
     top_k: int = 0                        # 0 or -1: disabled
     min_p: float = 0.0
@@ -35,6 +45,12 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
+        if 0 < self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
+        elif 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %g is below %g, where float32 logits / temperature lose precision; "
+                           "sampling at %g (as vLLM does)", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:

@@ -163,6 +163,21 @@ def test_greedy_is_argmax_with_ties_to_lowest_id() -> None:
     assert out.token_ids[5] == 7
 
 
+def test_tiny_temperatures_are_greedy_or_raised_as_vllms() -> None:
+    """vLLM's rule: a temperature below 1e-5 is greedy, one below 1e-2 is raised to 1e-2. Sampled as given, 1e-39
+    made 1 / T inf (the kernel refused the step, failing every request in it) and 1e-10 never drew the argmax of
+    a row whose next logit was a whole unit behind."""
+    assert [SamplingParams(temperature=t).temperature for t in (1e-300, 1e-39, 1e-10, 9.9e-6, 1e-5, 5e-3, 0.01, 0.7)] \
+        == [0.0, 0.0, 0.0, 0.0, 0.01, 0.01, 0.01, 0.7]
+    assert SamplingParams(temperature=1e-39).greedy
+    rng = np.random.default_rng(5)
+    logits = rng.normal(scale=3.0, size=(6, 4096)).astype(np.float32)
+    logits[np.arange(6), [3, 70, 900, 4000, 1, 2]] = logits.max() + 1.0
+    params = [SamplingParams(temperature=t) for t in (1e-39, 1e-300, 1e-10, 1e-8, 5e-3, 1.0)]
+    out = Sampler()(torch.from_numpy(logits), _inputs(params, output=[]))
+    assert out.token_ids[:5] == [3, 70, 900, 4000, 1]  # at 0.01 a lead of one logit is e^100 to one
+
+
 def test_greedy_applies_penalties_first() -> None:
     p = SamplingParams(temperature=0, repetition_penalty=3.0, logit_bias={4: 0.3})
     expected = reference_probs(LOGITS, p, PROMPT, OUTPUT).argmax()

@@ -124,6 +124,22 @@ def test_n_seed_and_stop(client):
     assert stopped.usage.completion_tokens < 12 <= held.usage.completion_tokens
 
 
+def test_tiny_temperatures_are_greedy_and_fail_no_one_beside_them(client):
+    """Below 1e-5 a temperature is greedy (vLLM's rule). 1e-300 once made the sampler's 1 / T inf: it refused the
+    whole step, and every request in it, the long one running beside, ended with an engine error (a 500)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    greedy = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0).choices[0].text
+    with ThreadPoolExecutor(4) as pool:
+        long = pool.submit(client.completions.create, model=MODEL, prompt=PROMPTS[1], max_tokens=160, temperature=0,
+                           extra_body={"ignore_eos": True})
+        time.sleep(0.2)  # the long request is decoding when the others arrive
+        tiny = [pool.submit(client.completions.create, model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=t)
+                for t in (1e-300, 1e-39, 1e-9)]
+        assert [f.result().choices[0].text for f in tiny] == [greedy] * 3
+        assert long.result().usage.completion_tokens == 160
+
+
 def test_completion_logprobs_and_echo(client):
     out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=2)
     lp = out.choices[0].logprobs
@@ -171,7 +187,8 @@ def test_chat_message_shapes_accepted(http):
     """Every OpenAI role, text content parts, and an assistant turn with null content are valid."""
     messages = [{"role": "system", "content": "You are terse."},
                 {"role": "developer", "content": [{"type": "text", "text": "Answer in one word."}]},
-                {"role": "user", "content": [{"type": "text", "text": "Capital of "}, {"type": "text", "text": "France?"}]},
+                {"role": "user", "content": [{"type": "text", "text": "Capital of "},
+                                             {"type": "text", "text": "France?"}]},
                 {"role": "assistant", "content": None},
                 {"role": "user", "content": "Well?", "name": "ann"}]
     r = http.post("/v1/chat/completions", json={**CHAT_REQ, "messages": messages})
