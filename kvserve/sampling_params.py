@@ -13,6 +13,11 @@ logger = logging.getLogger(__name__)
 # tokens of logprob -16 came out where the argmax was meant (at 1e-10, one a whole logit ahead never did).
 SAMPLING_EPS = 1e-5
 MIN_TEMPERATURE = 1e-2
+# The other ends, where float32 would round a valid value to one the sampler refuses (0 for 1 / T, or for top_p),
+# taken to the nearest value that samples alike: past 1e30 every logit / T is ~1e-29 and the draw uniform either
+# way; a top_p below the likeliest token's probability (at least 1 / vocabulary) keeps that token alone.
+MAX_TEMPERATURE = 1e30
+MIN_TOP_P = 1e-9
 
 
 @dataclass
@@ -51,6 +56,8 @@ class SamplingParams:
             logger.warning("temperature %g is below %g, where float32 logits / temperature lose precision; "
                            "sampling at %g (as vLLM does)", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
             self.temperature = MIN_TEMPERATURE
+        self.temperature = min(self.temperature, MAX_TEMPERATURE)
+        self.top_p = max(self.top_p, MIN_TOP_P)
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:

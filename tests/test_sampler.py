@@ -178,6 +178,17 @@ def test_tiny_temperatures_are_greedy_or_raised_as_vllms() -> None:
     assert out.token_ids[:5] == [3, 70, 900, 4000, 1]  # at 0.01 a lead of one logit is e^100 to one
 
 
+def test_extreme_valid_parameters_sample_as_their_limits() -> None:
+    """Valid values that float32 rounded to ones the sampler refused (1 / T or top_p to zero: the kernel failed
+    the whole step): a temperature hotter than 1e30 samples uniformly anyway, and a top_p under the likeliest
+    token's probability keeps that token alone."""
+    logits = torch.from_numpy(np.tile(LOGITS, (N_DRAWS, 1)))
+    hot = Sampler()(logits, _inputs([SamplingParams(temperature=1e300)] * N_DRAWS, output=[]))
+    assert_fits(np.array(hot.token_ids), np.full(V, 1 / V))
+    narrow = Sampler()(logits[:50], _inputs([SamplingParams(top_p=1e-300, temperature=5.0)] * 50, output=[]))
+    assert narrow.token_ids == [int(np.argmax(LOGITS))] * 50
+
+
 def test_greedy_applies_penalties_first() -> None:
     p = SamplingParams(temperature=0, repetition_penalty=3.0, logit_bias={4: 0.3})
     expected = reference_probs(LOGITS, p, PROMPT, OUTPUT).argmax()
