@@ -6,10 +6,13 @@ outputs must be those of non-speculative decoding: greedy token for token, seede
 token, unseeded sampling in distribution; with chunked prefill, preemptions, prefix-cache hits, n > 1 and
 aborts."""
 import copy
+import json
 import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
 from kvserve.config import EngineConfig
@@ -393,6 +396,30 @@ def test_bad_draft_models_are_refused_clearly(tiny_model_dirs, tmp_path):
     make_draft_file(damaged, [1, 2, 260])  # an id past the vocabulary would fail only when drafted
     with pytest.raises(ValueError, match="vocab_ids must be distinct token ids below 260"):
         make_engine(path, spec(damaged))
+    # Damaged files are named, whatever deep in the loader trips on them (these raised KeyError, TypeError,
+    # IndexError, an AssertionError and safetensors' own error, with a traceback and no word of which file).
+    good = tmp_path / "good.safetensors"
+    make_draft_file(good, [1, 2])
+    tensors, meta = load_file(good), safe_open(str(good), "pt").metadata()
+    cfg = json.loads(meta["kvserve_draft"])
+    broken = {"no_vocab_ids": ({k: v for k, v in tensors.items() if k != "vocab_ids"}, cfg),
+              "no_head_dim": (tensors, {k: v for k, v in cfg.items() if k != "head_dim"}),
+              "no_layers": ({k: v for k, v in tensors.items() if "layers" not in k}, {**cfg, "num_hidden_layers": 0}),
+              "odd_heads": (tensors, {**cfg, "num_attention_heads": 3})}
+    for name, (t, c) in broken.items():
+        save_file(t, str(tmp_path / f"{name}.safetensors"), metadata={**meta, "kvserve_draft": json.dumps(c)})
+        with pytest.raises(ValueError, match=rf"draft '.*{name}.safetensors' is damaged or incomplete \("):
+            make_engine(path, spec(tmp_path / f"{name}.safetensors"))
+    save_file(tensors, str(tmp_path / "text_field.safetensors"),
+              metadata={**meta, "kvserve_draft": json.dumps({**cfg, "hidden_size": "64"})})
+    with pytest.raises(ValueError, match="hidden_size should be int, got '64'"):
+        make_engine(path, spec(tmp_path / "text_field.safetensors"))
+    truncated = tmp_path / "truncated"
+    shutil.copytree(path, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"draft model '.*truncated' is damaged or incomplete \(SafetensorError"):
+        make_engine(path, spec(truncated))
     # No model: the shipped draft is the default model's, and this target is not.
     with pytest.raises((ValueError, FileNotFoundError), match="model"):
         make_engine(path, {"method": "draft", "num_speculative_tokens": 2})

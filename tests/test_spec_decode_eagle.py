@@ -15,6 +15,7 @@ from collections import Counter
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from kvserve.config import EngineConfig
 from kvserve.engine.sequence import Sequence
@@ -721,6 +722,27 @@ def test_bad_heads_are_refused_clearly(tiny_model_dirs, heads, tmp_path):
     save_head(attending, head.cfg, head.state_tensors())
     with pytest.raises(ValueError, match="attention layer"):
         make_engine(path, spec(attending))
+    # Damaged heads are named, whatever deep in the loader trips on them (these raised KeyError or TypeError
+    # with a traceback and no word of which file).
+    head = random_head(hf, [1, 2])
+    tensors, cfg = head.state_tensors(), dataclasses.asdict(head.cfg)
+    for name, t, c in (("no_fc", {k: v for k, v in tensors.items() if k != "fc.weight"}, cfg),
+                       ("no_eps", tensors, {k: v for k, v in cfg.items() if k != "rms_norm_eps"})):
+        save_file({k: v.contiguous() for k, v in t.items()}, str(tmp_path / f"{name}.safetensors"),
+                  metadata={"kvserve_eagle": json.dumps(c), "training": "{}"})
+        with pytest.raises(ValueError, match=rf"eagle head '.*{name}.safetensors' is damaged or incomplete \("):
+            make_engine(path, spec(tmp_path / f"{name}.safetensors"))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "text_field.safetensors"),
+              metadata={"kvserve_eagle": json.dumps({**cfg, "vocab_size": "260"}), "training": "{}"})
+    with pytest.raises(ValueError, match="vocab_size should be int, got '260'"):
+        make_engine(path, spec(tmp_path / "text_field.safetensors"))
+    float_ids = tmp_path / "float_ids.safetensors"
+    save_head(float_ids, head.cfg, {**tensors, "vocab_ids": torch.tensor([1.0, 2.0])})
+    with pytest.raises(ValueError, match="vocab_ids must be distinct token ids below 260, as integers"):
+        make_engine(path, spec(float_ids))
+    # A head given to method draft says which method takes it.
+    with pytest.raises(ValueError, match="is an eagle head: method 'eagle' takes it"):
+        make_engine(path, {**spec(heads["right"]), "method": "draft"})
     # No model: the shipped head is the default model's, and this target is not.
     with pytest.raises((ValueError, FileNotFoundError), match="model"):
         make_engine(path, {"method": "eagle", "num_speculative_tokens": 2})

@@ -14,6 +14,8 @@ and the metadata key "kvserve_draft" holds DraftFileConfig as JSON (plus, under 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from kvserve.spec_decode.confidence import CalibrationFileError
 
 METADATA_KEY = "kvserve_draft"
 SHIPPED_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-draft.safetensors"
@@ -68,6 +72,25 @@ def has_metadata(path: str | Path, key: str) -> bool:
         return False
 
 
+@contextmanager
+def named_load_errors(what: str, path: str | Path) -> Iterator[None]:
+    """Whatever loading a user's draft file raises (a draft checkpoint, an eagle head, a Hugging Face or GGUF
+    draft), as one ValueError that names the file: a damaged one raised KeyError, TypeError, IndexError or an
+    assertion from deep in the loader, with a traceback and no word of which file was at fault. Errors that
+    already say what is wrong with the speculative config pass as they are."""
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        if str(e).startswith("speculative_config:") or isinstance(e, CalibrationFileError):
+            raise
+        if str(path) in str(e):  # read_with_config's own: it names the file
+            raise ValueError(f"speculative_config: {e}") from e
+        raise ValueError(f"speculative_config: {what} {str(path)!r} cannot be loaded: {e}") from e
+    except (KeyError, TypeError, IndexError, AssertionError, AttributeError, RuntimeError, SafetensorError) as e:
+        raise ValueError(f"speculative_config: {what} {str(path)!r} is damaged or incomplete "
+                         f"({type(e).__name__}: {e})") from e
+
+
 def file_quantization(given: str) -> str:
     """speculative_config's quantization for the weights of a file above (a draft checkpoint, an eagle head),
     which are floats: "auto" keeps them so."""
@@ -80,6 +103,10 @@ def save_with_config(path: str | Path, key: str, cfg: Any, tensors: dict[str, to
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
 
 
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16)
+_FIELD_KINDS: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "str": str, "list[int]": list}
+
+
 def read_with_config(path: str | Path, key: str, cls: type, what: str
                      ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
     """(cls from the metadata, tensors, training record); what names the file kind in the error."""
@@ -88,7 +115,14 @@ def read_with_config(path: str | Path, key: str, cls: type, what: str
         if key not in meta:
             raise ValueError(f"{path} is a safetensors file but not a kvserve {what} (no {key!r} metadata)")
         raw = json.loads(meta[key])
-        cfg = cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})  # absent: its default
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} is a damaged kvserve {what}: its {key!r} metadata is not a JSON object")
+        for field_ in fields(cls):  # a wrong type would only fail later, in a message about something else
+            kind, value = _FIELD_KINDS.get(str(field_.type)), raw.get(field_.name)
+            if field_.name in raw and kind is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+                raise ValueError(f"{path} is a damaged kvserve {what}: its metadata's {field_.name} should be "
+                                 f"{field_.type}, got {value!r}")
+        cfg = cls(**{k.name: raw[k.name] for k in fields(cls) if k.name in raw})  # absent: its default
         # Copies: safetensors maps the file, and a tensor kept as read (vocab_ids) would change with the file
         # if it were rewritten in place (a retrained head copied over the one an engine runs). A few MB.
         tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
@@ -96,8 +130,8 @@ def read_with_config(path: str | Path, key: str, cls: type, what: str
     ids = tensors.get("vocab_ids")
     # The tokens the LM head predicts must be distinct ids of the target's vocabulary: an id past it would
     # fail only when drafted, inside an engine step, taking every request in the step down.
-    if ids is not None and (ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0
+    if ids is not None and (ids.dim() != 1 or ids.numel() == 0 or ids.dtype not in _INDEX_DTYPES or int(ids.min()) < 0
                             or int(ids.max()) >= cfg.vocab_size or ids.unique().numel() != ids.numel()):
         raise ValueError(f"{path} is a damaged kvserve {what}: its vocab_ids must be distinct token ids below "
-                         f"{cfg.vocab_size}")
+                         f"{cfg.vocab_size}, as integers")
     return cfg, tensors, training

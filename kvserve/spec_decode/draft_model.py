@@ -29,7 +29,7 @@ from kvserve.models.loader import LoadedModel, load_model
 from kvserve.models.native_stack import NativeDecoderStack
 from kvserve.models.weight_loading import load_named_weights
 from kvserve.spec_decode.draft_format import (SHIPPED_DRAFT, DraftFileConfig, file_quantization, is_draft_file,
-                                               read_draft)
+                                               named_load_errors, read_draft)
 
 # Encoded by target and draft to check that they share a tokenizer.
 _TOKENIZER_PROBE = "Hello, world! The year 2024 was 366 days long.\n    def f(x):\n        return x ** 2  # ok"
@@ -143,14 +143,16 @@ def load_draft(model_path: str | None, target: LoadedModel, dtype: torch.dtype, 
         raise FileNotFoundError(f"speculative_config: model {model_path!r} does not exist (a Hugging Face "
                                 "directory, a .gguf file or a draft .safetensors made by train_draft.py)")
     if is_draft_file(p):
-        return build_draft_lm(p, target, dtype, device, ckpt_quant)
+        with named_load_errors("draft", p):
+            return build_draft_lm(p, target, dtype, device, ckpt_quant)
+    from kvserve.spec_decode.eagle_head import is_head_file  # here: eagle_head imports this module
+    if is_head_file(p):
+        raise ValueError(f"speculative_config: model {model_path!r} is an eagle head: method 'eagle' takes it")
     if not (p.is_dir() or p.suffix == ".gguf"):
         raise ValueError(f"speculative_config: model {model_path!r} is neither a Hugging Face directory, a "
-                         ".gguf file nor a kvserve draft .safetensors")
-    try:
+                         ".gguf file nor a kvserve draft .safetensors (made by benchmarks/train_draft.py)")
+    with named_load_errors("draft model", p):
         draft = load_model(str(p), dtype, device, quantization=given or quantization)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"speculative_config: cannot load draft model {model_path!r}: {e}") from None
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"speculative_config: draft model {model_path!r} has a vocabulary of "
                          f"{draft.config.vocab_size} tokens, the target {target.config.vocab_size}: a draft "

@@ -43,7 +43,8 @@ from kvserve.models.native_stack import native_weight
 from kvserve.sampling.sampler import argmax
 from kvserve.spec_decode.confidence import CalibrationFileError, calibration_path, read_calibration
 from kvserve.spec_decode.draft_model import full_vocab_logits, target_embedding
-from kvserve.spec_decode.draft_format import file_quantization, has_metadata, read_with_config, save_with_config
+from kvserve.spec_decode.draft_format import (file_quantization, has_metadata, named_load_errors, read_with_config,
+                                             save_with_config)
 from kvserve.spec_decode.draft_reference import ReferenceTensors, rope, rms_norm
 from kvserve.spec_decode.eagle_graphs import HeadGraphs
 
@@ -380,13 +381,19 @@ def load_eagle_head(path: str | Path | None, target: LoadedModel, dtype: torch.d
     if not is_head_file(p):
         raise ValueError(f"speculative_config: {str(path)!r} is not a kvserve eagle head (method 'eagle' takes "
                          "a head .safetensors made by benchmarks/train_eagle.py)")
+    with named_load_errors("eagle head", p):
+        return _build_head(p, target, dtype, device, quantization)
+
+
+def _build_head(p: Path, target: LoadedModel, dtype: torch.dtype, device: torch.device, quantization: str
+                ) -> EagleHead:
     hcfg, tensors, _ = read_head(p)
     if hcfg.fuse_layers:
-        raise ValueError(f"speculative_config: {str(path)!r} is an eagle head that fuses target layers "
+        raise ValueError(f"speculative_config: {str(p)!r} is an eagle head that fuses target layers "
                          f"{hcfg.fuse_layers}; the engine hands a head the final hidden state only (such heads "
                          "are a training experiment of benchmarks/train_eagle.py --fuse-layers)")
     if hcfg.num_attention_heads:
-        raise ValueError(f"speculative_config: {str(path)!r} is an eagle head with an attention layer, which "
+        raise ValueError(f"speculative_config: {str(p)!r} is an eagle head with an attention layer, which "
                          "needs a KV cache of its own that the engine does not keep yet (such heads are a training "
                          "experiment of benchmarks/train_eagle.py --attention)")
     embed = target_embedding(target, "eagle head", p, hcfg.target, hcfg.hidden_size, hcfg.vocab_size)
