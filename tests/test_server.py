@@ -337,6 +337,22 @@ BAD_REQUESTS = [
     ("top_logprobs > 20", "/v1/chat/completions", {**CHAT_REQ, "logprobs": True, "top_logprobs": 100}, "top_logprobs"),
     ("top_logprobs < 0", "/v1/chat/completions", {**CHAT_REQ, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ("bad logit_bias", "/v1/completions", {**COMPLETION, "logit_bias": {"abc": 1}}, "logit_bias"),
+    # Keys that str.isdigit() took and int() refused: 500s before.
+    ("logit_bias key with two minus signs", "/v1/completions", {**COMPLETION, "logit_bias": {"--5": 1}}, "logit_bias"),
+    ("logit_bias key a superscript digit", "/v1/completions", {**COMPLETION, "logit_bias": {"\u00b2": 1}},
+     "logit_bias"),
+    # Half a UTF-16 pair, escaped in the JSON ("\ud800"): a str no UTF-8 encoder takes (500s before, from the
+    # tokenizer, the crash quarantine's digest, the engine's request channel or the 404 body itself).
+    ("lone surrogate in prompt", "/v1/completions", {**COMPLETION, "prompt": "hi \ud800"}, "prompt"),
+    ("lone surrogate in chat content", "/v1/chat/completions",
+     {**CHAT_REQ, "messages": [{"role": "user", "content": [{"type": "text", "text": "a\udc00"}]}]},
+     "messages.0.content.0.text"),
+    ("lone surrogate in stop", "/v1/completions", {**COMPLETION, "stop": ["\ud800"]}, "stop.0"),
+    ("lone surrogate in request_id", "/v1/completions", {**COMPLETION, "request_id": "x\ud800"}, "request_id"),
+    ("lone surrogate in model", "/v1/completions", {**COMPLETION, "model": "m\ud800"}, "model"),
+    ("lone surrogate in a logit_bias key", "/v1/completions", {**COMPLETION, "logit_bias": {"1\ud800": 1}},
+     "logit_bias"),
+    ("lone surrogate to tokenize", "/tokenize", {"prompt": "a\ud800"}, "prompt"),
     ("min_tokens > max_tokens", "/v1/completions", {**COMPLETION, "min_tokens": 10}, "min_tokens"),
     ("image content", "/v1/chat/completions",
      {**CHAT_REQ, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -369,7 +385,8 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize("path,body,param", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
 def test_invalid_parameters_are_400(http, path, body, param):
-    r = http.post(path, json=body)
+    # json.dumps escapes non-ASCII (a lone surrogate as \\ud800, as a client in another language would send it)
+    r = http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == 400 and err["message"]

@@ -29,6 +29,7 @@ _TYPES = {
 
 # "n must be an integer >= 1, got 0": SamplingParams and the engine name the field first.
 _FIELD_FIRST = re.compile(r"^([a-z_]+) ")
+_PATH_FIRST = re.compile(r"^([a-z_][a-z_0-9.]*) ")
 
 
 class OpenAIError(Exception):
@@ -70,6 +71,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # pydantic's prefix for our checks
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {msg}", None
+    if param is None and (m := _PATH_FIRST.match(msg)):  # a check of the whole body names the field first
+        return msg, m.group(1)
     return (f"{param}: {msg}" if param else msg), param
 
 

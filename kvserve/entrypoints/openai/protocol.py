@@ -8,7 +8,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, WithJsonSchema, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
+from pydantic import (BaseModel, WithJsonSchema, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_serializer, model_validator)
 
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer.chat_messages import CHAT_ROLES, NULL_CONTENT_ROLES, content_text
@@ -25,6 +26,39 @@ def random_id(prefix: str) -> str:
 
 class OpenAIBase(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        # JSON may escape half of a UTF-16 pair ("\ud800") and Python decodes it into a str that no UTF-8
+        # encoder takes: the tokenizer, the crash quarantine's digest and the error body itself raised (500s).
+        where = lone_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where or 'the body'} holds an unpaired UTF-16 surrogate, which is not valid Unicode")
+        return data
+
+
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path of the first string (or key) in a JSON value that UTF-8 cannot encode, else None."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            here = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and lone_surrogate(key) is not None:
+                return f"{path} (a key)" if path else "a key"
+            if (found := lone_surrogate(item, here)) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if (found := lone_surrogate(item, f"{path}.{i}" if path else str(i))) is not None:
+                return found
+    return None
 
 
 class StreamOptions(OpenAIBase):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -107,7 +108,8 @@ class OpenAIServing:
             raise bad_request(f"n must be <= max_num_seqs={model.config.max_num_seqs}, got {req.n}", "n")
         if req.logit_bias:
             for key in req.logit_bias:
-                if not key.lstrip("-").isdigit() or not 0 <= int(key) < model.vocab_size:
+                # ASCII digits only: str.isdigit() also takes "²", which int() refuses (a 500 before).
+                if not re.fullmatch(r"-?[0-9]+", key) or not 0 <= int(key) < model.vocab_size:
                     raise bad_request(f"logit_bias key {key!r} is not a token id in [0, {model.vocab_size})",
                                       "logit_bias")
         try:
