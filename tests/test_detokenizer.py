@@ -199,6 +199,15 @@ def test_find_stop_string_rules() -> None:
     assert partial_stop_len("the end of", ["of the", "xyz"]) == 2
     assert partial_stop_len("the end", ["end"]) == 0                # a full match is not a partial one
     assert partial_stop_len("", ["a"]) == 0
+    # Against every length tried in turn (what the function did before it looked only where the last char is).
+    rng = random.Random(0)
+    for trial in range(3000):
+        alpha = "ab" if trial % 2 else "abc "
+        text = "".join(rng.choice(alpha) for _ in range(rng.randrange(0, 12)))
+        stops = ["".join(rng.choice(alpha) for _ in range(rng.randrange(1, 8))) for _ in range(rng.randrange(1, 4))]
+        want = max((n for stop in stops for n in range(1, min(len(stop) - 1, len(text)) + 1)
+                    if text.endswith(stop[:n])), default=0)
+        assert partial_stop_len(text, stops) == want, (text, stops)
 
 
 def test_check_token_stop() -> None:

@@ -353,6 +353,10 @@ BAD_REQUESTS = [
     ("lone surrogate in a logit_bias key", "/v1/completions", {**COMPLETION, "logit_bias": {"1\ud800": 1}},
      "logit_bias"),
     ("lone surrogate to tokenize", "/tokenize", {"prompt": "a\ud800"}, "prompt"),
+    # Checked every step inside the engine loop: 20,000 stop strings slowed every other request ~20x.
+    ("too many stop strings", "/v1/completions", {**COMPLETION, "stop": [f"s{i}" for i in range(257)]}, "stop"),
+    ("too many stop_token_ids", "/v1/completions", {**COMPLETION, "stop_token_ids": list(range(1025))},
+     "stop_token_ids"),
     ("min_tokens > max_tokens", "/v1/completions", {**COMPLETION, "min_tokens": 10}, "min_tokens"),
     ("image content", "/v1/chat/completions",
      {**CHAT_REQ, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

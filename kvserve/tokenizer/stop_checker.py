@@ -34,13 +34,24 @@ def find_stop_string(text: str, new_from: int, stops: list[str]) -> StopMatch | 
 
 def partial_stop_len(text: str, stops: list[str]) -> int:
     """Length of the longest tail of `text` that is a proper prefix of some stop string: the text a
-    stream must hold back because the next token may complete the stop string."""
-    longest = 0
+    stream must hold back because the next token may complete the stop string.
+
+    Only lengths n where the stop's n-th char is the text's last one can match, and str.rfind finds them
+    at C speed: trying every n, as before, cost a request with 1,000 stop strings of 1,000 chars ~20 ms a
+    step inside the engine loop, which every other request waited for."""
+    if not text:
+        return 0
+    last, longest = text[-1], 0
     for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
+        end = min(len(stop) - 1, len(text))  # stop[:end]: the longest prefix that could be the tail
+        while end > longest:
+            i = stop.rfind(last, longest, end)  # the candidate n = i + 1, longest first
+            if i < 0:
                 break
+            if text.endswith(stop[:i + 1]):
+                longest = i + 1
+                break
+            end = i
     return longest
 
 
