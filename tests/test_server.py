@@ -140,6 +140,30 @@ def test_tiny_temperatures_are_greedy_and_fail_no_one_beside_them(client):
         assert long.result().usage.completion_tokens == 160
 
 
+def test_prompt_logprobs_without_echo_are_returned_as_vllm_does(http, offline):
+    """vLLM's choices[i].prompt_logprobs: per prompt token (None for the first) the prompt's own token and the
+    top ones by id, each with logprob, rank and text; the offline engine's values. They were computed and
+    dropped before (returned only through echo with logprobs). Not in streamed chunks, as in vLLM."""
+    from kvserve import SamplingParams
+
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3}
+    got = http.post("/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
+    want = offline.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3),
+                            use_tqdm=False)[0]
+    assert got[0] is None and len(got) == len(want.prompt_token_ids) == len(want.prompt_logprobs) > 3
+    for position, (entry, ref) in enumerate(zip(got[1:], want.prompt_logprobs[1:]), 1):
+        assert str(want.prompt_token_ids[position]) in entry and 3 <= len(entry) <= 4
+        assert {int(t): (e["rank"], e["decoded_token"]) for t, e in entry.items()} == {
+            t: (lp.rank, lp.decoded_token) for t, lp in ref.items()}
+        for t, e in entry.items():
+            assert e["logprob"] == pytest.approx(ref[int(t)].logprob, abs=1e-4)
+    assert http.post("/v1/completions", json={**body, "prompt_logprobs": None}).json()["choices"][0][
+        "prompt_logprobs"] is None
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks and all("prompt_logprobs" not in c["choices"][0] for c in chunks if c["choices"])
+
+
 def test_completion_logprobs_and_echo(client):
     out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=2)
     lp = out.choices[0].logprobs

@@ -160,12 +160,22 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: a token's log-probability at one prompt position, its rank (1: likeliest), its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's: where the request asked for prompt_logprobs (or echo with logprobs), per prompt token (None for the
+    # first) the prompt's own token and the top ones, by token id. Not in streamed chunks, as in vLLM.
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -15,6 +15,7 @@ from kvserve.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
     UsageInfo,
     random_id,
 )
@@ -44,6 +45,14 @@ def _prompt_text(req: CompletionRequest) -> str:
         raise bad_request("model `auto` needs a text prompt: token ids belong to one model's vocabulary; "
                           "name the model", "prompt")
     return "\n".join(items)
+
+
+def _prompt_logprobs(entries: list[PositionLogprobs | None] | None) -> list[dict[int, PromptLogprob] | None] | None:
+    """The engine's prompt logprobs in vLLM's response shape (None where the request asked for none)."""
+    if entries is None:
+        return None
+    return [None if e is None else {t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+                                    for t, lp in e.items()} for e in entries]
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -104,7 +113,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = self._logprobs(m.tokenizer, tok_ids, entries, 0)
                 choices.append(CompletionChoice(
                     index=len(choices), text=(prompt_text if req.echo else "") + c.text, logprobs=logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    prompt_logprobs=_prompt_logprobs(out.prompt_logprobs)))
         body = CompletionResponse(id=request_id, model=model, choices=choices,
                                   usage=usage(prompt_tokens, completion_tokens, cached),
                                   metrics=request_metrics(finals[0].spec_decode_metrics) if len(finals) == 1 else None)
@@ -202,7 +212,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     choices=[CompletionChoice(index=i * n + j, text=delta_text, logprobs=logprobs,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
                     usage=usage_now() if continuous else None)
-                lines.append(sse(chunk.model_dump(exclude={"metrics"})))
+                lines.append(sse(chunk.model_dump(exclude={"metrics": True,
+                                                           "choices": {"__all__": {"prompt_logprobs"}}})))
             return lines
 
         async def body() -> AsyncIterator[str]:
