@@ -222,6 +222,15 @@ def _generate(logit_steps: np.ndarray, params: list[SamplingParams], row: int, s
     return outputs[row]
 
 
+def test_seeds_that_differ_above_32_bits_draw_differently() -> None:
+    """torch's CPU generator keeps a seed's low 32 bits: 1 and 2**32 + 1, 0 and -2**63 drew the same samples."""
+    seeds = (1, 2**32 + 1, 0, -2**63, 2**63 - 1, -1, 2**32 - 1)
+    draws = {seed: tuple(torch.rand(8, generator=make_generator(seed)).tolist()) for seed in seeds}
+    assert len(set(draws.values())) == len(seeds)
+    # A seed below 2**32 seeds torch as it is, so earlier seeded outputs stay what they were.
+    assert draws[1] == tuple(torch.rand(8, generator=torch.Generator().manual_seed(1)).tolist())
+
+
 def test_seeded_request_is_reproducible_and_batch_invariant() -> None:
     rng = np.random.default_rng(11)
     steps, vocab, batch = 6, 500, 32

@@ -82,8 +82,21 @@ def reads_token_ids(p: SamplingParams) -> bool:
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """The per-request generator for a seeded request (create once, pass every step)."""
     g = torch.Generator(device=device)
-    g.manual_seed(seed)
+    g.manual_seed(seed if g.device.type != "cpu" else cpu_seed(seed))
     return g
+
+
+def cpu_seed(seed: int) -> int:
+    """The seed for torch's CPU generator, whose Mersenne Twister keeps only a seed's low 32 bits: seeds that
+    differ above them (1 and 2**32 + 1, 0 and -2**63) drew the same samples. A seed below 2**32 is kept as it
+    is (so are its samples); a larger one (or a negative one, as torch reads it: modulo 2**64) is mixed down to
+    32 bits (splitmix64's finaliser), so that its high bits count."""
+    u = seed % (1 << 64)
+    if u < (1 << 32):
+        return u
+    u = ((u ^ (u >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    u = ((u ^ (u >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    return (u ^ (u >> 31)) & 0xFFFFFFFF
 
 
 class Sampler:
