@@ -80,6 +80,8 @@ def named_load_errors(what: str, path: str | Path) -> Iterator[None]:
     already say what is wrong with the speculative config pass as they are."""
     try:
         yield
+    except torch.OutOfMemoryError:  # not the file's fault
+        raise
     except (ValueError, OSError) as e:
         if str(e).startswith("speculative_config:") or isinstance(e, CalibrationFileError):
             raise
