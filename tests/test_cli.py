@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from kvserve.entrypoints.cli import build_parser, engine_config, main, parse_memory
 
@@ -158,3 +159,22 @@ def test_serve_that_cannot_start_its_engine_says_why_in_one_line(tmp_path):
     reason = [line for line in out.stderr.splitlines() if "engine failed to start" in line]
     assert len(reason) == 1 and f"model '{missing}' does not exist" in reason[0], out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_models_config_entry_that_cannot_start_is_named(tiny_model_dirs, tmp_path):
+    # Two entries of one model, the second with a draft that does not exist: the one line names the entry too.
+    path, _ = tiny_model_dirs["llama"]
+    missing = tmp_path / "no-such-draft"
+    spec = {"method": "draft", "num_speculative_tokens": 2, "model": str(missing)}
+    config = tmp_path / "models.yaml"
+    config.write_text(yaml.safe_dump({"models": [{"name": "plain", "model": str(path)},
+                                                 {"name": "drafted", "model": str(path),
+                                                  "engine": {"speculative_config": spec}}]}))
+    out = subprocess.run([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", "0", "--models-config",
+                          str(config), "--max-model-len", "256", "--dtype", "float32"],
+                         capture_output=True, text=True, timeout=280, stdin=subprocess.DEVNULL)
+    assert out.returncode != 0
+    reason = [line for line in out.stderr.splitlines() if "engine failed to start" in line]
+    assert len(reason) == 1 and "model 'drafted': engine failed to start" in reason[0], out.stderr[-3000:]
+    assert f"model '{missing}' does not exist" in reason[0] and "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from kvserve.config import EngineConfig
-from kvserve.entrypoints.async_llm import EngineMode
+from kvserve.entrypoints.async_llm import EngineMode, EngineStartupError
 from kvserve.gateway.auto_route import AutoRouter
 from kvserve.gateway.difficulty import load_default_router
 from kvserve.gateway.config import AUTO_MODEL, ModelsConfig
@@ -73,10 +73,14 @@ class ModelRegistry:
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
         results = await asyncio.gather(*(m.start() for m in self.models), return_exceptions=True)
-        failed = next((e for e in results if isinstance(e, BaseException)), None)
+        failed = next(((m, e) for m, e in zip(self.models, results) if isinstance(e, BaseException)), None)
         if failed is not None:
             await self.shutdown()
-            raise failed
+            model, error = failed
+            if len(self.models) > 1 and isinstance(error, EngineStartupError):
+                # Which entry of --models-config: the engine's reason names only what it was given.
+                raise EngineStartupError(f"model {model.name!r}: {error}") from error
+            raise error
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(m.shutdown() for m in self.models), return_exceptions=True)
