@@ -146,6 +146,19 @@ def test_serve_models_from_the_command_line_and_a_file(tmp_path):
     assert main(["serve", "--models-config", str(path)]) == 2
 
 
+@pytest.mark.parametrize("argv", [
+    ["generate", "--num-kv-blocks", "-1"], ["generate", "--num-kv-blocks", "0"], ["generate", "--max-model-len", "0"],
+    ["generate", "--num-threads", "-1"], ["generate", "--device", "tpu"], ["generate", "--device", ""],
+    ["serve", "--port", "73597"], ["serve", "--port", "-1"], ["serve", "--device", "mps"]])
+def test_bad_flag_values_are_refused_by_the_parser_naming_the_flag(argv, capsys):
+    # Each was taken before: a traceback from torch or uvicorn, silently ignored (0), misreported under another
+    # flag, or (port 73597) wrapped around to another port while the log said the first.
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"argument {argv[1]}" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(300)
 def test_serve_that_cannot_start_its_engine_says_why_in_one_line(tmp_path):
     # The engine process refuses the configuration (no such draft model) after the server has started:

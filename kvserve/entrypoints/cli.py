@@ -20,6 +20,35 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m"
           "tb": 10**12, "tib": 2**40, "ti": 2**40}
 
 
+def positive_int(text: str) -> int:
+    """An int >= 1: a count or a length (0 or -1 were taken, then ignored or misreported far from the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535: uvicorn wrapped 73597 around to another port, and said the first."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
+def device_name(text: str) -> str:
+    """auto, cpu, cuda or cuda:N: torch's own message for another name came as a traceback."""
+    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", text):
+        raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 def parse_memory(text: str) -> int | float:
     """'0.5' -> a fraction of free memory; '2GiB', '512MB', '1073741824' -> bytes."""
     m = _SIZE.match(text)
@@ -61,7 +90,7 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                         "channel, int4 group-wise asymmetric). (default: %(default)s)")
     p.add_argument("--quant-group-size", type=int, default=d.quant_group_size, choices=[32, 128],
                    help="Group size of --quantization int4 (default: %(default)s)")
-    p.add_argument("--device", default=d.device, help="auto | cpu | cuda[:N] (default: %(default)s)")
+    p.add_argument("--device", type=device_name, default=d.device, help="auto | cpu | cuda[:N] (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="Engine seed (default: %(default)s)")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                    choices=[*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES],
@@ -88,9 +117,9 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                    help="On CUDA, the fraction of the GPU's total memory this engine may use: the KV cache gets "
                         "what the weights and a profiled worst-case step (--max-num-batched-tokens, "
                         "--max-num-seqs) leave of it. Ignored with --kv-cache-memory. (default: %(default)s)")
-    p.add_argument("--num-kv-blocks", type=int, default=None,
+    p.add_argument("--num-kv-blocks", type=positive_int, default=None,
                    help="Exact number of KV blocks (overrides --kv-cache-memory; for tests and experiments).")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="Context length limit (prompt + output). Default: the model's.")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="Most sequences in one batch (default: %(default)s)")
@@ -107,7 +136,7 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                    help="continuous: requests join and leave the batch every step; static: a batch runs to "
                         "completion before the next starts; dynamic: like static, but waits briefly for the "
                         "batch to fill (default: %(default)s)")
-    p.add_argument("--num-threads", type=int, default=None,
+    p.add_argument("--num-threads", type=positive_int, default=None,
                    help="Torch threads for the engine on CPU. Default: torch's choice (all cores).")
     p.add_argument("--speculative-config", type=parse_speculative_config, default=None,
                    help="Speculative decoding, as JSON with vLLM's field names, e.g. '{\"method\": \"ngram\", "
@@ -185,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "routing.policy).")
     serve.add_argument("--host", default="127.0.0.1",
                        help="Address to bind; use 0.0.0.0 to accept remote clients (default: %(default)s)")
-    serve.add_argument("--port", type=int, default=8000, help="Port (default: %(default)s)")
+    serve.add_argument("--port", type=port_number, default=8000, help="Port (default: %(default)s)")
     serve.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
                        help="Require `Authorization: Bearer KEY` on /v1/* and /tokenize, /detokenize. Several keys "
                             "(one per tenant) may be given; any of them is accepted.")
