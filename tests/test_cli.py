@@ -159,6 +159,13 @@ def test_bad_flag_values_are_refused_by_the_parser_naming_the_flag(argv, capsys)
     assert f"argument {argv[1]}" in capsys.readouterr().err
 
 
+def test_a_kv_cache_larger_than_memory_is_refused_before_it_is_allocated(capsys):
+    # It grew until the kernel killed the process (no message), or at 10**30 blocks hung building its list.
+    for flags in (["--num-kv-blocks", str(10**12)], ["--kv-cache-memory", "100TiB"]):
+        assert main(["generate", "--prompt", "hi", "--max-tokens", "2", *flags]) == 2
+        assert "is available: lower num_kv_blocks or kv_cache_memory" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(300)
 def test_serve_that_cannot_start_its_engine_says_why_in_one_line(tmp_path):
     # The engine process refuses the configuration (no such draft model) after the server has started:

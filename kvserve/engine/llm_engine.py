@@ -100,6 +100,13 @@ class LLMEngine:
             num_blocks = self._num_blocks_for_budget(block_bytes)
         if num_blocks < 1:
             raise ValueError("kv_cache_memory is too small to hold a single KV block")
+        # A pool past the memory there is would grow until the kernel kills the process (no message), or, at
+        # 10**30 blocks, hang building its block list.
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else _available_host_memory()
+        if num_blocks * block_bytes > free:
+            gib = 1 << 30
+            raise ValueError(f"a KV cache of {num_blocks} blocks needs {num_blocks * block_bytes / gib:.1f} GiB, and "
+                             f"{free / gib:.1f} GiB is available: lower num_kv_blocks or kv_cache_memory")
         # A sequence must fit in the pool on its own, or preemption could not always make room for it.
         self.max_model_len = min(max_model_len, num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
