@@ -22,6 +22,7 @@ MIN_TOP_P = 1e-9
 # request waits on: 20,000 stop strings (a 1 MB request) slowed two other streams from 1.1 s to 20 s, 200,000
 # stop_token_ids with min_tokens to 14 s. Far above any real use (OpenAI's API takes 4 stop strings).
 MAX_STOP_STRINGS = 256
+MAX_N = 16384  # vLLM's default bound (VLLM_MAX_N_SEQUENCES): n of 10**30 made add_request build sequences until OOM
 MAX_STOP_TOKEN_IDS = 1024
 
 
@@ -70,6 +71,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.n > MAX_N:
+            raise bad("n", f"must be <= {MAX_N}, got {self.n}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:

@@ -66,6 +66,17 @@ def test_default_model_file() -> None:
     assert_same_as_gguf_reader(default_model_path())
 
 
+@pytest.mark.parametrize("keep", [100, 1_000_000, 0.6], ids=["in_the_header", "in_the_metadata", "in_the_tensors"])
+def test_a_truncated_gguf_file_is_named(keep: int | float, tmp_path: Path) -> None:
+    # A download cut short: struct.error (with a traceback) or numpy's reshape message, naming no file, before.
+    from kvserve.models.default import default_model_path
+    data = Path(default_model_path()).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:int(keep * len(data)) if isinstance(keep, float) else keep])
+    with pytest.raises(ValueError, match=r"cut.gguf is a truncated or damaged GGUF file"):
+        read_gguf(cut)
+
+
 def test_not_a_gguf_file(tmp_path: Path) -> None:
     (tmp_path / "x.gguf").write_bytes(b"GGML" + b"\0" * 64)
     with pytest.raises(ValueError, match="not a GGUF file"):

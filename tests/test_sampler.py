@@ -178,6 +178,13 @@ def test_tiny_temperatures_are_greedy_or_raised_as_vllms() -> None:
     assert out.token_ids[:5] == [3, 70, 900, 4000, 1]  # at 0.01 a lead of one logit is e^100 to one
 
 
+def test_n_is_bounded_as_in_vllm() -> None:
+    # n = 10**30 made the engine build sequences until memory ran out (the server bounds n by max_num_seqs).
+    assert SamplingParams(n=16384).n == 16384
+    with pytest.raises(ValueError, match="n must be <= 16384"):
+        SamplingParams(n=10**30)
+
+
 def test_extreme_valid_parameters_sample_as_their_limits() -> None:
     """Valid values that float32 rounded to ones the sampler refused (1 / T or top_p to zero: the kernel failed
     the whole step): a temperature hotter than 1e30 samples uniformly anyway, and a top_p under the likeliest

@@ -84,6 +84,15 @@ def read_gguf(path: str | Path) -> GGUFFile:
     version = cur.unpack("I")
     if version not in (2, 3):
         raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3, little-endian)")
+    try:
+        return _read_body(cur, buf)
+    except (struct.error, ValueError, UnicodeDecodeError, OverflowError, MemoryError) as e:
+        # A file cut short (a download that stopped) or damaged: struct's and numpy's own messages named neither
+        # the file nor what was wrong with it, and struct's came as a traceback.
+        raise ValueError(f"{path} is a truncated or damaged GGUF file ({e})") from None
+
+
+def _read_body(cur: _Cursor, buf: mmap.mmap) -> GGUFFile:
     n_tensors, n_kv = cur.unpack("Q"), cur.unpack("Q")
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
