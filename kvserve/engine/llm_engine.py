@@ -102,7 +102,7 @@ class LLMEngine:
             raise ValueError("kv_cache_memory is too small to hold a single KV block")
         # A pool past the memory there is would grow until the kernel kills the process (no message), or, at
         # 10**30 blocks, hang building its block list.
-        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else _available_host_memory()
+        free = self._free_memory()
         if num_blocks * block_bytes > free:
             gib = 1 << 30
             raise ValueError(f"a KV cache of {num_blocks} blocks needs {num_blocks * block_bytes / gib:.1f} GiB, and "
@@ -206,6 +206,10 @@ class LLMEngine:
                     p.weights_bytes / gib, p.activation_peak_bytes / gib, p.non_torch_bytes / gib, kv_bytes / gib)
         return kv_bytes // kv_spec.bytes_per_block
 
+    def _free_memory(self) -> int:
+        """Bytes free on the engine's device: the GPU's, else the host's available memory."""
+        return torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else _available_host_memory()
+
     def _num_blocks_for_budget(self, block_bytes: int) -> int:
         budget = self.config.kv_cache_memory
         if budget is None:  # a CPU (CUDA without kv_cache_memory is sized by profiling)
@@ -213,9 +217,7 @@ class LLMEngine:
         if isinstance(budget, float) and budget <= 1.0:
             if not 0 < budget:
                 raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {budget}")
-            free = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
-                    else _available_host_memory())
-            budget = int(budget * free)
+            budget = int(budget * self._free_memory())
         return int(budget) // block_bytes
 
     # ---- requests ------------------------------------------------------------------------------

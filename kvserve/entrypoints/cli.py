@@ -20,26 +20,24 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m"
           "tb": 10**12, "tib": 2**40, "ti": 2**40}
 
 
-def positive_int(text: str) -> int:
-    """An int >= 1: a count or a length (0 or -1 were taken, then ignored or misreported far from the flag)."""
+def _bounded_int(text: str, low: int, high: int | None, bounds: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1: a count or a length (0 or -1 were taken, then ignored or misreported far from the flag)."""
+    return _bounded_int(text, 1, None, ">= 1")
 
 
 def port_number(text: str) -> int:
     """A TCP port, 0 (any free one) to 65535: uvicorn wrapped 73597 around to another port, and said the first."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
-    return value
+    return _bounded_int(text, 0, 65535, "in [0, 65535]")
 
 
 def device_name(text: str) -> str:

@@ -27,6 +27,10 @@ def random_id(prefix: str) -> str:
 class OpenAIBase(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
+
+class RequestBody(OpenAIBase):
+    """A whole request body (not a part nested in one): checked once, with every string in it."""
+
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
@@ -66,7 +70,7 @@ class StreamOptions(OpenAIBase):
     continuous_usage_stats: bool | None = False
 
 
-class SamplingFields(OpenAIBase):
+class SamplingFields(RequestBody):
     """Fields shared by completions and chat. Defaults follow vLLM's OpenAI server."""
     model: str | None = None
     n: BoundedInt = 1
@@ -309,7 +313,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIBase):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -323,7 +327,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIBase):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[TokenId]
 
