@@ -16,6 +16,10 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")  # see kvserve/attention/select
 PER_REQUEST_SPEC_DECODE_METRICS = ("none", "summary", "detailed")
 
 
+# torch takes a 32-bit thread count and would try to start as many as it is given: a bound against typos.
+MAX_NUM_THREADS = 1024
+
+
 @dataclass
 class EngineConfig:
     # What to load. None means the embedded default (SmolLM2-135M-Instruct, see kvserve/models/default.py).
@@ -74,6 +78,12 @@ class EngineConfig:
     per_request_spec_decode_metrics: str = "none"
 
     def __post_init__(self) -> None:
+        for name in ("model", "tokenizer"):  # '' read as the current directory, or (--model '') as the default
+            if getattr(self, name) == "":
+                raise ValueError(f"{name} is empty: give a preset name, a Hugging Face directory or a .gguf file "
+                                 f"(or leave it out)")
+        if self.num_threads is not None and not 1 <= self.num_threads <= MAX_NUM_THREADS:
+            raise ValueError(f"num_threads must be in [1, {MAX_NUM_THREADS}], got {self.num_threads}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:

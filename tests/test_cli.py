@@ -137,8 +137,7 @@ def test_serve_models_from_the_command_line_and_a_file(tmp_path):
     cfg = models_config(parse("--models-config", str(path)))
     assert cfg.models[0].data_parallel_size == 3 and cfg.routing.policy == "least_loaded"
     assert cfg.admission.max_waiting == 256
-    for bad in (("smollm2-135m", "--models-config", str(path)), ("a", "b", "--served-model-name", "x"),
-                ("--data-parallel-size", "0")):
+    for bad in (("smollm2-135m", "--models-config", str(path)), ("a", "b", "--served-model-name", "x")):
         with pytest.raises(ValueError):
             models_config(parse(*bad))
     # Errors reach the user as one line naming the field, not a traceback.
@@ -149,14 +148,47 @@ def test_serve_models_from_the_command_line_and_a_file(tmp_path):
 @pytest.mark.parametrize("argv", [
     ["generate", "--num-kv-blocks", "-1"], ["generate", "--num-kv-blocks", "0"], ["generate", "--max-model-len", "0"],
     ["generate", "--num-threads", "-1"], ["generate", "--device", "tpu"], ["generate", "--device", ""],
-    ["serve", "--port", "73597"], ["serve", "--port", "-1"], ["serve", "--device", "mps"]])
+    ["serve", "--port", "73597"], ["serve", "--port", "-1"], ["serve", "--device", "mps"],
+    ["generate", "--num-threads", str(10**30)], ["serve", "--data-parallel-size", str(10**30)],
+    ["serve", "--data-parallel-size", "0"], ["serve", "--max-waiting", "-1"],
+    ["serve", "--max-request-body-bytes", "-1"], ["serve", "--shutdown-grace", "-1"],
+    ["serve", "--shutdown-grace", "nan"], ["serve", "--log-stats-interval", "0"], ["serve", "--api-key", ""],
+    ["serve", "--api-key", "good", " "]])
 def test_bad_flag_values_are_refused_by_the_parser_naming_the_flag(argv, capsys):
     # Each was taken before: a traceback from torch or uvicorn, silently ignored (0), misreported under another
-    # flag, or (port 73597) wrapped around to another port while the log said the first.
+    # flag, or (port 73597) wrapped around to another port while the log said the first; 10**30 threads gave
+    # "Overflow when unpacking long long" and 10**30 replicas grew a list until memory ran out.
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
     assert f"argument {argv[1]}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["generate", "a-model", "--model", "another"], "the model is given twice"),
+    (["serve", "a-model", "b-model", "--model", "a-model"], "the model is given twice"),
+    (["generate", ""], "model is empty"), (["generate", "--model", ""], "model is empty"),
+    (["serve", "--tokenizer", ""], "tokenizer is empty")])
+def test_a_model_given_twice_or_empty_is_refused(argv, said, capsys):
+    # One of two models was dropped silently; '' read as the current directory (--model '' as the default model).
+    assert main(argv + ["--prompt", "hi"] * (argv[0] == "generate")) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_the_same_model_given_twice_is_taken(tiny_model_dirs):
+    path, _ = tiny_model_dirs["llama"]
+    args = build_parser().parse_args(["generate", str(path), "--model", str(path)])
+    assert engine_config(args).model == str(path)
+
+
+@pytest.mark.timeout(300)
+def test_any_integer_is_an_engine_seed(tiny_model_dirs, capsys):
+    # torch.manual_seed overflowed past 64 bits ("Overflow when unpacking long long", naming no flag).
+    path, _ = tiny_model_dirs["llama"]
+    for seed in (str(10**30), str(-10**30)):
+        assert main(["generate", str(path), "--seed", seed, "--prompt", "hi", "--max-tokens", "3",
+                     "--temperature", "1.0", "--dtype", "float32", "--max-model-len", "64"]) == 0
+        assert capsys.readouterr().out.startswith("hi")
 
 
 def test_a_kv_cache_larger_than_memory_is_refused_before_it_is_allocated(capsys):

@@ -43,6 +43,7 @@ def test_short_form():
     ({"models": []}, "models"),
     ({"models": [{"name": "a"}]}, "models[0].model"),
     ({"models": [{"name": "a", "model": "x", "data_parallel_size": 0}]}, "models[0].data_parallel_size"),
+    ({"models": [{"name": "a", "model": "x", "data_parallel_size": 10**30}]}, "models[0].data_parallel_size"),
     ({"models": [{"name": "a", "model": "x", "engine": {"max_num_seqz": 1}}]}, "models[0].engine"),
     ({"models": [{"name": "a", "model": "x", "engine": {"max_num_seqs": 0}}]}, "models[0].engine"),
     ({"models": [{"name": "a", "model": "x"}, {"name": "a", "model": "y"}]}, "used twice"),

@@ -77,6 +77,13 @@ def test_a_truncated_gguf_file_is_named(keep: int | float, tmp_path: Path) -> No
         read_gguf(cut)
 
 
+def test_an_empty_gguf_file_is_named(tmp_path: Path) -> None:
+    # mmap's "cannot mmap an empty file" named no file.
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty.gguf is empty \(0 bytes\)"):
+        read_gguf(tmp_path / "empty.gguf")
+
+
 def test_not_a_gguf_file(tmp_path: Path) -> None:
     (tmp_path / "x.gguf").write_bytes(b"GGML" + b"\0" * 64)
     with pytest.raises(ValueError, match="not a GGUF file"):

@@ -33,7 +33,7 @@ from kvserve.models.kv_cache import kv_cache_spec
 from kvserve.models.loader import load_model
 from kvserve.outputs import (PositionLogprobs, RequestDelta, RequestMetrics, RequestOutput, RequestOutputAccumulator,
                              SpecDecodeMetrics)
-from kvserve.sampling.sampler import make_generator
+from kvserve.sampling.sampler import cpu_seed, make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.draft_model import load_draft
@@ -58,7 +58,7 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        torch.manual_seed(config.seed)
+        torch.manual_seed(cpu_seed(config.seed))  # any int, as a request's seed (torch's own overflowed past 64 bits)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         loaded = load_model(config.model, self.dtype, self.device, config.tokenizer, config.quantization,

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Sequence
 
-from kvserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
-from kvserve.gateway.config import ROUTING_POLICIES, ModelsConfig
+from kvserve.config import (ATTENTION_BACKENDS, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, MAX_NUM_THREADS, QUANTIZATIONS,
+                            EngineConfig)
+from kvserve.gateway.config import MAX_DATA_PARALLEL_SIZE, ROUTING_POLICIES, ModelsConfig
 from kvserve.models.default import served_name
 from kvserve.models.presets import DEFAULT_PRESET
 from kvserve.spec_decode.config import SpeculativeConfig
@@ -33,6 +35,42 @@ def _bounded_int(text: str, low: int, high: int | None, bounds: str) -> int:
 def positive_int(text: str) -> int:
     """An int >= 1: a count or a length (0 or -1 were taken, then ignored or misreported far from the flag)."""
     return _bounded_int(text, 1, None, ">= 1")
+
+
+def thread_count(text: str) -> int:
+    return _bounded_int(text, 1, MAX_NUM_THREADS, f"in [1, {MAX_NUM_THREADS}]")
+
+
+def replica_count(text: str) -> int:
+    """--data-parallel-size: 10**30 grew the replica list until memory ran out."""
+    return _bounded_int(text, 1, MAX_DATA_PARALLEL_SIZE, f"in [1, {MAX_DATA_PARALLEL_SIZE}]")
+
+
+def _seconds(text: str, zero_allowed: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_allowed):
+        raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if zero_allowed else '>'} 0, got {text}")
+    return value
+
+
+def grace_seconds(text: str) -> float:
+    """--shutdown-grace: 0 drops in-flight requests at once; -1 and nan were taken."""
+    return _seconds(text, zero_allowed=True)
+
+
+def interval_seconds(text: str) -> float:
+    """--log-stats-interval: 0 and nan were taken."""
+    return _seconds(text, zero_allowed=False)
+
+
+def api_key(text: str) -> str:
+    """--api-key '' was taken as a key that an empty bearer token matched."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an API key must not be empty")
+    return text
 
 
 def port_number(text: str) -> int:
@@ -134,7 +172,7 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                    help="continuous: requests join and leave the batch every step; static: a batch runs to "
                         "completion before the next starts; dynamic: like static, but waits briefly for the "
                         "batch to fill (default: %(default)s)")
-    p.add_argument("--num-threads", type=positive_int, default=None,
+    p.add_argument("--num-threads", type=thread_count, default=None,
                    help="Torch threads for the engine on CPU. Default: torch's choice (all cores).")
     p.add_argument("--speculative-config", type=parse_speculative_config, default=None,
                    help="Speculative decoding, as JSON with vLLM's field names, e.g. '{\"method\": \"ngram\", "
@@ -164,11 +202,14 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
 
 
 def engine_config(args: argparse.Namespace, max_waiting: int | None = None) -> EngineConfig:
-    model = args.model
-    if isinstance(model, list):  # `serve` takes several; the engine options are for the first (or each)
-        model = model[0] if model else None
+    # `serve` takes several models; the engine options are for the first (or each).
+    typed = args.model if isinstance(args.model, list) else [] if args.model is None else [args.model]
+    if args.model_opt is not None and typed and typed != [args.model_opt]:  # one of the two was dropped silently
+        raise ValueError(f"the model is given twice, as {' '.join(typed)!r} and as --model {args.model_opt!r}: "
+                         f"give it once")
+    model = args.model_opt if args.model_opt is not None else typed[0] if typed else None
     return EngineConfig(
-        model=args.model_opt or model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+        model=model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         quantization=args.quantization, quant_group_size=args.quant_group_size,
         seed=args.seed, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
@@ -203,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Serve the models this YAML file lists (name, model, data_parallel_size, engine options), "
                             "with its routing (policy, and `auto` for model \"auto\") and admission (max_waiting) "
                             "sections; see the README. The engine options given here are every model's defaults.")
-    serve.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
+    serve.add_argument("--data-parallel-size", "-dp", type=replica_count, default=None, metavar="N",
                        help="Engine processes (replicas) per model, requests routed across them (default: 1, or "
                             "each model's data_parallel_size in --models-config).")
     serve.add_argument("--routing-policy", choices=list(ROUTING_POLICIES), default=None,
@@ -213,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1",
                        help="Address to bind; use 0.0.0.0 to accept remote clients (default: %(default)s)")
     serve.add_argument("--port", type=port_number, default=8000, help="Port (default: %(default)s)")
-    serve.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
+    serve.add_argument("--api-key", type=api_key, nargs="+", action="extend", default=None, metavar="KEY",
                        help="Require `Authorization: Bearer KEY` on /v1/* and /tokenize, /detokenize. Several keys "
                             "(one per tenant) may be given; any of them is accepted.")
     serve.add_argument("--cache-salt-by-api-key", action="store_true",
@@ -224,17 +265,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="Model name(s) clients use in `model`; the first is reported. Default: the model "
                             "path, or SmolLM2-135M-Instruct.")
-    serve.add_argument("--max-waiting", type=int, default=None,
+    serve.add_argument("--max-waiting", type=positive_int, default=None,
                        help="Answer 429 (with Retry-After) when more than this many requests of a model are waiting. "
                             "Default: unbounded for one model; with several, 256 or the file's admission.max_waiting.")
-    serve.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20,
+    serve.add_argument("--max-request-body-bytes", type=positive_int, default=16 * 2**20,
                        help="Larger request bodies get 413 (default: %(default)s)")
-    serve.add_argument("--shutdown-grace", type=float, default=30.0,
+    serve.add_argument("--shutdown-grace", type=grace_seconds, default=30.0,
                        help="Seconds in-flight requests may take to finish after SIGTERM (default: %(default)s)")
     serve.add_argument("--engine-mode", choices=["process", "thread"], default="process",
                        help="Run the engine in its own process (default; keeps the HTTP side responsive) or in "
                             "a thread of the server process.")
-    serve.add_argument("--log-stats-interval", type=float, default=5.0,
+    serve.add_argument("--log-stats-interval", type=interval_seconds, default=5.0,
                        help="Seconds between stats log lines while busy (default: %(default)s)")
     serve.add_argument("--no-web", dest="web", action="store_false",
                        help="Do not serve the web page (chat playground and live dashboard) at /.")
@@ -336,8 +377,6 @@ def models_config(args: argparse.Namespace) -> ModelsConfig | None:
         raise ValueError("--served-model-name names one model; with several, their names come from the command "
                          "line or from --models-config")
     if args.data_parallel_size is not None:
-        if args.data_parallel_size < 1:
-            raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
         for m in models.models:
             m.data_parallel_size = args.data_parallel_size
     if args.routing_policy is not None:

@@ -12,6 +12,9 @@ from kvserve.config import EngineConfig
 RoutingPolicy = Literal["cache_aware", "least_loaded", "round_robin"]
 ROUTING_POLICIES = ("cache_aware", "least_loaded", "round_robin")
 AUTO_MODEL = "auto"                       # the model name that asks the gateway to pick small or large
+# Engine processes per model: each holds a copy of the weights, so this is a bound against a typo (10**30 grew
+# the replica list until memory ran out), not a measured limit.
+MAX_DATA_PARALLEL_SIZE = 256
 _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)} - {"model"}
 
 
@@ -131,8 +134,9 @@ def _model_entry(d: Any, where: str) -> ModelEntry:
         if not isinstance(d.get(key), str) or not d[key]:
             raise ModelsConfigError(f"{where}.{key} must be a non-empty string")
     dp = d.get("data_parallel_size", 1)
-    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
-        raise ModelsConfigError(f"{where}.data_parallel_size must be an integer >= 1, got {dp!r}")
+    if not isinstance(dp, int) or isinstance(dp, bool) or not 1 <= dp <= MAX_DATA_PARALLEL_SIZE:
+        raise ModelsConfigError(f"{where}.data_parallel_size must be an integer in [1, {MAX_DATA_PARALLEL_SIZE}], "
+                                f"got {dp!r}")
     engine = d.get("engine") or {}
     if not isinstance(engine, dict):
         raise ModelsConfigError(f"{where}.engine must be a mapping of engine options")

@@ -12,6 +12,7 @@ tensor infos as (name, dims fastest-first, type, offset); then, aligned, the ten
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,8 @@ class _Cursor:
 
 def read_gguf(path: str | Path) -> GGUFFile:
     with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:  # mmap's own "cannot mmap an empty file" named no file
+            raise ValueError(f"{path} is empty (0 bytes), not a GGUF file")
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     cur = _Cursor(buf)
     if buf[:4] != b"GGUF":
