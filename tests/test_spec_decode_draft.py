@@ -420,6 +420,16 @@ def test_bad_draft_models_are_refused_clearly(tiny_model_dirs, tmp_path):
     weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
     with pytest.raises(ValueError, match=r"draft model '.*truncated' is damaged or incomplete \(SafetensorError"):
         make_engine(path, spec(truncated))
+    # Same merges and pre-tokeniser, two ids swapped: the probe text encodes alike (it holds neither letter), but
+    # every drafted 'Q' would be read by the target as 'Z'.
+    swapped = tmp_path / "swapped"
+    shutil.copytree(path, swapped)
+    tok = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["Q"], vocab["Z"] = vocab["Z"], vocab["Q"]
+    (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match=r"names 2 token id\(s\) differently from the target, e\.g\. \d+ \('Z' against 'Q'\)"):
+        make_engine(path, spec(swapped))
     # No model: the shipped draft is the default model's, and this target is not.
     with pytest.raises((ValueError, FileNotFoundError), match="model"):
         make_engine(path, {"method": "draft", "num_speculative_tokens": 2})

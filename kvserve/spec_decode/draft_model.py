@@ -30,9 +30,28 @@ from kvserve.models.native_stack import NativeDecoderStack
 from kvserve.models.weight_loading import load_named_weights
 from kvserve.spec_decode.draft_format import (SHIPPED_DRAFT, DraftFileConfig, file_quantization, is_draft_file,
                                                named_load_errors, read_draft)
+from kvserve.tokenizer.tokenizer import Tokenizer
 
-# Encoded by target and draft to check that they share a tokenizer.
+# Encoded by target and draft to check that they share a tokenizer (normaliser, pre-tokeniser, merges).
 _TOKENIZER_PROBE = "Hello, world! The year 2024 was 366 days long.\n    def f(x):\n        return x ** 2  # ok"
+
+
+def differing_token_ids(a: Tokenizer, b: Tokenizer) -> list[int]:
+    """Ids both know that name different tokens: neither their vocabulary entries nor their decoded texts agree.
+
+    A vocabulary that swaps or renames tokens encodes the probe alike unless the probe uses them, and would
+    draft tokens the target reads as others (exact still, but nearly never accepted). Either agreement
+    suffices, because the same tokenizer can spell its entries differently when read from a GGUF file. An id
+    one side lacks (an added token) is not compared.
+    """
+    va = {i: t for t, i in a.backend.get_vocab(with_added_tokens=True).items()}
+    vb = {i: t for t, i in b.backend.get_vocab(with_added_tokens=True).items()}
+    unlike = [i for i in sorted(va.keys() & vb.keys()) if va[i] != vb[i]]
+    if not unlike:
+        return []
+    texts_a = a.backend.decode_batch([[i] for i in unlike], skip_special_tokens=False)
+    texts_b = b.backend.decode_batch([[i] for i in unlike], skip_special_tokens=False)
+    return [i for i, x, y in zip(unlike, texts_a, texts_b) if x != y]
 
 
 class DraftLM(nn.Module):
@@ -160,4 +179,9 @@ def load_draft(model_path: str | None, target: LoadedModel, dtype: torch.dtype, 
     if draft.tokenizer.encode(_TOKENIZER_PROBE) != target.tokenizer.encode(_TOKENIZER_PROBE):
         raise ValueError(f"speculative_config: draft model {model_path!r} tokenizes text differently from "
                          "the target: a draft must share the target's tokenizer")
+    if unlike := differing_token_ids(draft.tokenizer, target.tokenizer):
+        shown = ", ".join(f"{i} ({draft.tokenizer.backend.id_to_token(i)!r} against "
+                          f"{target.tokenizer.backend.id_to_token(i)!r})" for i in unlike[:3])
+        raise ValueError(f"speculative_config: draft model {model_path!r} names {len(unlike)} token id(s) "
+                         f"differently from the target, e.g. {shown}: a draft must share the target's tokenizer")
     return draft.model
