@@ -197,6 +197,23 @@ def test_batch_size_schedule_in_vllms_notation():
             c.drafting_seqs(64)) == (0, 6, 4, 64, 4)
 
 
+def test_a_schedules_k_above_num_speculative_tokens_is_warned_about(caplog):
+    """vLLM cuts a schedule's k to num_speculative_tokens without a word; here the cut is said once, at start."""
+    for method, extra in (("ngram", {"num_speculative_tokens": 4}), ("suffix", {})):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvserve.spec_decode.config"):
+            c = SpeculativeConfig.parse({"method": method, **extra,
+                                         "num_speculative_tokens_per_batch_size": [[1, 2, 10**30], [3, 9, 3]]})
+        n = c.num_speculative_tokens
+        assert f"k {10**30} above num_speculative_tokens ({n}) is taken as {n}" in caplog.text, caplog.text
+        assert (c.draft_tokens_at(1), c.draft_tokens_at(5)) == (n, min(3, n))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvserve.spec_decode.config"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4,
+                                 "num_speculative_tokens_per_batch_size": [[1, 2, 4], [3, 9, 0]]})
+    assert caplog.text == ""
+
+
 def test_vllms_draft_fields_are_taken_or_refused_with_the_reason():
     c = SpeculativeConfig.parse({"method": "eagle", "num_speculative_tokens": 1, "draft_tensor_parallel_size": 1,
                                  "max_model_len": 512, "quantization": "int8", "enforce_eager": True,

@@ -428,7 +428,8 @@ def test_bad_draft_models_are_refused_clearly(tiny_model_dirs, tmp_path):
     vocab = tok["model"]["vocab"]
     vocab["Q"], vocab["Z"] = vocab["Z"], vocab["Q"]
     (swapped / "tokenizer.json").write_text(json.dumps(tok))
-    with pytest.raises(ValueError, match=r"names 2 token id\(s\) differently from the target, e\.g\. \d+ \('Z' against 'Q'\)"):
+    with pytest.raises(ValueError, match=r"names 2 token id\(s\) differently from the target, e\.g\. \d+ "
+                                         r"\('Z' against 'Q'\)"):
         make_engine(path, spec(swapped))
     # No model: the shipped draft is the default model's, and this target is not.
     with pytest.raises((ValueError, FileNotFoundError), match="model"):

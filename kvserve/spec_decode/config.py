@@ -281,6 +281,9 @@ class SpeculativeConfig:
         if ranges[0][0] != 1:
             raise bad(name, f"the first range must start at batch size 1 (every batch size needs a k), got "
                             f"{ranges[0][0]}")
+        if over := sorted({k for *_, k in ranges if k > self.num_speculative_tokens}):  # vLLM cuts them silently
+            logger.warning("num_speculative_tokens_per_batch_size: k %s above num_speculative_tokens (%d) is taken "
+                           "as %d", "/".join(map(str, over)), self.num_speculative_tokens, self.num_speculative_tokens)
         return tuple((lo, k) for lo, _, k in ranges)
 
     def _check_draft_fields(self, bad) -> None:
