@@ -191,6 +191,24 @@ def test_chat_logprobs(client):
         assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token  # greedy picks the top one
 
 
+def test_chat_logprob_bytes_rebuild_a_character_split_across_tokens(client, http):
+    """An emoji is three tokens here, each alone decoding to U+FFFD: their `bytes` (OpenAI's field for this) must
+    be the token's own bytes, which joined give the emoji back, not U+FFFD's three bytes each."""
+    emoji = "😀"
+    ids = http.post("/tokenize", json={"prompt": emoji, "add_special_tokens": False}).json()["tokens"]
+    assert len(ids) > 1
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=len(ids), temperature=0,
+                                         logit_bias={str(i): 100 for i in ids}, logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == len(ids)
+    joined = b"".join(bytes(c.bytes) for c in content)
+    assert joined.decode("utf-8", errors="replace") == out.choices[0].message.content
+    for c in content:  # each token's bytes are a piece of the emoji's UTF-8, never U+FFFD's
+        assert c.bytes and bytes(c.bytes) in emoji.encode(), c
+        # (logprobs are the model's, before logit_bias: the top ones are other, whole tokens)
+        assert all(bytes(t.bytes).decode("utf-8", errors="replace") == t.token for t in c.top_logprobs), c
+
+
 def test_prompt_forms_and_cached_tokens(client, http):
     ids = http.post("/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
     by_text = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)

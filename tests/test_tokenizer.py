@@ -119,3 +119,47 @@ def test_gguf_rebuild_adds_bos_only_when_asked(add_bos: bool) -> None:
     assert tok.decode(ids) == "hello 42"
     assert tok.eos_token_ids == [258] and tok.bos_token_id == 257
     assert tok.encode("<s>", add_special_tokens=False) == [257]  # control tokens are atomic
+
+
+SPLIT_TEXTS = ["emoji 😀🎉🧬 and flags 🇫🇷", " 你好，世界", "𓀀𓀁 ꙮ \U000E0041 𝒜", "naïve café", "a\ufffdb"]
+
+
+@pytest.mark.parametrize("preset", ["smollm2-135m", "gemma3-270m"])
+def test_token_bytes_rebuild_characters_split_across_tokens(preset: str) -> None:
+    """OpenAI's logprob `bytes` are what a client joins to rebuild a character split across tokens: each such
+    token's text alone is U+FFFD. On both shipped models (GPT-2 byte-level pieces, SentencePiece byte fallback),
+    joined bytes give back the UTF-8 of the text, and each partial token's bytes are what its piece spells, read
+    with transformers' byte table for byte-level pieces."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from kvserve.models.loader import load_tokenizer
+    from kvserve.models.presets import resolve_model
+
+    tok = load_tokenizer(resolve_model(preset))
+    partial = 0
+    for text in SPLIT_TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        texts = [tok.decode([i], skip_special_tokens=False) for i in ids]
+        partial += sum("\ufffd" in t for t in texts)
+        assert b"".join(tok.token_bytes(i, t) for i, t in zip(ids, texts)) == text.encode("utf-8"), text
+    assert partial >= 10  # the texts do split characters on both models
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    byte_level = json.loads(tok.backend.decoder.__getstate__())["type"] == "ByteLevel"
+    ids = range(tok.vocab_size)
+    texts = tok.backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    checked = 0
+    for i, text in zip(ids, texts):
+        if "\ufffd" not in text:
+            continue
+        piece = tok.backend.id_to_token(i)
+        if byte_level:
+            want = bytes(byte_of[c] for c in piece)
+        elif piece.startswith("<0x") and piece.endswith(">"):
+            want = bytes([int(piece[3:-1], 16)])
+        else:  # SentencePiece pieces that hold U+FFFD itself
+            assert "\ufffd" in piece, (i, piece)
+            want = text.encode("utf-8")
+        assert tok.token_bytes(i) == want, (i, piece)
+        assert want.decode("utf-8", errors="replace") == text, (i, piece)
+        checked += want != text.encode("utf-8")
+    assert checked >= 100

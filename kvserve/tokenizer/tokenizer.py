@@ -6,6 +6,7 @@ tokenizer.ggml.* by gguf_tokenizer.py)."""
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,21 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int, text: str | None = None) -> bytes:
+        """The bytes a token stands for, where its text alone is not whole UTF-8 (part of an emoji or a CJK
+        character decodes to U+FFFD): OpenAI's logprob `bytes`, which a client joins to rebuild such characters.
+        `text`: the token's decoded text, where the caller has it."""
+        if text is None:
+            text = self.backend.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self.backend.id_to_token(token_id) or ""
+        if (m := _BYTE_FALLBACK.fullmatch(piece)) is not None:  # SentencePiece's byte fallback: <0xF0>
+            return bytes([int(m.group(1), 16)])
+        if piece and all(c in _BYTE_LEVEL_CHARS for c in piece):  # GPT-2 byte-level: one printable char a byte
+            return bytes(_BYTE_LEVEL_CHARS[c] for c in piece)
+        return text.encode("utf-8")  # a token that is U+FFFD itself, or a scheme not known here
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if not self.chat_template:
@@ -106,6 +122,23 @@ class Tokenizer:
             tokens[eos_id] if eos_id is not None else None,
             list(dict.fromkeys(eos_ids)),
         )
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2 byte-level BPE's alphabet: each byte is written as one printable character; char -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:  # the unprintable ones are moved past 255, in order
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL_CHARS = _byte_level_chars()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _token_str(tok: Any) -> str | None:

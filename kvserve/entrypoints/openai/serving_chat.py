@@ -132,9 +132,9 @@ class OpenAIServingChat(OpenAIServing):
             s = token_str(tokenizer, tid, entry[tid].decoded_token)
             tops = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= num_top), key=lambda x: x[1].rank)
             content.append(ChatTokenLogprob(
-                token=s, logprob=entry[tid].logprob, bytes=list(s.encode("utf-8")),
+                token=s, logprob=entry[tid].logprob, bytes=list(tokenizer.token_bytes(tid, s)),
                 top_logprobs=[ChatTopLogprob(token=(ts := token_str(tokenizer, t, lp.decoded_token)),
-                                             logprob=lp.logprob, bytes=list(ts.encode("utf-8")))
+                                             logprob=lp.logprob, bytes=list(tokenizer.token_bytes(t, ts)))
                               for t, lp in tops[:num_top]]))
         return ChatChoiceLogprobs(content=content)
 
