@@ -279,3 +279,40 @@ def test_serve_command_reports_unreachable_server():
     rc = main(["serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "1",
                "--input-len", "4", "--output-len", "2", "--disable-tqdm"])
     assert rc == 2
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--num-prompts", "0", "must be >= 1"), ("--output-len", "0", "must be >= 1"),
+    ("--input-len", "-5", "must be >= 1"), ("--max-concurrency", "0", "must be >= 1"),
+    ("--range-ratio", "1.5", "in [0, 1)"), ("--range-ratio", "-0.5", "in [0, 1)"),
+    ("--percentiles", "abc", "comma-separated numbers"),
+    ("--percentiles", "50,150", "in [0, 100]"), ("--extra-body", "[1]", "must be a JSON object"),
+    ("--extra-body", "null", "must be a JSON object"), ("--extra-body", '"x"', "must be a JSON object"),
+    ("--extra-body", "{bad", "not JSON"), ("--save-result", "DIR", "is a directory"),
+])
+def test_serve_flags_are_checked_before_the_run(flag, value, says, tmp_path, capsys):
+    """Each of these ran the whole benchmark with a silently changed value, printed an empty table, or raised a
+    traceback (a directory for --save-result only after the run, losing it)."""
+    value = str(tmp_path) if value == "DIR" else value
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--base-url", "http://127.0.0.1:9", "--model", "m", flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {flag}" in err and says in err, err
+
+
+def test_sweep_result_dir_must_be_a_directory(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(SystemExit):
+        main(["sweep", "--server", "a=http://127.0.0.1:9", "--concurrencies", "1", "--model", "m",
+              "--result-dir", str(afile)])
+    assert "exists and is not a directory" in capsys.readouterr().err
+
+
+@needs_data
+def test_failed_requests_are_given_a_reason(capsys):
+    """Without the test request, an unreachable server's failures showed only as a count in the table."""
+    rc = main(["serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "3",
+               "--input-len", "4", "--output-len", "2", "--disable-tqdm", "--no-test-request"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "3 of 3 requests failed; the most common reason (3): " in err and "127.0.0.1:9" in err, err

@@ -7,6 +7,7 @@ import asyncio
 import json
 import shlex
 import sys
+from collections import Counter
 from pathlib import Path
 
 from kvserve.bench.client import IGNORE_EOS_METHODS, EndpointConfig
@@ -19,36 +20,89 @@ def _rate(text: str) -> float:
     return float("inf") if text == "inf" else float(text)
 
 
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:  # 0 prompts printed an empty table; output-len 0 became max_tokens 1 without a word
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _range_ratio(text: str) -> float:
+    """vLLM's bound: lengths are drawn in [len * (1 - r), len * (1 + r)]."""
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def _percentiles(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated numbers, e.g. 50,90,99, got {text!r}") from None
+    if not values or not all(0 <= v <= 100 for v in values):
+        raise argparse.ArgumentTypeError(f"must be numbers in [0, 100], got {text!r}")
+    return values
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object (merged into each request body), got {text!r}")
+    return value
+
+
+def _result_file(text: str) -> str:
+    """Checked before the run: a directory here failed only after the whole benchmark, losing it."""
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file path")
+    return text
+
+
+def _result_dir(text: str) -> str:
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    return text
+
+
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model name sent in each request")
     p.add_argument("--endpoint", choices=("completions", "chat"), default=None,
                    help="default: chat for --dataset chat, completions otherwise")
     p.add_argument("--dataset", choices=DATASETS, default="random")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=_int_at_least(1), default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=None,
                    help="a GGUF file or a directory with tokenizer.json (default: the embedded model)")
     g = p.add_argument_group("dataset shapes")
-    g.add_argument("--input-len", type=int, default=256, help="random: mean prompt tokens")
-    g.add_argument("--output-len", type=int, default=128, help="max_tokens (mean for random/chat)")
-    g.add_argument("--range-ratio", type=float, default=0.0,
+    g.add_argument("--input-len", type=_int_at_least(1), default=256, help="random: mean prompt tokens")
+    g.add_argument("--output-len", type=_int_at_least(1), default=128, help="max_tokens (mean for random/chat)")
+    g.add_argument("--range-ratio", type=_range_ratio, default=0.0,
                    help="random/chat: lengths uniform in [L*(1-r), L*(1+r)]")
-    g.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: system prompt tokens")
-    g.add_argument("--question-len", type=int, default=32, help="shared-prefix: question tokens")
-    g.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes")
-    g.add_argument("--max-turns", type=int, default=4, help="chat: user turns drawn in [1, N]")
-    g.add_argument("--message-len", type=int, default=64, help="chat: mean tokens per message")
+    g.add_argument("--prefix-len", type=_int_at_least(0), default=1024, help="shared-prefix: system prompt tokens")
+    g.add_argument("--question-len", type=_int_at_least(1), default=32, help="shared-prefix: question tokens")
+    g.add_argument("--num-prefixes", type=_int_at_least(1), default=1, help="shared-prefix: distinct prefixes")
+    g.add_argument("--max-turns", type=_int_at_least(1), default=4, help="chat: user turns drawn in [1, N]")
+    g.add_argument("--message-len", type=_int_at_least(1), default=64, help="chat: mean tokens per message")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of inter-arrival gaps; 1 = Poisson")
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)")
-    p.add_argument("--percentiles", default="50,90,99", help="comma-separated, e.g. 50,90,99")
+    p.add_argument("--percentiles", type=_percentiles, default="50,90,99", help="comma-separated, e.g. 50,90,99")
     p.add_argument("--ignore-eos-via", choices=IGNORE_EOS_METHODS, default="field",
                    help="how to make servers generate exactly max_tokens: the ignore_eos field "
                         "(vLLM, llama-server, kvserve), transformers serve's generation_config, "
                         "logit_bias against special tokens (llama-cpp-python's server), or none")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--extra-body", default=None, help="JSON merged into every request body")
+    p.add_argument("--extra-body", type=_json_object, default=None, help="JSON merged into every request body")
     p.add_argument("--no-test-request", action="store_true",
                    help="skip the unmeasured probe request sent before the run")
     p.add_argument("--disable-tqdm", action="store_true")
@@ -63,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="one run against one server")
     s.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     s.add_argument("--request-rate", type=_rate, default=float("inf"), help="req/s, or inf")
-    s.add_argument("--max-concurrency", type=int, default=None)
-    s.add_argument("--save-result", default=None, metavar="FILE", help="write the JSON result here")
+    s.add_argument("--max-concurrency", type=_int_at_least(1), default=None)
+    s.add_argument("--save-result", type=_result_file, default=None, metavar="FILE", help="write the JSON result here")
     s.add_argument("--label", default="", help="name of this run in plots")
     _add_workload_args(s)
 
@@ -80,10 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     axis.add_argument("--concurrencies", help="e.g. 1,8,32,64 (request rate inf unless given)")
     w.add_argument("--request-rate", type=_rate, default=float("inf"),
                    help="with --concurrencies: the arrival rate at every point")
-    w.add_argument("--max-concurrency", type=int, default=None, help="with --request-rates")
-    w.add_argument("--prompts-per-concurrency", type=int, default=0,
+    w.add_argument("--max-concurrency", type=_int_at_least(1), default=None, help="with --request-rates")
+    w.add_argument("--prompts-per-concurrency", type=_int_at_least(0), default=0,
                    help="at concurrency C send max(--num-prompts, this*C) requests")
-    w.add_argument("--result-dir", required=True)
+    w.add_argument("--result-dir", type=_result_dir, required=True)
     _add_workload_args(w)
 
     pl = sub.add_parser("plot", help="redraw curves from result JSONs (files or directories)")
@@ -97,10 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve_config_from_args(args: argparse.Namespace, base_url: str) -> ServeConfig:
     endpoint = args.endpoint or ("chat" if args.dataset == "chat" else "completions")
-    extra = json.loads(args.extra_body) if args.extra_body else {}
     return ServeConfig(
         endpoint=EndpointConfig(base_url, args.model, endpoint, ignore_eos_via=args.ignore_eos_via,
-                                temperature=args.temperature, extra_body=extra),
+                                temperature=args.temperature, extra_body=args.extra_body or {}),
         dataset=DatasetConfig(
             name=args.dataset, num_prompts=args.num_prompts, seed=args.seed,
             input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
@@ -110,7 +163,7 @@ def serve_config_from_args(args: argparse.Namespace, base_url: str) -> ServeConf
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
         goodput_slos_ms=parse_goodput(args.goodput),
-        percentiles=tuple(float(x) for x in args.percentiles.split(",") if x.strip()),
+        percentiles=args.percentiles,
         tokenizer=args.tokenizer,
         test_request=not args.no_test_request,
         disable_tqdm=args.disable_tqdm,
@@ -132,7 +185,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.save_result:
         res.save(args.save_result)
         print(f"saved {args.save_result}")
+    _say_failures(res.results)
     return 0 if res.metrics.completed > 0 else 1
+
+
+def _say_failures(results: list) -> None:
+    """The table counts failed requests; their reasons were only in the saved JSON."""
+    errors = Counter(r.error for r in results if not r.success)
+    if errors:
+        reason, count = errors.most_common(1)[0]
+        print(f"kvserve bench: {sum(errors.values())} of {len(results)} requests failed; the most common reason "
+              f"({count}): {reason}", file=sys.stderr)
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -151,6 +214,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     sw = SweepConfig(servers, axis, parse_points(args.concurrencies or args.request_rates), base,
                      Path(args.result_dir), args.prompts_per_concurrency, args.launch_timeout)
     results = run_sweep(sw, load_tokenizer(base.tokenizer))
+    _say_failures([r for res in results for r in res.results])
     return 0 if all(r.metrics.completed > 0 for r in results) else 1
 
 
