@@ -3,7 +3,9 @@ offline API and the HTTP server reject the same inputs with the same messages.""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +26,10 @@ MIN_TOP_P = 1e-9
 MAX_STOP_STRINGS = 256
 MAX_N = 16384  # vLLM's default bound (VLLM_MAX_N_SEQUENCES): n of 10**30 made add_request build sequences until OOM
 MAX_STOP_TOKEN_IDS = 1024
+# The HTTP API's bound (a 64-bit signed seed); beyond it seeds wrapped modulo 2**64 and met other seeds' draws.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
+_FLAG_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
 
 
 @dataclass
@@ -49,6 +55,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # numpy scalars (np.int64(5), np.float32(0.5)) as the Python numbers they stand for
+            v = getattr(self, f.name)
+            if isinstance(v, numbers.Number) and not isinstance(v, (bool, int, float)):
+                if isinstance(v, numbers.Integral):
+                    setattr(self, f.name, int(v))
+                elif isinstance(v, numbers.Real):
+                    setattr(self, f.name, float(v))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or [])]
@@ -69,6 +82,12 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}")
 
+        for name in _INT_FIELDS:  # True is an int to Python: max_tokens=True generated one token
+            if isinstance(getattr(self, name), bool):
+                raise bad(name, f"must be an integer, got {getattr(self, name)!r}")
+        for name in _FLAG_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, f"must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.n > MAX_N:
@@ -94,13 +113,15 @@ class SamplingParams:
             if not _finite(v) or not -2 <= v <= 2:
                 raise bad(name, f"must be in [-2, 2], got {v!r}")
         if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise bad("logit_bias", f"must map token ids to biases, got {self.logit_bias!r}")
             for tok, b in self.logit_bias.items():
-                if not isinstance(tok, int) or tok < 0:
+                if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
                     raise bad("logit_bias", f"keys must be token ids >= 0, got {tok!r}")
                 if not _finite(b) or not -100 <= b <= 100:
                     raise bad("logit_bias", f"values must be in [-100, 100], got {b!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or not 0 <= v <= 20):
@@ -109,7 +130,7 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be token ids >= 0")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise bad("stop_token_ids", f"takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")

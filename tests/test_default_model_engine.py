@@ -4,6 +4,7 @@ transformers loading the same GGUF file with its own code. The weights are dequa
 against this float model in test_quantized_model.py."""
 import inspect
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,7 +49,7 @@ def test_greedy_chat_matches_transformers_for_32_tokens(llm, hf_reference):
     tok = llm.get_tokenizer()
     for conv, out in zip(CHATS, outs):
         ids = tok.encode(tok.apply_chat_template(conv), add_special_tokens=False)
-        assert out.prompt_token_ids == ids
+        assert out.prompt_token_ids == ids and out.prompt == tok.apply_chat_template(conv)  # vLLM's prompt text
         assert out.outputs[0].token_ids == greedy_argmax(hf_reference, ids, 32)
 
 
@@ -108,6 +109,14 @@ def test_generate_text_prompts_and_token_prompts_agree(llm):
                 {"prompt": prompt, "multi_modal_data": {}}):
         with pytest.raises(ValueError, match="dict prompt"):
             llm.generate([bad], params, use_tqdm=False)
+    # numpy token ids are ids; a float or a missing prompt is named as what it is.
+    as_numpy = llm.generate([np.array(tok.encode(prompt))], params, use_tqdm=False)[0]
+    assert as_numpy.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"prompt token ids must be integers, got 1.0 \(float\)"):
+        llm.generate([[1.0, 2.0]], params, use_tqdm=False)
+    for bad in (None, 5):
+        with pytest.raises(TypeError, match="prompts must be a prompt"):
+            llm.generate(bad, params, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
 
 

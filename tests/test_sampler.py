@@ -185,6 +185,24 @@ def test_n_is_bounded_as_in_vllm() -> None:
         SamplingParams(n=10**30)
 
 
+def test_parameters_of_the_wrong_type_are_refused_by_name_and_numpy_numbers_taken() -> None:
+    """A probe found: logit_bias=[1, 2] raised AttributeError, max_tokens=True generated one token,
+    ignore_eos='yes' was taken, seeds past 64 bits wrapped onto others' (the HTTP API refuses them), and numpy
+    numbers were refused with messages about a range they were in."""
+    for kw, says in [({"logit_bias": [1, 2]}, "logit_bias must map token ids"),
+                     ({"max_tokens": True}, "max_tokens must be an integer"), ({"n": True}, "n must be an integer"),
+                     ({"seed": False}, "seed must be an integer"), ({"logit_bias": {True: 1}}, "logit_bias keys"),
+                     ({"stop_token_ids": [True]}, "stop_token_ids"), ({"ignore_eos": "yes"}, "ignore_eos must be"),
+                     ({"skip_special_tokens": None}, "skip_special_tokens must be"),
+                     ({"seed": 2**63}, r"seed must be an integer in \[-2\*\*63"), ({"seed": -2**63 - 1}, "seed must")]:
+        with pytest.raises(ValueError, match=says):
+            SamplingParams(**kw)
+    p = SamplingParams(max_tokens=np.int64(5), temperature=np.float32(0.5), seed=np.uint64(2**63 - 1),
+                       logprobs=np.int32(2))
+    assert (p.max_tokens, p.temperature, p.seed, p.logprobs) == (5, 0.5, 2**63 - 1, 2)
+    assert all(type(v) in (int, float) for v in (p.max_tokens, p.temperature, p.seed, p.logprobs))
+
+
 def test_extreme_valid_parameters_sample_as_their_limits() -> None:
     """Valid values that float32 rounded to ones the sampler refused (1 / T or top_p to zero: the kernel failed
     the whole step): a temperature hotter than 1e30 samples uniformly anyway, and a top_p under the likeliest

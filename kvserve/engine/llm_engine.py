@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import numbers
 import os
 import time
 from collections.abc import Iterable
@@ -240,7 +241,11 @@ class LLMEngine:
         else:
             prompt_text = None
             token_ids = list(prompt)
-            bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+            kind = next((t for t in token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+            if kind is not None:  # 1.0 was said to be "outside the vocabulary"
+                raise ValueError(f"prompt token ids must be integers, got {kind!r} ({type(kind).__name__})")
+            token_ids = [int(t) for t in token_ids]  # numpy ids as Python ints
+            bad = next((t for t in token_ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise ValueError(f"prompt contains token id {bad!r}, outside the vocabulary [0, {vocab})")
         if not token_ids:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence as Seq
+from collections.abc import Iterable, Sequence as Seq
 from dataclasses import fields
 from typing import Any
 
@@ -67,6 +67,8 @@ class LLM:
         {"prompt": text} or {"prompt_token_ids": ids}."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
+        if not isinstance(prompts, Iterable):  # None and 5 failed as "object is not iterable", naming nothing
+            raise TypeError(f"prompts must be a prompt (text, token ids, or a dict) or a list of them, got {prompts!r}")
         prompts = [_as_engine_prompt(p) for p in prompts]
         return self._run(prompts, sampling_params, priority, use_tqdm)
 
@@ -77,11 +79,15 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         prompts: list[Prompt] = []
+        texts: list[str] = []
         for conv in convs:
-            text = tok.apply_chat_template(check_messages(conv), add_generation_prompt=add_generation_prompt)
+            texts.append(tok.apply_chat_template(check_messages(conv), add_generation_prompt=add_generation_prompt))
             # The template already has the special tokens it wants.
-            prompts.append(tok.encode(text, add_special_tokens=False))
-        return self._run(prompts, sampling_params, None, use_tqdm)
+            prompts.append(tok.encode(texts[-1], add_special_tokens=False))
+        outputs = self._run(prompts, sampling_params, None, use_tqdm)
+        for out, text in zip(outputs, texts):
+            out.prompt = text  # the rendered conversation, as vLLM reports it
+        return outputs
 
     def _run(self, prompts: list[str | list[int]], sampling_params: Any, priority: Seq[int] | None,
              use_tqdm: bool) -> list[RequestOutput]:
