@@ -222,6 +222,21 @@ def test_serve_command_end_to_end_against_stub(tmp_path):
 
 
 @needs_data
+@pytest.mark.parametrize("endpoint, extra", [("completions", {"max_tokens": 2}),
+                                             ("chat", {"max_tokens": 5, "max_completion_tokens": 2})])
+def test_result_records_the_output_limit_extra_body_sent(tmp_path, endpoint, extra):
+    """--extra-body's limit is what the server got; each request's record said --output-len."""
+    out = tmp_path / "r.json"
+    with StubServer() as srv:
+        assert main(["serve", "--base-url", srv.url, "--model", "stub", "--endpoint", endpoint, "--num-prompts", "3",
+                     "--input-len", "20", "--output-len", "6", "--no-test-request", "--disable-tqdm",
+                     "--extra-body", json.dumps(extra), "--save-result", str(out)]) == 0
+        sent = [b.get("max_completion_tokens", b["max_tokens"]) for b in srv.bodies]
+    assert sent == [2, 2, 2]
+    assert [r["max_tokens"] for r in json.loads(out.read_text())["requests"]] == [2, 2, 2]
+
+
+@needs_data
 @pytest.mark.parametrize("metrics", ["spec", "html", None])
 def test_serve_reads_speculative_counters_only_where_there_are_some(tmp_path, capsys, metrics):
     """The Speculative Decoding section: the counters' rise over the run, from zero where they appeared

@@ -87,6 +87,14 @@ def build_payload(cfg: EndpointConfig, req: BenchRequest) -> dict[str, object]:
     return payload
 
 
+def sent_max_tokens(cfg: EndpointConfig, req: BenchRequest) -> object:
+    """The output limit a request was sent with: --extra-body can override the dataset's."""
+    extra = cfg.extra_body
+    if cfg.endpoint == "chat" and extra.get("max_completion_tokens") is not None:  # the server prefers it
+        return extra["max_completion_tokens"]
+    return extra.get("max_tokens", req.output_len)
+
+
 def request_headers() -> dict[str, str]:
     h = {"Content-Type": "application/json"}
     key = os.environ.get("OPENAI_API_KEY")

@@ -17,7 +17,8 @@ from pathlib import Path
 from tqdm.asyncio import tqdm
 
 from kvserve.bench.arrivals import arrival_offsets
-from kvserve.bench.client import EndpointConfig, RequestResult, make_session, request_headers, send_request
+from kvserve.bench.client import (EndpointConfig, RequestResult, make_session, request_headers, send_request,
+                                  sent_max_tokens)
 from kvserve.bench.corpus import load_corpus
 from kvserve.bench.datasets import BenchRequest, DatasetConfig, cut_text, sample_requests
 from kvserve.bench.metrics import (DEFAULT_PERCENTILES, BenchmarkMetrics, calculate_metrics,
@@ -62,7 +63,7 @@ class BenchResult:
         for req, r in zip(self.requests, self.results):
             item = {
                 "success": r.success, "error": r.error,
-                "prompt_len": r.prompt_len, "max_tokens": req.output_len,
+                "prompt_len": r.prompt_len, "max_tokens": sent_max_tokens(self.config.endpoint, req),
                 "output_tokens": r.output_tokens,
                 "usage_reported": r.usage_reported,
                 "start_s": r.start_time - self.bench_start,
