@@ -76,6 +76,10 @@ def test_model_methods_look_up_only_where_bounds_are_given(method):
     # ast.literal_eval raises TypeError here (a list as a dict key), not ValueError
     ({"method": "eagle", "num_speculative_tokens": 1, "speculative_token_tree": "{[0]: 1}"}, "tuples of indices"),
     ({"method": "ngram", "num_speculative_tokens": 2, "speculative_token_tree": "[(0,), (1,)]"}, "need method 'eagle'"),
+    # Suffix decoding's defaulted count was refused first, naming a 24 the user never gave.
+    ({"method": "suffix", "speculative_token_tree": "[(0,), (1,)]"}, "need method 'eagle'"),
+    ({"method": "suffix", "speculative_token_tree": "[(0,), (0, 0)]"},
+     "got 24 (method 'suffix' defaults it to suffix_decoding_max_tree_depth)"),
     ("{not json", "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
 ])

@@ -341,9 +341,6 @@ class SpeculativeConfig:
                 or not all(isinstance(n, tuple) and n and all(_is_int(i) and i >= 0 for i in n) for n in nodes)):
             raise bad("speculative_token_tree", f"must be a string listing node paths as tuples of indices, "
                                                 f"e.g. \"[(0,), (1,), (2,)]\", got {text!r}")
-        if len(nodes) != self.num_speculative_tokens:
-            raise bad("speculative_token_tree", f"has {len(nodes)} nodes; num_speculative_tokens must equal that "
-                                                f"(one draft token a node), got {self.num_speculative_tokens}")
         depth = sum(1 for n in nodes if all(i == 0 for i in n))
         alternatives = len(nodes) - depth
         expected = {(0,) * d for d in range(1, depth + 1)} | {(i,) for i in range(1, alternatives + 1)}
@@ -353,6 +350,13 @@ class SpeculativeConfig:
         if alternatives and self.method != "eagle":
             raise bad("speculative_token_tree", f"alternatives to the first token need method 'eagle' (the "
                                                 f"head's next choices), got method {self.method!r}")
+        # Checked last: a count that suffix decoding defaulted hid the reasons above.
+        k = self.num_speculative_tokens
+        if len(nodes) != k:
+            defaulted = (" (method 'suffix' defaults it to suffix_decoding_max_tree_depth)"
+                         if self.method == "suffix" and k == self.suffix_decoding_max_tree_depth else "")
+            raise bad("speculative_token_tree", f"has {len(nodes)} nodes; num_speculative_tokens must equal that "
+                                                f"(one draft token a node), got {k}{defaulted}")
         return depth, alternatives
 
     def _check_suffix(self, bad) -> None:
