@@ -14,22 +14,12 @@ from kvserve.bench.client import IGNORE_EOS_METHODS, EndpointConfig
 from kvserve.bench.datasets import DATASETS, DatasetConfig
 from kvserve.bench.metrics import parse_goodput
 from kvserve.bench.serve import ServeConfig
+# Counts and lengths: 0 prompts printed an empty table, --output-len 0 became max_tokens 1 without a word.
+from kvserve.entrypoints.cli import non_negative_int, positive_int
 
 
 def _rate(text: str) -> float:
     return float("inf") if text == "inf" else float(text)
-
-
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < low:  # 0 prompts printed an empty table; output-len 0 became max_tokens 1 without a word
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
 
 
 def _range_ratio(text: str) -> float:
@@ -78,20 +68,20 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", choices=("completions", "chat"), default=None,
                    help="default: chat for --dataset chat, completions otherwise")
     p.add_argument("--dataset", choices=DATASETS, default="random")
-    p.add_argument("--num-prompts", type=_int_at_least(1), default=100)
+    p.add_argument("--num-prompts", type=positive_int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=None,
                    help="a GGUF file or a directory with tokenizer.json (default: the embedded model)")
     g = p.add_argument_group("dataset shapes")
-    g.add_argument("--input-len", type=_int_at_least(1), default=256, help="random: mean prompt tokens")
-    g.add_argument("--output-len", type=_int_at_least(1), default=128, help="max_tokens (mean for random/chat)")
+    g.add_argument("--input-len", type=positive_int, default=256, help="random: mean prompt tokens")
+    g.add_argument("--output-len", type=positive_int, default=128, help="max_tokens (mean for random/chat)")
     g.add_argument("--range-ratio", type=_range_ratio, default=0.0,
                    help="random/chat: lengths uniform in [L*(1-r), L*(1+r)]")
-    g.add_argument("--prefix-len", type=_int_at_least(0), default=1024, help="shared-prefix: system prompt tokens")
-    g.add_argument("--question-len", type=_int_at_least(1), default=32, help="shared-prefix: question tokens")
-    g.add_argument("--num-prefixes", type=_int_at_least(1), default=1, help="shared-prefix: distinct prefixes")
-    g.add_argument("--max-turns", type=_int_at_least(1), default=4, help="chat: user turns drawn in [1, N]")
-    g.add_argument("--message-len", type=_int_at_least(1), default=64, help="chat: mean tokens per message")
+    g.add_argument("--prefix-len", type=non_negative_int, default=1024, help="shared-prefix: system prompt tokens")
+    g.add_argument("--question-len", type=positive_int, default=32, help="shared-prefix: question tokens")
+    g.add_argument("--num-prefixes", type=positive_int, default=1, help="shared-prefix: distinct prefixes")
+    g.add_argument("--max-turns", type=positive_int, default=4, help="chat: user turns drawn in [1, N]")
+    g.add_argument("--message-len", type=positive_int, default=64, help="chat: mean tokens per message")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of inter-arrival gaps; 1 = Poisson")
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
@@ -117,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="one run against one server")
     s.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     s.add_argument("--request-rate", type=_rate, default=float("inf"), help="req/s, or inf")
-    s.add_argument("--max-concurrency", type=_int_at_least(1), default=None)
+    s.add_argument("--max-concurrency", type=positive_int, default=None)
     s.add_argument("--save-result", type=_result_file, default=None, metavar="FILE", help="write the JSON result here")
     s.add_argument("--label", default="", help="name of this run in plots")
     _add_workload_args(s)
@@ -134,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     axis.add_argument("--concurrencies", help="e.g. 1,8,32,64 (request rate inf unless given)")
     w.add_argument("--request-rate", type=_rate, default=float("inf"),
                    help="with --concurrencies: the arrival rate at every point")
-    w.add_argument("--max-concurrency", type=_int_at_least(1), default=None, help="with --request-rates")
-    w.add_argument("--prompts-per-concurrency", type=_int_at_least(0), default=0,
+    w.add_argument("--max-concurrency", type=positive_int, default=None, help="with --request-rates")
+    w.add_argument("--prompts-per-concurrency", type=non_negative_int, default=0,
                    help="at concurrency C send max(--num-prompts, this*C) requests")
     w.add_argument("--result-dir", type=_result_dir, required=True)
     _add_workload_args(w)

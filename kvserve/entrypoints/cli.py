@@ -37,6 +37,10 @@ def positive_int(text: str) -> int:
     return _bounded_int(text, 1, None, ">= 1")
 
 
+def non_negative_int(text: str) -> int:
+    return _bounded_int(text, 0, None, ">= 0")
+
+
 def thread_count(text: str) -> int:
     return _bounded_int(text, 1, MAX_NUM_THREADS, f"in [1, {MAX_NUM_THREADS}]")
 
