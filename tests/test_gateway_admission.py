@@ -136,6 +136,24 @@ def test_leaving_the_line_frees_its_turn():
     run(main())
 
 
+def test_closing_sends_every_waiter_away_and_refuses_later_requests():
+    """Shutdown: the places stopped requests give back must not admit the line behind them."""
+    async def main() -> None:
+        q = make(slots=1, max_waiting=3)
+        running = await q.acquire([])
+        line = [asyncio.create_task(q.acquire([], priority=p)) for p in (0, 1)]
+        await asyncio.sleep(0)
+        stop = RuntimeError("shutting down")
+        q.close(stop)
+        results = await asyncio.gather(*line, return_exceptions=True)
+        assert all(r is stop for r in results) and q.num_waiting == 0
+        q.release(running)                                                  # nobody is placed on the freed place
+        assert q.in_flight == [0]
+        with pytest.raises(RuntimeError, match="shutting down"):
+            await q.acquire([])
+    run(main())
+
+
 def test_weights_count_sequences():
     async def main() -> None:
         q = make(slots=4, max_waiting=None, reserved=0)

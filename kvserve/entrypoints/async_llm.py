@@ -83,6 +83,10 @@ class EngineOverloadedError(Exception):
     """More than config.max_waiting requests would be waiting."""
 
 
+class ServerStopping(Exception):
+    """The server is shutting down and stopped this request before it finished (see stop_streams)."""
+
+
 @dataclass
 class _Stream:
     fingerprint: bytes | None       # for the crash quarantine (process mode only)
@@ -106,6 +110,7 @@ class AsyncLLM:
         self.end_listeners: list[Callable[[str], None]] = []
         self.restart_listeners: list[Callable[[], None]] = []  # called when a replacement engine is started
         self.dead: str | None = None          # why no engine is serving (gone, or being replaced), if so
+        self.stopping: str | None = None      # why new requests are refused: the server is shutting down
         self.num_restarts = 0                 # engine processes started to replace one that died
         self.quarantine = CrashQuarantine()
         self._streams: dict[str, _Stream] = {}          # by the engine's request id
@@ -257,6 +262,18 @@ class AsyncLLM:
             stream.queue.put_nowait(EngineDeadError(why))
         self._streams.clear()  # their generators end on the error; nothing of theirs is in the next engine
 
+    def stop_streams(self, why: str) -> None:
+        """Shutdown, once the grace period is over: abort every request in the engine (freeing its blocks) and
+        end each stream with ServerStopping(why) after what was already received, so every client is told
+        rather than cut off; later requests are refused the same way."""
+        self.stopping = why
+        self._deliver(len(self._outbox))
+        if self._streams and self._send is not None and self.dead is None:
+            self._send(AbortRequest(list(self._streams)))
+        for stream in self._streams.values():
+            stream.queue.put_nowait(ServerStopping(why))
+        self._streams.clear()  # their generators end on the error without aborting again
+
     # ------------------------------------------------------------ requests
 
     @property
@@ -275,6 +292,8 @@ class AsyncLLM:
         away, the task was cancelled) aborts the request in the engine, which frees its KV blocks before its
         next step. arrival_time (time.monotonic(), the same clock in every process): when the request
         arrived, if before now (it waited in a gateway queue); the engine's latency metrics count from it."""
+        if self.stopping is not None:
+            raise ServerStopping(self.stopping)
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         fingerprint = None

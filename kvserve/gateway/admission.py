@@ -84,6 +84,7 @@ class AdmissionQueue:
         self._seq = itertools.count()
         self._finishes: deque[float] = deque()
         self._clock = clock
+        self._closed: Exception | None = None   # what acquire() raises once the server stops taking requests
 
     # ---- state -------------------------------------------------------------------------------------
     @property
@@ -118,6 +119,8 @@ class AdmissionQueue:
         """Where this request may run now; waits in line if every replica is full. Cancelling the wait leaves
         the line. Raises QueueFull, or NoReplica when every engine is down. Give the Placement back with
         release(), and say first_token() when its first token arrives."""
+        if self._closed is not None:
+            raise self._closed
         if not any(self._engine_view(i).alive for i in range(self.num_replicas)):
             raise NoReplica("no engine of this model is running (being replaced); retry shortly")
         placed: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -131,8 +134,6 @@ class AdmissionQueue:
         self.pump()
         try:
             return await placed
-        except QueueFull:
-            raise
         except asyncio.CancelledError:
             if placed.done() and not placed.cancelled() and placed.exception() is None:   # placed as it left
                 self.release(placed.result(), finished=False)
@@ -158,6 +159,15 @@ class AdmissionQueue:
         if worst is None or worst.priority <= ticket.priority:
             raise error
         worst.placed.set_exception(error)     # its waiter raises QueueFull (429); pump() drops the ticket
+
+    def close(self, error: Exception) -> None:
+        """Shutdown: every waiter leaves the line with `error`, and later acquire() calls raise it (so that places
+        freed by stopped requests are not handed to waiting ones)."""
+        self._closed = error
+        for ticket in self._heap:
+            if not ticket.placed.done():
+                ticket.placed.set_exception(error)
+        self._heap.clear()
 
     def first_token(self, placement: Placement) -> None:
         """Its prompt is computed: no longer prefill work ahead of later requests there."""

@@ -85,6 +85,10 @@ class ModelRegistry:
     async def shutdown(self) -> None:
         await asyncio.gather(*(m.shutdown() for m in self.models), return_exceptions=True)
 
+    def stop_requests(self, why: str) -> None:
+        for m in self.models:
+            m.stop_requests(why)
+
     @property
     def dead(self) -> str | None:
         """Why the server cannot serve everything it was asked to, if so: a model with no live replica."""

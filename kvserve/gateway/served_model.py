@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from kvserve.config import EngineConfig
 from kvserve.engine.block_hash import block_hashes
-from kvserve.entrypoints.async_llm import AsyncLLM, EngineMode
+from kvserve.entrypoints.async_llm import AsyncLLM, EngineMode, ServerStopping
 from kvserve.gateway.admission import AdmissionQueue, EngineView
 from kvserve.gateway.routing import CacheAwarePolicy, make_policy
 from kvserve.outputs import RequestDelta
@@ -93,6 +93,13 @@ class ServedModel:
         if self._pumper is not None:
             self._pumper.cancel()
         await asyncio.gather(*(r.shutdown() for r in self.replicas), return_exceptions=True)
+
+    def stop_requests(self, why: str) -> None:
+        """Shutdown after the grace period: the queue's waiters first (so the places freed next admit nobody),
+        then every running request, each answered with ServerStopping(why)."""
+        self.queue.close(ServerStopping(why))
+        for r in self.replicas:
+            r.stop_streams(why)
 
     # ---- requests ----------------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str,

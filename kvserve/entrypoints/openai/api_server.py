@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -89,6 +89,8 @@ class ServerState:
     draining: bool = False
     in_flight: int = 0          # /v1 and tokenize requests still being answered (streams included)
     startup_error: str | None = None  # why an engine could not start (what the server exits with)
+    # Ends every request still in flight with a 503 (set by build_app; called when draining runs out).
+    stop_requests: Callable[[str], None] | None = None
 
 
 class GuardMiddleware:
@@ -178,6 +180,7 @@ def build_app(args: ServerArgs, state: ServerState | None = None, auto_router: A
     aliases = args.served_model_names[1:] if args.models is None else None
     registry = ModelRegistry.from_config(args.models_config(), args.engine, engine_mode=args.engine_mode,
                                          aliases=aliases, auto_router=auto_router)
+    state.stop_requests = registry.stop_requests
     families = MetricFamilies()
     # One metrics feeder per engine (model, replica), all into one registry.
     engines = [(model, i, engine, ServerMetrics(model.name, replica=str(i), families=families))
@@ -290,22 +293,28 @@ def build_app(args: ServerArgs, state: ServerState | None = None, auto_router: A
 
 class _GracefulServer(uvicorn.Server):
     """On the first SIGTERM/SIGINT: refuse new requests (503), let in-flight ones finish (up to the grace
-    period), then stop uvicorn and exit 0. A second signal stops at once."""
+    period), then stop uvicorn and exit 0. When the grace period runs out, or on a second signal, the requests
+    still in flight are stopped: each client gets a 503 (a stream: an error event, then [DONE]) and the engine
+    frees their blocks before the server exits. A third signal exits at once."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState, grace_s: float) -> None:
         super().__init__(config)
         self.state, self.grace_s = state, grace_s
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_now = False
 
     async def serve(self, sockets=None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:  # type: ignore[override]
-        if self.state.draining or self._loop is None:
-            # A second signal, or one before startup finished: stop now.
+        if self._loop is None or (self.state.draining and self._stop_now):
+            # One before startup finished, or a third: stop now.
             self.force_exit = self.state.draining
             self.should_exit = True
+            return
+        if self.state.draining:
+            self._stop_now = True   # read by _drain, which polls it
             return
         self.state.draining = True
         logger.info("received signal %d: draining %d in-flight requests (grace %.0fs)",
@@ -314,10 +323,17 @@ class _GracefulServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         deadline = self._loop.time() + self.grace_s
-        while self.state.in_flight > 0 and self._loop.time() < deadline:
+        while self.state.in_flight > 0 and self._loop.time() < deadline and not self._stop_now:
             await asyncio.sleep(0.05)
-        if self.state.in_flight:
-            logger.warning("grace period over; %d requests still in flight", self.state.in_flight)
+        if self.state.in_flight and self.state.stop_requests is not None:
+            logger.warning("%s; stopping %d requests still in flight",
+                           "second signal" if self._stop_now else "grace period over", self.state.in_flight)
+            self.state.stop_requests("the server is shutting down and stopped this request before it finished")
+            # Their 503s (a stream's error event) are sent within a few loop turns; uvicorn would cancel what
+            # is left after its own timeout, cutting the connection without a word.
+            deadline = self._loop.time() + 5.0
+            while self.state.in_flight > 0 and self._loop.time() < deadline:
+                await asyncio.sleep(0.05)
         self.should_exit = True
 
 

@@ -13,7 +13,7 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from kvserve.entrypoints.async_llm import EngineDeadError, EngineRequestError
+from kvserve.entrypoints.async_llm import EngineDeadError, EngineRequestError, ServerStopping
 from kvserve.entrypoints.openai.auth import bearer_token, tenant_cache_salt
 from kvserve.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from kvserve.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
@@ -138,6 +138,8 @@ class OpenAIServing:
                 raise OpenAIError(503, f"engine is not running: {e}", headers={"Retry-After": "2"}) from None
             except QueueFull as e:
                 raise OpenAIError(429, str(e), headers={"Retry-After": str(e.retry_after_s)}) from None
+            except ServerStopping as e:
+                raise OpenAIError(503, str(e), headers={"Retry-After": "5"}) from None
 
 
 async def merge(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
