@@ -112,7 +112,9 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
             k = self.speculative_config.num_speculative_tokens
             if k >= self.max_num_batched_tokens:  # a verification row of 1 + k tokens could never be scheduled
-                raise ValueError(f"speculative_config: num_speculative_tokens ({k}) must be below "
+                name = (f"suffix_decoding_max_tree_depth ({k}, num_speculative_tokens' default)"
+                        if self.speculative_config.k_from_depth else f"num_speculative_tokens ({k})")
+                raise ValueError(f"speculative_config: {name} must be below "
                                  f"max_num_batched_tokens ({self.max_num_batched_tokens})")
         if self.per_request_spec_decode_metrics not in PER_REQUEST_SPEC_DECODE_METRICS:
             raise ValueError(f"per_request_spec_decode_metrics must be {'|'.join(PER_REQUEST_SPEC_DECODE_METRICS)}, "

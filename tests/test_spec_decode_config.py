@@ -52,6 +52,11 @@ def test_model_methods_look_up_only_where_bounds_are_given(method):
     ({"method": "ngram", "num_speculative_tokens": 2.5}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 10**9}, "num_speculative_tokens (1000000000) must be below "
                                                             "max_num_batched_tokens"),
+    # Suffix decoding's depth stands for the count the user did not give: the messages named the count.
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth must be an integer"),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 10**9},
+     "suffix_decoding_max_tree_depth (1000000000, num_speculative_tokens' default) must be below "
+     "max_num_batched_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
      "prompt_lookup_min (3) must be <= prompt_lookup_max (2)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max must be"),

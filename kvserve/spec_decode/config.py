@@ -163,6 +163,8 @@ class SpeculativeConfig:
     num_alternatives: int = field(default=0, init=False)  # alternatives to its first token
     # The schedule as ((first batch size, k), ...), sorted: see draft_tokens_at.
     batch_schedule: tuple[tuple[int, int], ...] = field(default=(), init=False, repr=False)
+    # num_speculative_tokens was not given: suffix decoding's depth stands for it (messages then name the depth).
+    k_from_depth: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -181,10 +183,11 @@ class SpeculativeConfig:
             if self.method != "suffix":
                 raise bad("num_speculative_tokens", "is required")
             # vLLM's default for suffix decoding: as many as the deepest match (its drafts are sized per match).
-            self.num_speculative_tokens = self.suffix_decoding_max_tree_depth
+            self.num_speculative_tokens, self.k_from_depth = self.suffix_decoding_max_tree_depth, True
         k = self.num_speculative_tokens
         if not _is_int(k) or k < 1:
-            raise bad("num_speculative_tokens", f"must be an integer >= 1, got {k!r}")
+            raise bad("suffix_decoding_max_tree_depth" if self.k_from_depth else "num_speculative_tokens",
+                      f"must be an integer >= 1, got {k!r}")
         # Prompt lookup: method "ngram" always (2..4 unless given); "draft" and "eagle" where a bound is given,
         # and then first: a sequence whose last tokens occurred before drafts their continuation, the model
         # drafts the others (draft_length.py keeps the two kinds' acceptance apart).
@@ -353,8 +356,7 @@ class SpeculativeConfig:
         # Checked last: a count that suffix decoding defaulted hid the reasons above.
         k = self.num_speculative_tokens
         if len(nodes) != k:
-            defaulted = (" (method 'suffix' defaults it to suffix_decoding_max_tree_depth)"
-                         if self.method == "suffix" and k == self.suffix_decoding_max_tree_depth else "")
+            defaulted = " (method 'suffix' defaults it to suffix_decoding_max_tree_depth)" if self.k_from_depth else ""
             raise bad("speculative_token_tree", f"has {len(nodes)} nodes; num_speculative_tokens must equal that "
                                                 f"(one draft token a node), got {k}{defaulted}")
         return depth, alternatives
