@@ -1,10 +1,16 @@
-"""Helpers for tests that talk to a running server over HTTP: waiting for a condition, reading /metrics."""
+"""Helpers for tests that talk to a running server over HTTP: waiting for a condition, reading /metrics,
+stopping a server with requests in flight."""
 from __future__ import annotations
 
+import json
+import signal
+import threading
 import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve.entrypoints.openai.launcher import RemoteServer
 
 
 def wait_for(pred, timeout_s: float = 10.0, what: str = "condition", every_s: float = 0.05):
@@ -30,3 +36,41 @@ def metrics(http: httpx.Client) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "replica"))
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
+
+
+def stop_with_requests_in_flight(server: RemoteServer, signals: int) -> tuple[list[str], httpx.Response, float]:
+    """A stream far longer than any grace period here runs on the one sequence place, a second request waits
+    in line behind it; then `signals` SIGTERMs. Returns the stream's events, the queued request's response and
+    the seconds from the first signal to the server's exit (waited for up to 120 s)."""
+    queued: list[httpx.Response] = []
+    long_stream = {"prompt": "Count slowly:", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        with c.stream("POST", "/v1/completions", json=long_stream) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line)
+            waiter = threading.Thread(target=lambda: queued.append(c.post(
+                "/v1/completions", json={"prompt": "Waits in line", "max_tokens": 8})))
+            waiter.start()
+            time.sleep(0.5)
+            assert not queued, "the second request should be waiting for the one place"
+            start = time.monotonic()
+            for _ in range(signals):
+                server.proc.send_signal(signal.SIGTERM)
+                time.sleep(0.3)
+            events = [first] + [line for line in lines if line]
+            waiter.join(60)
+    server.proc.wait(120)
+    return events, queued[0], time.monotonic() - start
+
+
+def check_stopped(events: list[str], queued: httpx.Response) -> None:
+    """What stop_with_requests_in_flight's clients must have been told: the stream, after some text, an error
+    event (503) and [DONE]; the queued request a 503. Both with the server's one shutdown message."""
+    from kvserve.entrypoints.openai.api_server import STOPPED_MESSAGE
+
+    assert events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2][6:])["error"]
+    assert error["code"] == 503 and error["message"] == STOPPED_MESSAGE
+    texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-2]]
+    assert texts and all(isinstance(t, str) for t in texts)
+    assert queued.status_code == 503 and queued.json()["error"]["message"] == STOPPED_MESSAGE, queued.text

@@ -288,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--backend", choices=["local", "ray"], default="local",
                        help="local: engines in processes of this server; ray: each model as a Ray Serve "
                             "deployment, autoscaled on queue depth (pip install kvserve[ray]; joins the Ray "
-                            "cluster at RAY_ADDRESS, else starts a local one) (default: %(default)s)")
+                            "cluster at RAY_ADDRESS, else starts a local one; serves the /v1 API, /tokenize, "
+                            "/detokenize and /health, without /metrics or the web page) (default: %(default)s)")
 
     gen = sub.add_parser("generate", help="Generate text offline, without a server.",
                          description="Generate text offline. Prompts come from --prompt (repeatable) or, when "

@@ -16,18 +16,20 @@ Replicas report their queue every METRICS_INTERVAL_S and Ray averages over LOOK_
 within a couple of seconds plus the configured delay."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
 import signal
 import threading
+import time
 import warnings
 from dataclasses import replace
 from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.entrypoints.async_llm import EngineMode
-from kvserve.entrypoints.openai.api_server import ServerArgs
+from kvserve.entrypoints.openai.api_server import LOG_FORMAT, STOPPED_MESSAGE, ServerArgs
 from kvserve.gateway.config import AutoscalingConfig, ModelEntry, ModelsConfig
 from kvserve.serve_ray.autoscaling import QueueDepthPolicy
 
@@ -51,6 +53,10 @@ def model_deployment_options(entry: ModelEntry, engine: EngineConfig, max_queued
         "max_ongoing_requests": engine.max_num_seqs + math.ceil(depth),
         "max_queued_requests": max_queued,
         "graceful_shutdown_timeout_s": grace_s,
+        # The ingress has drained the requests before Serve shuts down (drain_ingress): no need to wait the
+        # default 2 s before the replica's check that nothing is left, which, with a short grace period,
+        # left too little time for the engine's clean stop before the replica was killed.
+        "graceful_shutdown_wait_loop_s": 0.2,
         # Logical CPUs for Ray's placement; the engine process uses engine.num_threads of them.
         "ray_actor_options": {"num_cpus": engine.num_threads or 1,
                               "num_gpus": 1 if engine.device.startswith("cuda") else 0},
@@ -92,7 +98,7 @@ def build_application(config: ModelsConfig, args: ServerArgs, engine_mode: Engin
             deployment = serve.deployment(ModelReplica, name=name, **options)
         handles[entry.name] = deployment.bind(entry.name, replica_args)
         deployments[entry.name] = name
-    ingress = serve.deployment(OpenAIIngress, name="ingress", num_replicas=1,
+    ingress = serve.deployment(OpenAIIngress, name="ingress", num_replicas=1, graceful_shutdown_wait_loop_s=0.2,
                                max_ongoing_requests=INGRESS_MAX_ONGOING, ray_actor_options={"num_cpus": 0})
     return ingress.bind(handles, deployments, APP_NAME, args)
 
@@ -106,27 +112,77 @@ def deploy(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMode = "pr
     return serve.run(build_application(config, args, engine_mode), name=APP_NAME, route_prefix="/")
 
 
+def deployment_failure(error: Exception) -> str:
+    """Why deploying failed, in one line. Ray's exception says only which deployments failed; the reason (a
+    replica constructor's exception, e.g. a draft model path that does not exist) is the last line of the
+    failed deployment's status message."""
+    from ray import serve
+
+    summary = str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
+    with contextlib.suppress(Exception):
+        app = serve.status().applications.get(APP_NAME)
+        for name, deployment in (app.deployments.items() if app is not None else ()):
+            lines = [line.strip() for line in (deployment.message or "").splitlines() if line.strip()]
+            if deployment.status in ("DEPLOY_FAILED", "UNHEALTHY") and lines:
+                # The engine's own startup error already says what failed and why.
+                reason = re.sub(r"^[\w.]*EngineStartupError: ", "", lines[-1])
+                return f"{summary} {name}: {reason}"
+    return summary
+
+
+def drain_ingress(grace_s: float, stop_now: threading.Event) -> None:
+    """What `kvserve serve` does on SIGTERM, through the ingress: new requests get 503 at once, those in flight
+    may finish within grace_s (or until a second signal), then the rest are stopped with a 503 (a stream: an
+    error event, then [DONE]). Serve's own shutdown would stop the HTTP proxy first, cutting every response."""
+    from ray import serve
+
+    try:
+        ingress = serve.get_deployment_handle("ingress", APP_NAME)
+        ingress.begin_drain.remote().result(timeout_s=10)
+        # Asked in waits of a second at most (Serve logs each call), so a second signal is seen within one.
+        deadline = time.monotonic() + grace_s
+        left = ingress.wait_idle.remote(0).result(timeout_s=10)
+        while left and not stop_now.is_set() and (wait := deadline - time.monotonic()) > 0:
+            left = ingress.wait_idle.remote(min(1.0, wait)).result(timeout_s=10)
+        if left:
+            logger.warning("%s; stopping %d requests still in flight",
+                           "second signal" if stop_now.is_set() else "grace period over", left)
+            ingress.stop_requests.remote(STOPPED_MESSAGE).result(timeout_s=10)
+            ingress.wait_idle.remote(5.0).result(timeout_s=15)
+    except Exception as e:  # noqa: BLE001 - shutting down regardless
+        logger.warning("could not drain the ingress: %r", e)
+
+
 def run_ray_server(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMode = "process") -> int:
     """`kvserve serve --backend ray`: joins the cluster at RAY_ADDRESS, or starts a local one; serves until
-    SIGTERM/SIGINT, then lets Ray Serve drain the replicas (graceful_shutdown_timeout_s) and exits 0."""
+    SIGTERM/SIGINT, then drains the ingress as `kvserve serve` drains (drain_ingress), shuts Ray Serve down and
+    exits 0."""
     import ray
     from ray import serve
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     ray.init(include_dashboard=False, logging_level=args.log_level.upper())
-    stop = threading.Event()
+    stop, stop_now = threading.Event(), threading.Event()
+
+    def on_signal(*_) -> None:
+        (stop_now if stop.is_set() else stop).set()   # a second signal ends the grace period
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
+    failure = None
     try:
         try:
             deploy(config, args, engine_mode)
         except Exception as e:  # noqa: BLE001 - a replica that cannot start: Ray has logged its traceback
-            logger.error("Ray Serve deployment failed: %s", str(e).strip().splitlines()[-1] if str(e) else repr(e))
+            failure = deployment_failure(e)
             return 1
         logger.info("Ray Serve: serving %s at http://%s:%d", ", ".join(config.model_names()), args.host, args.port)
         stop.wait()
-        logger.info("shutting down: draining replicas")
+        logger.info("shutting down: draining in-flight requests (grace %.0fs)", args.shutdown_grace_s)
+        drain_ingress(args.shutdown_grace_s, stop_now)
     finally:
         serve.shutdown()
         ray.shutdown()
+        if failure is not None:   # last, below what Ray prints while it shuts down
+            logger.error("Ray Serve deployment failed: %s", failure)
     return 0

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import weakref
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -40,6 +41,10 @@ class ModelRouter:
         self.app_name = app_name
         self.names = list(handles)
         self._cards: dict[str, dict] = {}
+        self.stopping: str | None = None    # why requests in flight were stopped (shutdown), once they were
+        # Replica calls in flight (streaming handle responses); weak, as a response whose body is never read
+        # (the client left first) never reaches the clean-up that would remove it.
+        self._calls: weakref.WeakSet = weakref.WeakSet()
 
     def pick(self, body: bytes) -> str:
         """The model a request body names. A body that is not a JSON object, or has no usable `model`,
@@ -66,11 +71,15 @@ class ModelRouter:
         try:
             # Routing (and Ray's max_queued_requests check) may fail in remote() itself or in the first next.
             gen = self.handles[name].options(stream=True).handle_http.remote(request)
+            self._calls.add(gen)
             start = await gen.__anext__()
         except BaseException as e:
             if gen is not None:
+                self._calls.discard(gen)
                 with contextlib.suppress(Exception):   # cancelling a request that failed re-raises its error
                     gen.cancel()
+            if self.stopping is not None and isinstance(e, Exception):
+                return error_response(503, self.stopping, headers={"Retry-After": "5"})
             if isinstance(e, BackPressureError):
                 return error_response(429, f"too many requests waiting for model `{name}`; retry later",
                                       headers={"Retry-After": "1"})
@@ -81,9 +90,42 @@ class ModelRouter:
             raise
         headers = start.get("headers", [])
         sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
-        response = StreamingResponse(_body(name, gen, sse), status_code=start["status"])
+        response = StreamingResponse(self._body(name, gen, sse), status_code=start["status"])
         response.raw_headers = list(headers)   # the replica's own headers (content-type, length, ...)
         return response
+
+    async def _body(self, name: str, gen, sse: bool) -> AsyncIterator[bytes]:
+        """The rest of the replica's messages as body chunks. If the replica fails mid-answer, or shutdown
+        stops the request, a stream ends with an SSE error event (as the single-engine server's do); a plain
+        body just ends. Leaving early (the client went away) cancels the replica's call, which aborts its
+        requests."""
+        finished = False
+        try:
+            async for msg in gen:
+                if msg["type"] == "http.response.body":
+                    yield msg.get("body", b"")
+            finished = True
+        except Exception as e:  # noqa: BLE001 - reported in the stream; the status line is already sent
+            finished = True
+            if self.stopping is None:
+                logger.warning("model %s: replica failed mid-response: %r", name, e)
+            if sse:
+                message = self.stopping or f"model `{name}`: the replica serving this request failed"
+                yield sse_error(OpenAIError(503, message)).encode()
+                yield b"data: [DONE]\n\n"
+        finally:
+            self._calls.discard(gen)
+            if not finished:
+                with contextlib.suppress(Exception):
+                    gen.cancel()
+
+    def stop_all(self, why: str) -> None:
+        """Shutdown, after the grace period: cancel every replica call in flight (aborting its requests in the
+        engine); each client gets a 503 with `why` (a stream: an error event, then [DONE])."""
+        self.stopping = why
+        for gen in list(self._calls):
+            with contextlib.suppress(Exception):
+                gen.cancel()
 
     async def model_cards(self) -> list[dict]:
         missing = [n for n in self.names if n not in self._cards]
@@ -106,32 +148,10 @@ class ModelRouter:
         return None
 
 
-async def _body(name: str, gen, sse: bool) -> AsyncIterator[bytes]:
-    """The rest of the replica's messages as body chunks. If the replica fails mid-answer, a stream ends
-    with an SSE error event (as the single-engine server does when its engine dies); a plain body just
-    ends. Leaving early (the client went away) cancels the replica's call, which aborts its requests."""
-    finished = False
-    try:
-        async for msg in gen:
-            if msg["type"] == "http.response.body":
-                yield msg.get("body", b"")
-        finished = True
-    except Exception as e:  # noqa: BLE001 - reported in the stream; the status line is already sent
-        finished = True
-        logger.warning("model %s: replica failed mid-response: %r", name, e)
-        if sse:
-            yield sse_error(OpenAIError(503, f"model `{name}`: the replica serving this request failed")).encode()
-            yield b"data: [DONE]\n\n"
-    finally:
-        if not finished:
-            with contextlib.suppress(Exception):
-                gen.cancel()
-
-
-def build_ingress_app(router: ModelRouter, args: ServerArgs) -> FastAPI:
+def build_ingress_app(router: ModelRouter, args: ServerArgs, state: ServerState) -> FastAPI:
     app = FastAPI(title="kvserve (Ray Serve)", version=VERSION)
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, args=args, state=ServerState())
+    app.add_middleware(GuardMiddleware, args=args, state=state)
 
     @app.get("/health")
     async def health() -> Response:
@@ -153,11 +173,28 @@ def build_ingress_app(router: ModelRouter, args: ServerArgs) -> FastAPI:
 
 @serve.ingress()
 class OpenAIIngress:
-    """The ingress deployment: one ModelRouter, its FastAPI app built on the replica."""
+    """The ingress deployment: one ModelRouter, its FastAPI app built on the replica. The driver drains it on
+    SIGTERM through the methods below (app.py's drain_ingress) before Ray Serve shuts down, since Serve's
+    shutdown stops the HTTP proxy at once, cutting every open response."""
 
     def __init__(self, handles: dict, deployments: dict[str, str], app_name: str, args: ServerArgs) -> None:
         self.router = ModelRouter(handles, deployments, app_name)
         self.args = args
+        self.state = ServerState()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_ingress_app(self.router, self.args)
+        return build_ingress_app(self.router, self.args, self.state)
+
+    async def begin_drain(self) -> None:
+        """New requests get 503 from now on; those in flight go on."""
+        self.state.draining = True
+
+    async def wait_idle(self, timeout_s: float) -> int:
+        """Waits up to timeout_s for the requests in flight to end; returns how many are left."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.state.in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        return self.state.in_flight
+
+    async def stop_requests(self, why: str) -> None:
+        self.router.stop_all(why)

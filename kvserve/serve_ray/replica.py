@@ -13,7 +13,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
-from kvserve.entrypoints.openai.api_server import ServerArgs, build_app
+from kvserve.entrypoints.openai.api_server import LOG_FORMAT, ServerArgs, build_app
 from kvserve.entrypoints.openai.protocol import ModelCard
 from kvserve.serve_ray.autoscaling import BATCH_SLOTS_METRIC, RUNNING_METRIC, WAITING_METRIC
 from kvserve.serve_ray.forwarding import REPLICA_HEADER, ForwardedRequest
@@ -25,6 +25,10 @@ class ModelReplica:
     async def __init__(self, name: str, server_args: ServerArgs) -> None:
         from ray import serve
 
+        # Ray's worker processes leave logging unconfigured (WARNING, to no handler of its own): the engine's
+        # periodic stats line (acceptance included) and the messages below would be dropped.
+        logging.basicConfig(format=LOG_FORMAT)
+        logging.getLogger("kvserve").setLevel(server_args.log_level.upper())
         self.name = name
         self.app = build_app(server_args)
         # The app serves one model with one engine; requests beyond its batch wait in the model's own
@@ -51,10 +55,11 @@ class ModelReplica:
         logger.info("model %s: replica %s ready (engine pid %s)", name, self.replica_id, self.engine.engine_pid)
 
     async def __del__(self) -> None:
-        # Ray Serve calls this once in-flight requests have finished (or its graceful timeout passed).
+        # Ray Serve calls this once in-flight requests have finished (or its graceful timeout passed), and
+        # also after __init__ failed, whose error the lifespan task holds (already reported: not again).
         if getattr(self, "_lifespan", None) is not None:
             self._stop.set()
-            await self._lifespan
+            await asyncio.gather(self._lifespan, return_exceptions=True)
 
     async def handle_http(self, request: ForwardedRequest) -> AsyncIterator[dict]:
         """Yields the ASGI messages kvserve's app sends for `request`. Ray cancels this generator when the

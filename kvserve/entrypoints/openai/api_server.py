@@ -48,6 +48,9 @@ logger = logging.getLogger("kvserve.server")
 VERSION = "0.1.0"
 # New /v1 requests that start their parsing and tokenizing per event-loop turn (see openai/pacing.py).
 REQUESTS_PER_LOOP_TURN = 16
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# What a request still in flight when shutdown's grace period ends is answered with (a 503).
+STOPPED_MESSAGE = "the server is shutting down and stopped this request before it finished"
 
 
 @dataclass
@@ -328,7 +331,7 @@ class _GracefulServer(uvicorn.Server):
         if self.state.in_flight and self.state.stop_requests is not None:
             logger.warning("%s; stopping %d requests still in flight",
                            "second signal" if self._stop_now else "grace period over", self.state.in_flight)
-            self.state.stop_requests("the server is shutting down and stopped this request before it finished")
+            self.state.stop_requests(STOPPED_MESSAGE)
             # Their 503s (a stream's error event) are sent within a few loop turns; uvicorn would cancel what
             # is left after its own timeout, cutting the connection without a word.
             deadline = self._loop.time() + 5.0
@@ -339,7 +342,7 @@ class _GracefulServer(uvicorn.Server):
 
 def run_server(args: ServerArgs) -> int:
     """Serves until SIGTERM/SIGINT; returns the process exit code (0 after a clean shutdown)."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     state = ServerState()
     app = build_app(args, state)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -1,0 +1,68 @@
+"""`--backend ray` with the default model: what `kvserve serve` does on SIGTERM holds through Ray Serve too
+(requests still in flight after the grace period are told with a 503, not cut off when Serve stops its HTTP
+proxy), the replicas' log lines (the periodic stats line with speculative acceptance) reach the terminal, and
+a replica that cannot start ends the command with its reason as the last line. Skipped without ray[serve]."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from server_helpers import check_stopped, stop_with_requests_in_flight  # noqa: E402
+
+from kvserve.entrypoints.openai.launcher import RemoteServer, free_port  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(600),
+              pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")]
+
+ENGINE = ["--num-threads", "1", "--num-kv-blocks", "256", "--max-model-len", "4096"]
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    import ray
+
+    ray.init(num_cpus=2, object_store_memory=96 * 2**20, include_dashboard=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def test_sigterm_tells_requests_in_flight_and_replicas_log_their_stats(ray_address):
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+    args = ["--backend", "ray", *ENGINE, "--max-num-seqs", "1", "--shutdown-grace", "1", "--log-stats-interval",
+            "1", "--speculative-config", spec]
+    with RemoteServer(args, env={"RAY_ADDRESS": ray_address}, startup_timeout_s=400) as server:
+        events, queued, seconds = stop_with_requests_in_flight(server, signals=1)
+        code = server.proc.wait(120)
+        output = server.output()
+    assert code == 0, output[-3000:]
+    check_stopped(events, queued)
+    assert "grace period over; stopping" in output, output[-3000:]
+    # Logged in the replica's process: Ray's workers leave logging unconfigured, and these were dropped.
+    assert "replica" in output and "ready (engine pid" in output, output[-3000:]
+    assert "kvserve.stats: Avg prompt throughput" in output and "Draft acceptance rate" in output, output[-3000:]
+    assert seconds < 60, seconds
+
+
+def test_a_replica_that_cannot_start_ends_with_its_reason(ray_address, tmp_path):
+    config = {"models": [{"name": "spec", "model": "smollm2-135m", "engine": {
+        "num_threads": 1, "num_kv_blocks": 64,
+        "speculative_config": {"method": "draft", "num_speculative_tokens": 3, "model": "/nonexistent/draft"}}}]}
+    path = tmp_path / "models.yaml"
+    path.write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--backend", "ray",
+                           "--models-config", str(path), "--port", str(free_port())],
+                          env={**os.environ, "RAY_ADDRESS": ray_address}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert proc.returncode == 1, lines[-20:]
+    # The last line names the deployment and the engine's own reason (it said only which deployments failed).
+    assert "Ray Serve deployment failed" in lines[-1] and "'/nonexistent/draft'" in lines[-1], lines[-5:]
+    assert not any("Exception during graceful shutdown of replica" in line for line in lines)
