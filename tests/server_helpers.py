@@ -39,9 +39,9 @@ def metrics(http: httpx.Client) -> dict[str, float]:
 
 
 def stop_with_requests_in_flight(server: RemoteServer, signals: int) -> tuple[list[str], httpx.Response, float]:
-    """A stream far longer than any grace period here runs on the one sequence place, a second request waits
-    in line behind it; then `signals` SIGTERMs. Returns the stream's events, the queued request's response and
-    the seconds from the first signal to the server's exit (waited for up to 120 s)."""
+    """A stream far longer than any grace period here runs on the one sequence place (--max-num-seqs 1), a
+    second request waits in line behind it; then `signals` SIGTERMs. Returns the stream's events, the queued
+    request's response and the seconds from the first signal to the server's exit (waited for up to 120 s)."""
     queued: list[httpx.Response] = []
     long_stream = {"prompt": "Count slowly:", "max_tokens": 3000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.base_url, timeout=120) as c:
@@ -51,7 +51,11 @@ def stop_with_requests_in_flight(server: RemoteServer, signals: int) -> tuple[li
             waiter = threading.Thread(target=lambda: queued.append(c.post(
                 "/v1/completions", json={"prompt": "Waits in line", "max_tokens": 8})))
             waiter.start()
-            time.sleep(0.5)
+            if c.get("/metrics").status_code == 200:   # the local server: see it in the line
+                wait_for(lambda: metrics(c).get("kvserve:gateway_queue_requests") == 1, 30,
+                         "the second request in line")
+            else:                                     # Ray's ingress has no /metrics
+                time.sleep(1.0)
             assert not queued, "the second request should be waiting for the one place"
             start = time.monotonic()
             for _ in range(signals):

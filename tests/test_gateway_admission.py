@@ -143,10 +143,9 @@ def test_closing_sends_every_waiter_away_and_refuses_later_requests():
         running = await q.acquire([])
         line = [asyncio.create_task(q.acquire([], priority=p)) for p in (0, 1)]
         await asyncio.sleep(0)
-        stop = RuntimeError("shutting down")
-        q.close(stop)
+        q.close(lambda: RuntimeError("shutting down"))
         results = await asyncio.gather(*line, return_exceptions=True)
-        assert all(r is stop for r in results) and q.num_waiting == 0
+        assert [str(r) for r in results] == ["shutting down"] * 2 and q.num_waiting == 0
         q.release(running)                                                  # nobody is placed on the freed place
         assert q.in_flight == [0]
         with pytest.raises(RuntimeError, match="shutting down"):

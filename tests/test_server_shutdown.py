@@ -1,13 +1,22 @@
 """Shutdown with requests still in flight when the grace period runs out, or on a second signal: every client
-is told (a 503; a stream's error event, then [DONE]) instead of having its connection cut, the line behind
-them is not admitted, and the server exits 0 without a traceback. (A stream that finishes within the grace
-period: test_server.py's last test.)"""
+is told (a 503; a stream's error event, then [DONE]) instead of having its connection cut, the one waiting in
+line too (that the line is not admitted: test_gateway_admission), the engine is told to abort them, and the
+server exits 0 without a traceback. (A stream that finishes within the grace period: test_server.py's last
+test.)"""
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 from server_helpers import check_stopped, stop_with_requests_in_flight
 
+from kvserve.config import EngineConfig
+from kvserve.engine.core_process import AbortRequest, AddRequest, StepResult
+from kvserve.engine.stats import EngineStats
+from kvserve.entrypoints.async_llm import AsyncLLM, ServerStopping
 from kvserve.entrypoints.openai.launcher import RemoteServer
+from kvserve.outputs import CompletionDelta, RequestDelta
+from kvserve.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("signals, grace", [(1, "1"), (2, "300")], ids=["grace-over", "second-signal"])
@@ -23,3 +32,38 @@ def test_requests_still_in_flight_are_told_and_the_server_exits_0(signals: int, 
     # 3,000 tokens take far longer than this: the stream was stopped, not finished (and with a second signal
     # the 300 s grace period was not waited out).
     assert seconds < 20, (seconds, output[-2000:])
+
+
+def test_stopping_aborts_every_request_in_the_engine_after_what_it_sent():
+    """AsyncLLM alone (the test plays the engine): stop_requests sends one AbortRequest naming every running
+    request, each stream first receives what the engine already sent, then ends with ServerStopping; a request
+    after that is refused the same way and never sent."""
+    async def main() -> None:
+        llm = AsyncLLM(EngineConfig(), mode="thread")
+        sent: list = []
+        llm._send = sent.append
+        got: dict[str, list] = {"a": [], "b": []}
+
+        async def consume(rid: str) -> None:
+            try:
+                async for delta in llm.generate([1, 2, 3], SamplingParams(max_tokens=50), request_id=rid):
+                    got[rid].extend(delta.outputs[0].token_ids)
+            except ServerStopping as e:
+                got[rid].append(str(e))
+
+        tasks = [asyncio.create_task(consume(rid)) for rid in got]
+        await asyncio.sleep(0)
+        engine_ids = [m.request_id for m in sent if isinstance(m, AddRequest)]
+        llm._on_step(StepResult([RequestDelta(eid, [CompletionDelta(0, [7], "t")], False, num_prompt_tokens=3)
+                                 for eid in engine_ids], [], EngineStats(), num_added=2, step_time=0.0, stepped=True))
+        llm.stop_requests("stopping")
+        await asyncio.gather(*tasks)
+        assert got == {"a": [7, "stopping"], "b": [7, "stopping"]}
+        aborts = [m for m in sent if isinstance(m, AbortRequest)]
+        assert len(aborts) == 1 and sorted(aborts[0].request_ids) == sorted(engine_ids)
+        assert llm.num_unfinished == 0
+        with pytest.raises(ServerStopping):
+            async for _ in llm.generate([1], SamplingParams(max_tokens=1), request_id="late"):
+                pass
+        assert sum(isinstance(m, AddRequest) for m in sent) == 2
+    asyncio.run(main())

@@ -84,7 +84,7 @@ class EngineOverloadedError(Exception):
 
 
 class ServerStopping(Exception):
-    """The server is shutting down and stopped this request before it finished (see stop_streams)."""
+    """The server is shutting down and stopped this request before it finished (see stop_requests)."""
 
 
 @dataclass
@@ -262,7 +262,7 @@ class AsyncLLM:
             stream.queue.put_nowait(EngineDeadError(why))
         self._streams.clear()  # their generators end on the error; nothing of theirs is in the next engine
 
-    def stop_streams(self, why: str) -> None:
+    def stop_requests(self, why: str) -> None:
         """Shutdown, once the grace period is over: abort every request in the engine (freeing its blocks) and
         end each stream with ServerStopping(why) after what was already received, so every client is told
         rather than cut off; later requests are refused the same way."""

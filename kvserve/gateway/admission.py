@@ -84,7 +84,9 @@ class AdmissionQueue:
         self._seq = itertools.count()
         self._finishes: deque[float] = deque()
         self._clock = clock
-        self._closed: Exception | None = None   # what acquire() raises once the server stops taking requests
+        # Makes what acquire() raises once the server stops taking requests (a new one each time: one raised
+        # by many tasks would collect all their frames in its traceback).
+        self._closed: Callable[[], Exception] | None = None
 
     # ---- state -------------------------------------------------------------------------------------
     @property
@@ -120,7 +122,7 @@ class AdmissionQueue:
         the line. Raises QueueFull, or NoReplica when every engine is down. Give the Placement back with
         release(), and say first_token() when its first token arrives."""
         if self._closed is not None:
-            raise self._closed
+            raise self._closed()
         if not any(self._engine_view(i).alive for i in range(self.num_replicas)):
             raise NoReplica("no engine of this model is running (being replaced); retry shortly")
         placed: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -160,13 +162,13 @@ class AdmissionQueue:
             raise error
         worst.placed.set_exception(error)     # its waiter raises QueueFull (429); pump() drops the ticket
 
-    def close(self, error: Exception) -> None:
-        """Shutdown: every waiter leaves the line with `error`, and later acquire() calls raise it (so that places
+    def close(self, error: Callable[[], Exception]) -> None:
+        """Shutdown: every waiter leaves the line with error(), and later acquire() calls raise one (so that places
         freed by stopped requests are not handed to waiting ones)."""
         self._closed = error
         for ticket in self._heap:
             if not ticket.placed.done():
-                ticket.placed.set_exception(error)
+                ticket.placed.set_exception(error())
         self._heap.clear()
 
     def first_token(self, placement: Placement) -> None:

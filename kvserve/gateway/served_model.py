@@ -97,9 +97,9 @@ class ServedModel:
     def stop_requests(self, why: str) -> None:
         """Shutdown after the grace period: the queue's waiters first (so the places freed next admit nobody),
         then every running request, each answered with ServerStopping(why)."""
-        self.queue.close(ServerStopping(why))
+        self.queue.close(lambda: ServerStopping(why))
         for r in self.replicas:
-            r.stop_streams(why)
+            r.stop_requests(why)
 
     # ---- requests ----------------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str,

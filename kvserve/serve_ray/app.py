@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import re
 import signal
 import threading
@@ -29,7 +30,7 @@ from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.entrypoints.async_llm import EngineMode
-from kvserve.entrypoints.openai.api_server import LOG_FORMAT, STOPPED_MESSAGE, ServerArgs
+from kvserve.entrypoints.openai.api_server import LOG_FORMAT, STOP_FLUSH_S, STOPPED_MESSAGE, ServerArgs
 from kvserve.gateway.config import AutoscalingConfig, ModelEntry, ModelsConfig
 from kvserve.serve_ray.autoscaling import QueueDepthPolicy
 
@@ -148,7 +149,7 @@ def drain_ingress(grace_s: float, stop_now: threading.Event) -> None:
             logger.warning("%s; stopping %d requests still in flight",
                            "second signal" if stop_now.is_set() else "grace period over", left)
             ingress.stop_requests.remote(STOPPED_MESSAGE).result(timeout_s=10)
-            ingress.wait_idle.remote(5.0).result(timeout_s=15)
+            ingress.wait_idle.remote(STOP_FLUSH_S).result(timeout_s=STOP_FLUSH_S + 10)
     except Exception as e:  # noqa: BLE001 - shutting down regardless
         logger.warning("could not drain the ingress: %r", e)
 
@@ -165,6 +166,8 @@ def run_ray_server(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMo
     stop, stop_now = threading.Event(), threading.Event()
 
     def on_signal(*_) -> None:
+        if stop_now.is_set():   # a third: exit at once (Ray's processes started here end with this one)
+            os._exit(1)
         (stop_now if stop.is_set() else stop).set()   # a second signal ends the grace period
 
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -63,6 +63,8 @@ class ModelRouter:
 
     async def forward(self, raw: Request) -> Response:
         body = await raw.body()
+        if self.stopping is not None:   # it got past the draining check just before the requests were stopped
+            return error_response(503, self.stopping, headers={"Retry-After": "5"})
         name = self.pick(body)
         request = ForwardedRequest(
             method=raw.method, path=raw.url.path, body=body, query_string=raw.scope.get("query_string", b""),
@@ -119,7 +121,7 @@ class ModelRouter:
                 with contextlib.suppress(Exception):
                     gen.cancel()
 
-    def stop_all(self, why: str) -> None:
+    def stop_requests(self, why: str) -> None:
         """Shutdown, after the grace period: cancel every replica call in flight (aborting its requests in the
         engine); each client gets a 503 with `why` (a stream: an error event, then [DONE])."""
         self.stopping = why
@@ -155,6 +157,8 @@ def build_ingress_app(router: ModelRouter, args: ServerArgs, state: ServerState)
 
     @app.get("/health")
     async def health() -> Response:
+        if state.draining:   # as `kvserve serve`: a load balancer stops sending requests here
+            return error_response(503, "server is shutting down")
         why = await router.unhealthy()
         return Response(status_code=200) if why is None else error_response(503, why)
 
@@ -197,4 +201,4 @@ class OpenAIIngress:
         return self.state.in_flight
 
     async def stop_requests(self, why: str) -> None:
-        self.router.stop_all(why)
+        self.router.stop_requests(why)

@@ -56,10 +56,10 @@ class ModelReplica:
 
     async def __del__(self) -> None:
         # Ray Serve calls this once in-flight requests have finished (or its graceful timeout passed), and
-        # also after __init__ failed, whose error the lifespan task holds (already reported: not again).
-        if getattr(self, "_lifespan", None) is not None:
+        # also after __init__ failed: then the lifespan task is over, its error already raised there.
+        if getattr(self, "_lifespan", None) is not None and not self._lifespan.done():
             self._stop.set()
-            await asyncio.gather(self._lifespan, return_exceptions=True)
+            await self._lifespan
 
     async def handle_http(self, request: ForwardedRequest) -> AsyncIterator[dict]:
         """Yields the ASGI messages kvserve's app sends for `request`. Ray cancels this generator when the

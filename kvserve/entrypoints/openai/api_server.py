@@ -51,6 +51,7 @@ REQUESTS_PER_LOOP_TURN = 16
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # What a request still in flight when shutdown's grace period ends is answered with (a 503).
 STOPPED_MESSAGE = "the server is shutting down and stopped this request before it finished"
+STOP_FLUSH_S = 5.0   # how long stopped requests get to send their 503s before the server goes on shutting down
 
 
 @dataclass
@@ -116,6 +117,15 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         if self.state.draining:
             return await _send_error(send, 503, "server is shutting down", {"Retry-After": "5"})
+        # Counted from here (before the body is read): a request past the check above is one the drain waits
+        # for and, once its grace period is over, stops.
+        self.state.in_flight += 1
+        try:
+            await self._admit(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
+
+    async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.args.api_keys and not key_matches(bearer_token(_header(scope, b"authorization")), self.args.api_keys):
             return await _send_error(send, 401, "missing or invalid API key (Authorization: Bearer <key>)",
                                      {"WWW-Authenticate": "Bearer"})
@@ -144,11 +154,7 @@ class GuardMiddleware:
                 return {"type": "http.request", "body": bytes(body), "more_body": False}
             return await receive()
 
-        self.state.in_flight += 1
-        try:
-            await self.app(scope, replay, send)
-        finally:
-            self.state.in_flight -= 1
+        await self.app(scope, replay, send)
 
     def _startup_failure_in_one_line(self, send: Send) -> Send:
         """uvicorn logs a failed startup's message, which Starlette fills with the whole traceback; an engine
@@ -311,13 +317,16 @@ class _GracefulServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:  # type: ignore[override]
-        if self._loop is None or (self.state.draining and self._stop_now):
-            # One before startup finished, or a third: stop now.
+        if self._loop is None or (self.state.draining and (self._stop_now or self.should_exit)):
+            # One before startup finished, or one after the drain is over (a third, or a second while the
+            # engines stop): stop now.
             self.force_exit = self.state.draining
             self.should_exit = True
             return
         if self.state.draining:
-            self._stop_now = True   # read by _drain, which polls it
+            # A signal handler must not touch the requests (it runs between any two bytecodes of the loop):
+            # _drain polls this flag and stops them from the loop.
+            self._stop_now = True
             return
         self.state.draining = True
         logger.info("received signal %d: draining %d in-flight requests (grace %.0fs)",
@@ -328,15 +337,17 @@ class _GracefulServer(uvicorn.Server):
         deadline = self._loop.time() + self.grace_s
         while self.state.in_flight > 0 and self._loop.time() < deadline and not self._stop_now:
             await asyncio.sleep(0.05)
-        if self.state.in_flight and self.state.stop_requests is not None:
+        if self.state.in_flight:
             logger.warning("%s; stopping %d requests still in flight",
                            "second signal" if self._stop_now else "grace period over", self.state.in_flight)
+        if self.state.stop_requests is not None:
+            # Also with none in flight: from now on a request reaching a model is refused there.
             self.state.stop_requests(STOPPED_MESSAGE)
-            # Their 503s (a stream's error event) are sent within a few loop turns; uvicorn would cancel what
-            # is left after its own timeout, cutting the connection without a word.
-            deadline = self._loop.time() + 5.0
-            while self.state.in_flight > 0 and self._loop.time() < deadline:
-                await asyncio.sleep(0.05)
+        # Their 503s (a stream's error event) are sent within a few loop turns; uvicorn would cancel what is
+        # left after its own timeout, cutting the connection without a word.
+        deadline = self._loop.time() + STOP_FLUSH_S
+        while self.state.in_flight > 0 and self._loop.time() < deadline:
+            await asyncio.sleep(0.05)
         self.should_exit = True
 
 
