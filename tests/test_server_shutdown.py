@@ -6,6 +6,7 @@ test.)"""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from server_helpers import check_stopped, stop_with_requests_in_flight
@@ -14,6 +15,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.core_process import AbortRequest, AddRequest, StepResult
 from kvserve.engine.stats import EngineStats
 from kvserve.entrypoints.async_llm import AsyncLLM, ServerStopping
+from kvserve.entrypoints.openai.api_server import STOPPED_MESSAGE
 from kvserve.entrypoints.openai.launcher import RemoteServer
 from kvserve.outputs import CompletionDelta, RequestDelta
 from kvserve.sampling_params import SamplingParams
@@ -67,3 +69,30 @@ def test_stopping_aborts_every_request_in_the_engine_after_what_it_sent():
                 pass
         assert sum(isinstance(m, AddRequest) for m in sent) == 2
     asyncio.run(main())
+
+
+def test_a_request_still_uploading_its_body_is_answered_503_when_the_grace_period_ends():
+    """Its handler waits for body bytes, not on a model, so stopping the models' requests did not reach it: the
+    drain waited 5 s, uvicorn 5 s more, then cancelled it (cut connection, a traceback in the log)."""
+    import signal
+    import socket
+    import time
+
+    with RemoteServer(["--shutdown-grace", "1", "--num-kv-blocks", "64"]) as server:
+        body = b'{"prompt": "Hello", "max_tokens": 4}'
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body[:5])
+            time.sleep(0.5)   # the request is past the draining check, waiting for the rest of its body
+            start = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+            seconds = time.monotonic() - start
+        assert server.proc.wait(60) == 0
+        output = server.output()
+    assert reply.startswith(b"HTTP/1.1 503"), reply[:300]
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["message"] == STOPPED_MESSAGE
+    assert seconds < 4, seconds   # the grace period (1 s), not the 10 s of waiting it took before
+    assert "Traceback" not in output, output[-3000:]

@@ -166,7 +166,11 @@ def run_ray_server(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMo
     stop, stop_now = threading.Event(), threading.Event()
 
     def on_signal(*_) -> None:
-        if stop_now.is_set():   # a third: exit at once (Ray's processes started here end with this one)
+        if stop_now.is_set():
+            # A third: exit at once, without draining or Serve's shutdown; ray.shutdown() still ends the local
+            # cluster's processes started here (left alone, some of them outlived this one).
+            with contextlib.suppress(Exception):
+                ray.shutdown()
             os._exit(1)
         (stop_now if stop.is_set() else stop).set()   # a second signal ends the grace period
 

@@ -95,6 +95,10 @@ class ServerState:
     startup_error: str | None = None  # why an engine could not start (what the server exits with)
     # Ends every request still in flight with a 503 (set by build_app; called when draining runs out).
     stop_requests: Callable[[str], None] | None = None
+    stopping: bool = False      # stop_requests was called: what still arrives is answered with a 503
+    # Handlers of requests whose bodies are still arriving: nothing of theirs has reached a model yet, so
+    # stop_requests cannot end them; they are cancelled instead, and answer 503 (see GuardMiddleware._admit).
+    reading_bodies: set[asyncio.Task] = field(default_factory=set)
 
 
 class GuardMiddleware:
@@ -136,14 +140,24 @@ class GuardMiddleware:
         # Read the body here (bounded), then replay it, so a chunked upload cannot exceed the limit either.
         body = bytearray()
         more = True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > limit:
-                return await _send_error(send, 413, f"request body exceeds {limit} bytes")
+        task = asyncio.current_task()
+        self.state.reading_bodies.add(task)
+        try:
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+                if len(body) > limit:
+                    return await _send_error(send, 413, f"request body exceeds {limit} bytes")
+        except asyncio.CancelledError:
+            if not self.state.stopping:
+                raise
+            task.uncancel()   # cancelled by the drain, to be answered rather than cut off
+            return await _send_error(send, 503, STOPPED_MESSAGE, {"Retry-After": "5"})
+        finally:
+            self.state.reading_bodies.discard(task)
         await self.pacer.turn()
         replayed = False
 
@@ -340,6 +354,9 @@ class _GracefulServer(uvicorn.Server):
         if self.state.in_flight:
             logger.warning("%s; stopping %d requests still in flight",
                            "second signal" if self._stop_now else "grace period over", self.state.in_flight)
+        self.state.stopping = True
+        for task in list(self.state.reading_bodies):   # a slow upload would hold the shutdown past its grace
+            task.cancel()
         if self.state.stop_requests is not None:
             # Also with none in flight: from now on a request reaching a model is refused there.
             self.state.stop_requests(STOPPED_MESSAGE)
