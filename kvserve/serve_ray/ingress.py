@@ -184,7 +184,7 @@ class OpenAIIngress:
     def __init__(self, handles: dict, deployments: dict[str, str], app_name: str, args: ServerArgs) -> None:
         self.router = ModelRouter(handles, deployments, app_name)
         self.args = args
-        self.state = ServerState()
+        self.state = ServerState(stop_requests=self.router.stop_requests)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_ingress_app(self.router, self.args, self.state)
@@ -201,4 +201,4 @@ class OpenAIIngress:
         return self.state.in_flight
 
     async def stop_requests(self, why: str) -> None:
-        self.router.stop_requests(why)
+        self.state.stop(why)   # as the local server's drain: uploads still arriving too, not only the replicas' calls

@@ -100,6 +100,15 @@ class ServerState:
     # stop_requests cannot end them; they are cancelled instead, and answer 503 (see GuardMiddleware._admit).
     reading_bodies: set[asyncio.Task] = field(default_factory=set)
 
+    def stop(self, why: str) -> None:
+        """The end of draining (both backends): everything still in flight is answered with a 503 saying why."""
+        self.stopping = True
+        for task in list(self.reading_bodies):   # a slow upload would hold the shutdown past its grace
+            task.cancel()
+        if self.stop_requests is not None:
+            # Also with none in flight: from now on a request reaching a model is refused there.
+            self.stop_requests(why)
+
 
 class GuardMiddleware:
     """Pure ASGI (so streaming and disconnect detection pass through untouched): 503 while draining,
@@ -354,12 +363,7 @@ class _GracefulServer(uvicorn.Server):
         if self.state.in_flight:
             logger.warning("%s; stopping %d requests still in flight",
                            "second signal" if self._stop_now else "grace period over", self.state.in_flight)
-        self.state.stopping = True
-        for task in list(self.state.reading_bodies):   # a slow upload would hold the shutdown past its grace
-            task.cancel()
-        if self.state.stop_requests is not None:
-            # Also with none in flight: from now on a request reaching a model is refused there.
-            self.state.stop_requests(STOPPED_MESSAGE)
+        self.state.stop(STOPPED_MESSAGE)
         # Their 503s (a stream's error event) are sent within a few loop turns; uvicorn would cancel what is
         # left after its own timeout, cutting the connection without a word.
         deadline = self._loop.time() + STOP_FLUSH_S
