@@ -7,6 +7,8 @@ import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from kvserve.utils.value_checks import is_finite, is_int
+
 logger = logging.getLogger(__name__)
 
 # vLLM's thresholds: a temperature below SAMPLING_EPS means greedy, and one below MIN_TEMPERATURE is raised to it.
@@ -84,49 +86,49 @@ class SamplingParams:
         for name in _FLAG_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, f"must be True or False, got {getattr(self, name)!r}")
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.n > MAX_N:
             raise bad("n", f"must be <= {MAX_N}, got {self.n}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
-        if not _finite(self.temperature) or self.temperature < 0:
+        if not is_finite(self.temperature) or self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
-        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_finite(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", f"must be -1 (disabled) or an integer >= 0, got {self.top_k!r}")
-        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+        if not is_finite(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+        if not is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not _finite(v) or not -2 <= v <= 2:
+            if not is_finite(v) or not -2 <= v <= 2:
                 raise bad(name, f"must be in [-2, 2], got {v!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, Mapping):
                 raise bad("logit_bias", f"must map token ids to biases, got {self.logit_bias!r}")
             for tok, b in self.logit_bias.items():
-                if not _is_int(tok) or tok < 0:
+                if not is_int(tok) or tok < 0:
                     raise bad("logit_bias", f"keys must be token ids >= 0, got {tok!r}")
-                if not _finite(b) or not -100 <= b <= 100:
+                if not is_finite(b) or not -100 <= b <= 100:
                     raise bad("logit_bias", f"values must be in [-100, 100], got {b!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+        if self.seed is not None and (not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise bad("seed", f"must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not _is_int(v) or not 0 <= v <= 20):
+            if v is not None and (not is_int(v) or not 0 <= v <= 20):
                 raise bad(name, f"must be an integer in [0, 20], got {v!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be token ids >= 0")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise bad("stop_token_ids", f"takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
@@ -134,12 +136,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-def _is_int(x: object) -> bool:
-    """True is an int to Python: max_tokens=True generated one token."""
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from kvserve.config import EngineConfig
+from kvserve.utils.value_checks import is_int
 
 RoutingPolicy = Literal["cache_aware", "least_loaded", "round_robin"]
 ROUTING_POLICIES = ("cache_aware", "least_loaded", "round_robin")
@@ -134,7 +135,7 @@ def _model_entry(d: Any, where: str) -> ModelEntry:
         if not isinstance(d.get(key), str) or not d[key]:
             raise ModelsConfigError(f"{where}.{key} must be a non-empty string")
     dp = d.get("data_parallel_size", 1)
-    if not isinstance(dp, int) or isinstance(dp, bool) or not 1 <= dp <= MAX_DATA_PARALLEL_SIZE:
+    if not is_int(dp) or not 1 <= dp <= MAX_DATA_PARALLEL_SIZE:
         raise ModelsConfigError(f"{where}.data_parallel_size must be an integer in [1, {MAX_DATA_PARALLEL_SIZE}], "
                                 f"got {dp!r}")
     engine = d.get("engine") or {}
@@ -179,6 +180,6 @@ def _admission(d: Any) -> AdmissionConfig:
         raise ModelsConfigError("admission must be a mapping")
     _no_unknown(d, {"max_waiting"}, "admission")
     mw = d.get("max_waiting", 256)
-    if not isinstance(mw, int) or isinstance(mw, bool) or mw < 1:
+    if not is_int(mw) or mw < 1:
         raise ModelsConfigError(f"admission.max_waiting must be an integer >= 1, got {mw!r}")
     return AdmissionConfig(max_waiting=mw)

@@ -24,6 +24,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvserve.utils.value_checks import is_number
+
 FIRST, ALTERNATIVE, NEXT = 0, 1, 2
 KINDS = ("first", "alternative", "next")  # the table file's keys, in that order
 _BUCKETS = 10
@@ -126,7 +128,7 @@ def read_calibration(path: str | Path) -> list[list[float]]:
 
 
 def _is_rate(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0.0 <= x <= 1.0
+    return is_number(x) and 0.0 <= x <= 1.0
 
 
 def _bucket(p: float) -> int:

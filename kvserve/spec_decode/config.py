@@ -35,6 +35,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvserve.utils.value_checks import is_int, is_number
+
 logger = logging.getLogger(__name__)
 
 METHODS = ("ngram", "draft", "eagle", "suffix")
@@ -185,7 +187,7 @@ class SpeculativeConfig:
             # vLLM's default for suffix decoding: as many as the deepest match (its drafts are sized per match).
             self.num_speculative_tokens, self.k_from_depth = self.suffix_decoding_max_tree_depth, True
         k = self.num_speculative_tokens
-        if not _is_int(k) or k < 1:
+        if not is_int(k) or k < 1:
             raise bad("suffix_decoding_max_tree_depth" if self.k_from_depth else "num_speculative_tokens",
                       f"must be an integer >= 1, got {k!r}")
         # Prompt lookup: method "ngram" always (2..4 unless given); "draft" and "eagle" where a bound is given,
@@ -193,7 +195,7 @@ class SpeculativeConfig:
         # drafts the others (draft_length.py keeps the two kinds' acceptance apart).
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-            if v is not None and (not _is_int(v) or v < 1):
+            if v is not None and (not is_int(v) or v < 1):
                 raise bad(name, f"must be an integer >= 1, got {v!r}")
         if lo is None and hi is None and self.method == "ngram":
             lo, hi = 2, 4
@@ -227,12 +229,12 @@ class SpeculativeConfig:
                                              if given or self.method in MODEL_FREE or self.batch_schedule
                                              else DEFAULT_DISABLE_BY_BATCH_SIZE)
         b = self.disable_by_batch_size
-        if b is not None and (not _is_int(b) or b < 1):
+        if b is not None and (not is_int(b) or b < 1):
             raise bad("disable_by_batch_size", f"must be an integer >= 1 or null, got {b!r}")
         r = self.min_acceptance_rate
-        if not _is_number(r) or not 0 <= r <= 1:
+        if not is_number(r) or not 0 <= r <= 1:
             raise bad("min_acceptance_rate", f"must be in [0, 1], got {r!r}")
-        if not _is_int(self.acceptance_window) or self.acceptance_window < 1:
+        if not is_int(self.acceptance_window) or self.acceptance_window < 1:
             raise bad("acceptance_window", f"must be an integer >= 1, got {self.acceptance_window!r}")
         if not isinstance(self.adaptive_draft_length, bool):
             raise bad("adaptive_draft_length", f"must be true or false, got {self.adaptive_draft_length!r}")
@@ -271,7 +273,7 @@ class SpeculativeConfig:
         for e in entries:
             if isinstance(e, (list, tuple)) and len(e) == 5:
                 raise bad(name, f"entries with context ranges (5 items) are not supported; give {form}, got {e!r}")
-            if not (isinstance(e, (list, tuple)) and len(e) == 3 and all(_is_int(v) for v in e)):
+            if not (isinstance(e, (list, tuple)) and len(e) == 3 and all(is_int(v) for v in e)):
                 raise bad(name, f"entries must be {form}, integers, got {e!r}")
             lo, hi, k = e
             if not 1 <= lo <= hi or k < 0:
@@ -293,7 +295,7 @@ class SpeculativeConfig:
         """vLLM's fields for the draft's placement and loading: taken where they apply here, refused otherwise."""
         from kvserve.config import QUANTIZATIONS  # kvserve.config imports this module
         n = self.max_model_len
-        if n is not None and (not _is_int(n) or n < 1):
+        if n is not None and (not is_int(n) or n < 1):
             raise bad("max_model_len", f"must be an integer >= 1 or null, got {n!r}")
         q = self.quantization
         if q is not None:
@@ -306,7 +308,7 @@ class SpeculativeConfig:
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise bad("enforce_eager", f"must be true, false or null, got {self.enforce_eager!r}")
         tp = self.draft_tensor_parallel_size
-        if tp is not None and (not _is_int(tp) or tp != 1):
+        if tp is not None and (not is_int(tp) or tp != 1):
             raise bad("draft_tensor_parallel_size", f"must be 1: the draft runs in the engine's process, on its "
                                                     f"device (kvserve has no tensor parallelism), got {tp!r}")
         for name in ("revision", "code_revision"):
@@ -341,7 +343,7 @@ class SpeculativeConfig:
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):  # e.g. "{[0]: 1}": TypeError
             nodes = None
         if (not isinstance(nodes, (list, tuple)) or not nodes
-                or not all(isinstance(n, tuple) and n and all(_is_int(i) and i >= 0 for i in n) for n in nodes)):
+                or not all(isinstance(n, tuple) and n and all(is_int(i) and i >= 0 for i in n) for n in nodes)):
             raise bad("speculative_token_tree", f"must be a string listing node paths as tuples of indices, "
                                                 f"e.g. \"[(0,), (1,), (2,)]\", got {text!r}")
         depth = sum(1 for n in nodes if all(i == 0 for i in n))
@@ -371,17 +373,17 @@ class SpeculativeConfig:
             return
         d, r = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
         f, p = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
-        if not _is_int(d) or d < 1:
+        if not is_int(d) or d < 1:
             raise bad("suffix_decoding_max_tree_depth", f"must be an integer >= 1, got {d!r}")
-        if not _is_int(r) or r < 0:
+        if not is_int(r) or r < 0:
             raise bad("suffix_decoding_max_cached_requests", f"must be an integer >= 0, got {r!r}")
         t = self.suffix_decoding_corpus_tokens
-        if not _is_int(t) or not 1 <= t <= MAX_CORPUS_TOKENS:
+        if not is_int(t) or not 1 <= t <= MAX_CORPUS_TOKENS:
             raise bad("suffix_decoding_corpus_tokens", f"must be an integer in [1, {MAX_CORPUS_TOKENS}] (2**20 "
                                                        f"take 46 MiB), got {t!r}")
-        if not _is_number(f) or not 0 < f < math.inf:
+        if not is_number(f) or not 0 < f < math.inf:
             raise bad("suffix_decoding_max_spec_factor", f"must be a finite number > 0, got {f!r}")
-        if not _is_number(p) or not 0 <= p <= 1:
+        if not is_number(p) or not 0 <= p <= 1:
             raise bad("suffix_decoding_min_token_prob", f"must be in [0, 1], got {p!r}")
 
     @property
@@ -430,12 +432,3 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {known}")
         return cls(**value)
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: object) -> bool:
-    """An int or float from JSON or Python; true and false are not numbers here."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
