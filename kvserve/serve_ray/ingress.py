@@ -21,8 +21,10 @@ from ray import serve
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from kvserve.entrypoints.openai.api_server import VERSION, GuardMiddleware, ServerArgs, ServerState
-from kvserve.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
+from kvserve.entrypoints.openai.api_server import (
+    DRAINING_MESSAGE, VERSION, GuardMiddleware, ServerArgs, ServerState)
+from kvserve.entrypoints.openai.errors import (
+    SHUTDOWN_RETRY_AFTER, OpenAIError, error_response, install_error_handlers)
 from kvserve.entrypoints.openai.serving_base import sse_error
 from kvserve.serve_ray.forwarding import ForwardedRequest
 
@@ -64,7 +66,7 @@ class ModelRouter:
     async def forward(self, raw: Request) -> Response:
         body = await raw.body()
         if self.stopping is not None:   # it got past the draining check just before the requests were stopped
-            return error_response(503, self.stopping, headers={"Retry-After": "5"})
+            return error_response(503, self.stopping, headers=SHUTDOWN_RETRY_AFTER)
         name = self.pick(body)
         request = ForwardedRequest(
             method=raw.method, path=raw.url.path, body=body, query_string=raw.scope.get("query_string", b""),
@@ -81,7 +83,7 @@ class ModelRouter:
                 with contextlib.suppress(Exception):   # cancelling a request that failed re-raises its error
                     gen.cancel()
             if self.stopping is not None and isinstance(e, Exception):
-                return error_response(503, self.stopping, headers={"Retry-After": "5"})
+                return error_response(503, self.stopping, headers=SHUTDOWN_RETRY_AFTER)
             if isinstance(e, BackPressureError):
                 return error_response(429, f"too many requests waiting for model `{name}`; retry later",
                                       headers={"Retry-After": "1"})
@@ -158,7 +160,7 @@ def build_ingress_app(router: ModelRouter, args: ServerArgs, state: ServerState)
     @app.get("/health")
     async def health() -> Response:
         if state.draining:   # as `kvserve serve`: a load balancer stops sending requests here
-            return error_response(503, "server is shutting down")
+            return error_response(503, DRAINING_MESSAGE)
         why = await router.unhealthy()
         return Response(status_code=200) if why is None else error_response(503, why)
 

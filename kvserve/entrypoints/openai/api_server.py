@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvserve.config import EngineConfig
 from kvserve.entrypoints.async_llm import EngineMode, EngineStartupError
 from kvserve.entrypoints.openai.auth import bearer_token, key_matches
-from kvserve.entrypoints.openai.errors import bad_request, error_body, install_error_handlers
+from kvserve.entrypoints.openai.errors import SHUTDOWN_RETRY_AFTER, bad_request, error_body, install_error_handlers
 from kvserve.entrypoints.openai.pacing import LoopPacer
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -49,6 +49,8 @@ VERSION = "0.1.0"
 # New /v1 requests that start their parsing and tokenizing per event-loop turn (see openai/pacing.py).
 REQUESTS_PER_LOOP_TURN = 16
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# What a request that arrives while the server drains is answered with (a 503), and /health's reason then.
+DRAINING_MESSAGE = "server is shutting down"
 # What a request still in flight when shutdown's grace period ends is answered with (a 503).
 STOPPED_MESSAGE = "the server is shutting down and stopped this request before it finished"
 STOP_FLUSH_S = 5.0   # how long stopped requests get to send their 503s before the server goes on shutting down
@@ -129,7 +131,7 @@ class GuardMiddleware:
         if not guarded:
             return await self.app(scope, receive, send)
         if self.state.draining:
-            return await _send_error(send, 503, "server is shutting down", {"Retry-After": "5"})
+            return await _send_error(send, 503, DRAINING_MESSAGE, SHUTDOWN_RETRY_AFTER)
         # Counted from here (before the body is read): a request past the check above is one the drain waits
         # for and, once its grace period is over, stops.
         self.state.in_flight += 1
@@ -164,7 +166,7 @@ class GuardMiddleware:
             if not self.state.stopping:
                 raise
             task.uncancel()   # cancelled by the drain, to be answered rather than cut off
-            return await _send_error(send, 503, STOPPED_MESSAGE, {"Retry-After": "5"})
+            return await _send_error(send, 503, STOPPED_MESSAGE, SHUTDOWN_RETRY_AFTER)
         finally:
             self.state.reading_bodies.discard(task)
         await self.pacer.turn()

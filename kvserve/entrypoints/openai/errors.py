@@ -14,6 +14,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("kvserve.server")
 
+# Sent with every 503 that shutdown answers: the client may retry in a few seconds, at another replica or at
+# this one restarted.
+SHUTDOWN_RETRY_AFTER = {"Retry-After": "5"}
+
 # vLLM's names for the error types, keyed by status.
 _TYPES = {
     400: "BadRequestError",

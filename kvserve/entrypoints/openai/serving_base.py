@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from kvserve.entrypoints.async_llm import EngineDeadError, EngineRequestError, ServerStopping
 from kvserve.entrypoints.openai.auth import bearer_token, tenant_cache_salt
-from kvserve.entrypoints.openai.errors import OpenAIError, bad_request, error_body
+from kvserve.entrypoints.openai.errors import SHUTDOWN_RETRY_AFTER, OpenAIError, bad_request, error_body
 from kvserve.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from kvserve.gateway.admission import NoReplica, QueueFull
 from kvserve.gateway.config import AUTO_MODEL
@@ -139,7 +139,7 @@ class OpenAIServing:
             except QueueFull as e:
                 raise OpenAIError(429, str(e), headers={"Retry-After": str(e.retry_after_s)}) from None
             except ServerStopping as e:
-                raise OpenAIError(503, str(e), headers={"Retry-After": "5"}) from None
+                raise OpenAIError(503, str(e), headers=SHUTDOWN_RETRY_AFTER) from None
 
 
 async def merge(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
