@@ -38,10 +38,12 @@ def metrics(http: httpx.Client) -> dict[str, float]:
     return out
 
 
-def stop_with_requests_in_flight(server: RemoteServer, signals: int) -> tuple[list[str], httpx.Response, float]:
+def stop_with_requests_in_flight(server: RemoteServer, signals: int, gaps_s: tuple[float, ...] = ()
+                                 ) -> tuple[list[str], httpx.Response, float]:
     """A stream far longer than any grace period here runs on the one sequence place (--max-num-seqs 1), a
-    second request waits in line behind it; then `signals` SIGTERMs. Returns the stream's events, the queued
-    request's response and the seconds from the first signal to the server's exit (waited for up to 120 s)."""
+    second request waits in line behind it; then `signals` SIGTERMs, gaps_s[i] (default 0.3 s) after signal i.
+    Returns the stream's events, the queued request's response and the seconds from the first signal to the
+    server's exit (waited for up to 120 s)."""
     queued: list[httpx.Response] = []
     long_stream = {"prompt": "Count slowly:", "max_tokens": 3000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.base_url, timeout=120) as c:
@@ -58,9 +60,9 @@ def stop_with_requests_in_flight(server: RemoteServer, signals: int) -> tuple[li
                 time.sleep(1.0)
             assert not queued, "the second request should be waiting for the one place"
             start = time.monotonic()
-            for _ in range(signals):
+            for i in range(signals):
                 server.proc.send_signal(signal.SIGTERM)
-                time.sleep(0.3)
+                time.sleep(gaps_s[i] if i < len(gaps_s) else 0.3)
             events = [first] + [line for line in lines if line]
             waiter.join(60)
     server.proc.wait(120)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+from pathlib import Path
 
 import pytest
-from server_helpers import check_stopped, stop_with_requests_in_flight
+from server_helpers import check_stopped, stop_with_requests_in_flight, wait_for
 
 from kvserve.config import EngineConfig
 from kvserve.engine.core_process import AbortRequest, AddRequest, StepResult
@@ -34,6 +36,33 @@ def test_requests_still_in_flight_are_told_and_the_server_exits_0(signals: int, 
     # 3,000 tokens take far longer than this: the stream was stopped, not finished (and with a second signal
     # the 300 s grace period was not waited out).
     assert seconds < 20, (seconds, output[-2000:])
+
+
+def test_a_third_signal_exits_at_once_without_a_traceback_or_a_stray_engine():
+    """The third signal lands 50 ms after the second, while the server is still shutting down: it skips the
+    lifespan's shutdown event (uvicorn's forced exit). The loop's closing then cancels the lifespan after its
+    clean-up, which Starlette reported as a failed shutdown and uvicorn logged with a CancelledError
+    traceback. The engine process must be gone all the same."""
+    args = ["--max-num-seqs", "1", "--max-model-len", "4096", "--num-kv-blocks", "256", "--shutdown-grace", "300"]
+    with RemoteServer(args) as server:
+        engine_pid = int(re.search(r"engine ready \(process mode, pid (\d+)\)", server.output()).group(1))
+        _, _, seconds = stop_with_requests_in_flight(server, 3, gaps_s=(0.3, 0.05))
+        assert server.proc.wait(60) == 0, server.output()[-3000:]
+        output = server.output()
+    assert "second signal; stopping 2 requests still in flight" in output, output[-3000:]
+    assert "Application shutdown complete" not in output, "the third signal should have skipped it: " + output[-2000:]
+    assert "Traceback" not in output and "ERROR" not in output, output[-3000:]
+    assert seconds < 20, (seconds, output[-2000:])
+    wait_for(lambda: not process_alive(engine_pid), 10, "the engine process to end")
+
+
+def process_alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a parent that no longer exists to reap it."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
 
 
 def test_stopping_aborts_every_request_in_the_engine_after_what_it_sent():

@@ -123,7 +123,7 @@ class GuardMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            return await self.app(scope, receive, self._startup_failure_in_one_line(send))
+            return await self.app(scope, receive, self._lifespan_messages(send))
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path: str = scope["path"]
@@ -181,13 +181,19 @@ class GuardMiddleware:
 
         await self.app(scope, replay, send)
 
-    def _startup_failure_in_one_line(self, send: Send) -> Send:
-        """uvicorn logs a failed startup's message, which Starlette fills with the whole traceback; an engine
-        that could not start has a one-line reason (e.g. a draft model path that does not exist), and the
-        user should see just that."""
+    def _lifespan_messages(self, send: Send) -> Send:
+        """uvicorn logs a failed startup's or shutdown's message, which Starlette fills with the whole
+        traceback. An engine that could not start has a one-line reason (e.g. a draft model path that does not
+        exist), and the user should see just that. A forced exit (a third signal) skips the lifespan's
+        shutdown event, so the loop's closing cancels the lifespan after its clean-up has run: a "failed"
+        shutdown that is no failure, sent without its traceback."""
         async def send_short(message: Message) -> None:
             if message["type"] == "lifespan.startup.failed" and self.state.startup_error is not None:
                 message = {**message, "message": self.state.startup_error}
+            elif message["type"] == "lifespan.shutdown.failed" and self.state.draining:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    message = {"type": message["type"]}
             await send(message)
         return send_short
 
