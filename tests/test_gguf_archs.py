@@ -17,7 +17,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from kvserve.models.loader import load_model
 from paged_helpers import PagedSeqs, make_backend, make_kv_caches
-from test_model_parity import VOCAB, build_hf_model, hf_logits
+from test_model_parity import VOCAB, build_hf_model, hf_logits, word_level_tokenizer
 
 _LAYER_TENSORS = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -35,7 +35,7 @@ def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model: torch.nn.Module, arch: str, path: Path) -> None:
+def write_gguf(model: torch.nn.Module, arch: str, path: Path, pre: str | None = None) -> None:
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -57,6 +57,8 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path) -> None:
     byte_symbols += [chr(256 + i) for i in range(256 - len(byte_symbols))]
     tokens = byte_symbols + ["ab"] + [f"<x{i}>" for i in range(VOCAB - 257)]
     w.add_tokenizer_model("gpt2")
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([1] * VOCAB)
     w.add_token_merges(["a b"])
@@ -126,3 +128,18 @@ def test_gguf_of_each_architecture_matches_transformers(name: str, arch: str, tm
     with torch.no_grad():
         logits = loaded.model.compute_logits(loaded.model(ids, positions, meta, kv))
     torch.testing.assert_close(logits, hf_logits(ref, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_tokenizer_option_stands_in_for_a_pre_tokenizer_kvserve_cannot_rebuild(tmp_path: Path) -> None:
+    """A GGUF whose tokenizer.ggml.pre kvserve does not know is refused, and the refusal says to pass
+    --tokenizer; with it, the file loads with that tokenizer (the model's own is never built)."""
+    ref = build_hf_model("llama_tied", tmp_path)
+    path = tmp_path / "model.gguf"
+    write_gguf(ref, "llama", path, pre="chatglm-bpe")
+    with pytest.raises(ValueError, match="tokenizer.ggml.pre 'chatglm-bpe' is not supported.*--tokenizer"):
+        load_model(str(path), torch.float32, torch.device("cpu"))
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    word_level_tokenizer().save(str(tok_dir / "tokenizer.json"))
+    loaded = load_model(str(path), torch.float32, torch.device("cpu"), tokenizer=str(tok_dir))
+    assert loaded.tokenizer.encode("v7 v9", add_special_tokens=False) == [7, 9]

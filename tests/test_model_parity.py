@@ -218,9 +218,7 @@ def test_tokenizer_option_replaces_the_models_own(tmp_path: Path) -> None:
     tok_dir.mkdir()
     build_hf_model("llama3_rope_untied", model_dir)
     # Another word-level vocabulary: "v7" is token 7 here and unknown (token 0) to the model's own.
-    other = BackendTokenizer(models.WordLevel({f"v{i}": i for i in range(VOCAB)}, unk_token="v0"))
-    other.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    other.save(str(tok_dir / "tokenizer.json"))
+    word_level_tokenizer().save(str(tok_dir / "tokenizer.json"))
 
     own = LLM(str(model_dir), dtype="float32", num_kv_blocks=64)
     assert own.get_tokenizer().encode("v7 v9", add_special_tokens=False) == [0, 0]
@@ -230,3 +228,16 @@ def test_tokenizer_option_replaces_the_models_own(tmp_path: Path) -> None:
     assert out.prompt_token_ids == [7, 9] and out.outputs[0].text.split()[0].startswith("v")
     with pytest.raises(FileNotFoundError, match="tokenizer path"):
         LLM(str(model_dir), tokenizer=str(tmp_path / "missing"), dtype="float32", num_kv_blocks=64)
+    # A directory without a tokenizer.json of its own loads with the one given (its own is never read).
+    (model_dir / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        LLM(str(model_dir), dtype="float32", num_kv_blocks=64)
+    bare = LLM(str(model_dir), tokenizer=str(tok_dir), dtype="float32", num_kv_blocks=64)
+    assert bare.get_tokenizer().encode("v7 v9", add_special_tokens=False) == [7, 9]
+
+
+def word_level_tokenizer() -> BackendTokenizer:
+    """A word-level vocabulary of the tiny models' size: "v7" is token 7 (and anything else "v0")."""
+    tok = BackendTokenizer(models.WordLevel({f"v{i}": i for i in range(VOCAB)}, unk_token="v0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tok

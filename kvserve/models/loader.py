@@ -31,10 +31,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, token
     """tokenizer: a Hugging Face directory or GGUF file whose tokenizer replaces the model's own.
     quantization: see QuantConfig (auto keeps a GGUF's quantized blocks; none, int8, int4)."""
     quant = QuantConfig(quantization, group_size, dtype, device)
-    loaded = _load(path, quant)
-    if tokenizer is not None:
-        loaded.tokenizer = load_tokenizer(tokenizer, loaded.config.eos_token_ids)
-    return loaded
+    return _load(path, quant, tokenizer)
 
 
 def load_tokenizer(path: str, eos_token_ids: list[int] | None = None) -> Tokenizer:
@@ -48,23 +45,27 @@ def load_tokenizer(path: str, eos_token_ids: list[int] | None = None) -> Tokeniz
     raise ValueError(f"tokenizer {path!r} is neither a Hugging Face directory nor a .gguf file")
 
 
-def _load(path: str | None, quant: QuantConfig) -> LoadedModel:
+def _load(path: str | None, quant: QuantConfig, tokenizer_path: str | None) -> LoadedModel:
+    """tokenizer_path, when given, is the only tokenizer read: the model's own is never built, so one that
+    kvserve cannot rebuild (an unsupported GGUF pre-tokenizer, a directory without tokenizer.json) is no error."""
     path = resolve_model(path)  # a preset name or None (the default) -> the file it names
     p = Path(path)
     if p.is_dir():
         if not (p / "config.json").exists():
             raise FileNotFoundError(f"{p} is not a Hugging Face model directory (no config.json)")
         cfg = read_hf_config(p)
-        model = _build(cfg, iter_hf_weights(p), quant)
-        return LoadedModel(model, cfg, Tokenizer.from_hf_dir(p, cfg.eos_token_ids))
+        tokenizer = (load_tokenizer(tokenizer_path, cfg.eos_token_ids) if tokenizer_path is not None
+                     else Tokenizer.from_hf_dir(p, cfg.eos_token_ids))
+        return LoadedModel(_build(cfg, iter_hf_weights(p), quant), cfg, tokenizer)
     if p.is_file() and p.suffix == ".gguf":
         file = read_gguf(p)
         meta = file.metadata
         cfg = gguf_model_config(meta, {t.name: t for t in file.tensors})
+        tokenizer = (load_tokenizer(tokenizer_path, cfg.eos_token_ids) if tokenizer_path is not None
+                     else Tokenizer.from_gguf_fields(meta))
         weights = list(iter_gguf_weights(file, cfg, meta["general.architecture"]))
         quant.quantized_tensors = {name: t.quantized for name, t in weights}
-        model = _build(cfg, weights, quant)
-        return LoadedModel(model, cfg, Tokenizer.from_gguf_fields(meta))
+        return LoadedModel(_build(cfg, weights, quant), cfg, tokenizer)
     if not p.exists():
         raise FileNotFoundError(f"model path {path!r} does not exist (no model hub access: pass a local path)")
     raise ValueError(f"{path!r} is neither a Hugging Face model directory nor a .gguf file")
