@@ -199,3 +199,19 @@ def test_read_registry_sums_label_sets():
     assert s.t == 5.0 and s.values["kvserve:request_success_total"] == 5
     assert s.histograms["kvserve:e2e_request_latency_seconds"] == Buckets((1.0, INF), (1, 2))
     assert s.values["kvserve:e2e_request_latency_seconds_count"] == 2
+
+
+def test_kv_cache_usage_is_the_engines_mean_not_their_sum():
+    """Three engines each 60% full are 60% full together (their sum, 180%, was drawn on a 0-100% chart); the
+    per-replica split keeps each engine's own."""
+    r = CollectorRegistry()
+    kv = Gauge("kvserve:kv_cache_usage_perc", "", ["model_name", "replica"], registry=r)
+    running = Gauge("kvserve:num_requests_running", "", ["model_name", "replica"], registry=r)
+    for model, replica, usage in (("small", "0", 0.6), ("small", "1", 0.6), ("large", "0", 0.3)):
+        kv.labels(model, replica).set(usage)
+        running.labels(model, replica).set(2)
+    d = MetricsHistory(r).dashboard()
+    assert d["totals"]["kvserve:kv_cache_usage_perc"] == pytest.approx(0.5)
+    assert d["series"]["kv_cache_usage_perc"][-1] == pytest.approx(0.5)
+    assert d["totals"]["kvserve:num_requests_running"] == 6                  # counts still add up
+    assert d["replicas"]["large/0"]["kv_cache_usage_perc"] == [pytest.approx(0.3)]

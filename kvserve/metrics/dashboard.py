@@ -13,7 +13,7 @@ and `replicas`, per engine (a `replica` label on the gauges, "model/replica" wit
 there is only one engine), the same three gauges per replica. A series whose metrics are absent is left out,
 so the page hides its chart. A point is null where its window saw nothing to measure (no requests, no prefix lookups).
 `totals` are the registry's samples at the moment of the request (all but histogram buckets), under their
-/metrics names and summed over their labels."""
+/metrics names and summed over their labels (KV-cache usage, a fraction, averaged: registry_sample.py)."""
 from __future__ import annotations
 
 import asyncio

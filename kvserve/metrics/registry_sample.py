@@ -1,5 +1,6 @@
 """One reading of a Prometheus registry, reduced to what a dashboard draws: every gauge, counter and
-histogram count/sum summed over its label sets, every histogram's cumulative buckets summed the same way,
+histogram count/sum summed over its label sets (a gauge that is a fraction, KV-cache usage, averaged over them
+instead: three engines 60% full are not 180% full; each engine counts alike, whatever its pool's size), every histogram's cumulative buckets summed the same way,
 and the per-replica split of the gauges where metrics carry a `replica` label (and there are several).
 Plus Prometheus's own quantile estimate from buckets.
 
@@ -14,6 +15,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
+
+# Gauges that are each engine's fraction of something (0..1): their label sets are averaged, not summed.
+MEAN_GAUGES = frozenset({"kvserve:kv_cache_usage_perc"})
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ def read_registry(registry: CollectorRegistry, t: float | None = None) -> Regist
     buckets: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
     # (model_name, replica) -> gauge name -> value
     engines: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    label_sets: dict[str, int] = defaultdict(int)   # per MEAN_GAUGES name
     for family in registry.collect():
         if family.type == "counter" and not family.samples:
             values[family.name + "_total"] = 0.0   # a labelled counter nothing has incremented yet
@@ -56,8 +61,12 @@ def read_registry(registry: CollectorRegistry, t: float | None = None) -> Regist
             if family.type not in ("gauge", "counter", "histogram"):
                 continue
             values[s.name] += s.value  # gauges, counters, and histograms' _count and _sum
+            if s.name in MEAN_GAUGES:
+                label_sets[s.name] += 1
             if family.type == "gauge" and "replica" in s.labels:
                 engines[(s.labels.get("model_name", ""), s.labels["replica"])][s.name] += s.value
+    for name, n in label_sets.items():
+        values[name] /= n
     histograms = {name: Histogram(tuple(sorted(b)), tuple(b[le] for le in sorted(b))) for name, b in buckets.items()}
     return RegistrySample(time.time() if t is None else t, dict(values), histograms, _replicas(engines))
 
