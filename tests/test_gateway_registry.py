@@ -3,6 +3,8 @@ answer, the AutoRouter the gateway is given, the prompt-length baseline, and eac
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -56,10 +58,19 @@ def test_prompt_length_router():
 
 
 def test_several_engines_share_the_cores():
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0))
     assert engine_threads(EngineConfig(), 1).num_threads is None              # one engine: torch's choice
     assert engine_threads(EngineConfig(), 2).num_threads == max(1, cores // 2)
     assert engine_threads(EngineConfig(), 64).num_threads == 1
     assert engine_threads(EngineConfig(num_threads=3), 4).num_threads == 3    # an explicit setting wins
     reg = ModelRegistry.from_config(ModelsConfig.from_dict(CONFIG))
     assert {m.config.num_threads for m in reg.models} == {max(1, cores // 3)}
+
+
+def test_the_share_counts_the_cores_this_process_may_use():
+    """Under taskset or a container's cpuset, the machine's core count overstates what the engines get."""
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from kvserve.gateway.registry import usable_cores; print(usable_cores(), os.cpu_count())")
+    usable, machine = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                     check=True).stdout.split()
+    assert usable == "1", (usable, machine)

@@ -241,3 +241,40 @@ def test_full_queue_is_429_and_interactive_requests_are_not_starved(server, http
     # interactive requests stuck behind the background line would all be slow.
     assert statistics.median(busy) <= 5 * max(statistics.median(idle), 0.05), (idle, busy)
     wait_idle(http)
+
+
+# ---------------------------------------------------------------- auto with a base model
+
+def test_auto_sends_chats_to_the_model_that_has_a_chat_template(tiny_model_dirs, tmp_path):
+    """With a base model (no chat template) as `auto`'s large one, a chat the router would send there goes to
+    small instead (it was a 400 "model has no chat template"); completions still go where the router says,
+    and the start-up log says where chats go."""
+    large_dir = tmp_path / "base"
+    shutil.copytree(tiny_model_dirs["qwen2"][0], large_dir)
+    config = json.loads((large_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (large_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (large_dir / name).unlink(missing_ok=True)
+    models = {"models": [{"name": "small", "model": str(tiny_model_dirs["llama"][0])},
+                         {"name": "large", "model": str(large_dir)}],
+              "routing": {"auto": {"small": "small", "large": "large"}}}
+    path = tmp_path / "models.yaml"
+    path.write_text(yaml.safe_dump(models))
+    hard = "Copy this line: To be or not to be"
+    assert load_default_router().choose(hard) == "large"
+    args = ["--models-config", str(path), "--max-model-len", "512", "--num-kv-blocks", "64", "--dtype", "float32"]
+    with RemoteServer(args, startup_timeout_s=600) as server, \
+            httpx.Client(base_url=server.base_url, timeout=120) as http:
+        r = http.post("/v1/chat/completions", json={"model": "large", "max_tokens": 2,
+                                                     "messages": [{"role": "user", "content": hard}]})
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+        r = http.post("/v1/chat/completions", json={"model": "auto", "max_tokens": 2,
+                                                     "messages": [{"role": "user", "content": hard}]})
+        assert r.status_code == 200 and r.json()["model"] == "small", r.text
+        r = http.post("/v1/completions", json={"model": "auto", "prompt": hard, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "large", r.text
+        r = http.post("/tokenize", json={"model": "auto", "messages": [{"role": "user", "content": hard}]})
+        assert r.status_code == 200, r.text
+        said = [line for line in server.output().splitlines() if "model `auto`:" in line]
+        assert len(said) == 1 and said[0].endswith("; chat requests go to small (large has no chat template)"), said

@@ -177,7 +177,8 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                         "completion before the next starts; dynamic: like static, but waits briefly for the "
                         "batch to fill (default: %(default)s)")
     p.add_argument("--num-threads", type=thread_count, default=None,
-                   help="Torch threads for the engine on CPU. Default: torch's choice (all cores).")
+                   help="Torch threads for the engine on CPU. Default: torch's choice (all cores) with one engine; with "
+                        "several (--models-config, --data-parallel-size), an equal share of the usable cores each.")
     p.add_argument("--speculative-config", type=parse_speculative_config, default=None,
                    help="Speculative decoding, as JSON with vLLM's field names, e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'. "

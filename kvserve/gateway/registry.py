@@ -2,7 +2,8 @@
 clients). Built from a ModelsConfig: the one-model server is the case of one entry with one replica.
 
 `model: "auto"` (with routing.auto configured) asks an AutoRouter to pick routing.auto's small or large model
-from the prompt's text; the response then names the model that answered."""
+from the prompt's text; the response then names the model that answered. A chat request goes only to a model
+with a chat template: with a base model as one of the two, its chats go to the other."""
 from __future__ import annotations
 
 import asyncio
@@ -57,18 +58,36 @@ class ModelRegistry:
         """Every name a client may send, the models' own first, `auto` last when configured."""
         return [a for m in self.models for a in m.aliases] + ([AUTO_MODEL] if self.auto else [])
 
-    def resolve(self, requested: str | None, prompt_text: Callable[[], str] | None = None) -> ServedModel:
+    def resolve(self, requested: str | None, prompt_text: Callable[[], str] | None = None, *,
+                chat: bool = False) -> ServedModel:
         """The model serving a request that names `requested` (none: the first model). For `auto`,
-        prompt_text() gives the text the AutoRouter judges."""
+        prompt_text() gives the text the AutoRouter judges; `chat`: the request is rendered with a chat
+        template, so a model without one is passed over for the other (if that one has one)."""
         if not requested:
             return self.default
         if requested == AUTO_MODEL and self.auto:
             text = prompt_text() if prompt_text is not None else ""
-            return self._by_name[self.auto[self.auto_router.choose(text)]]
+            choice = self.auto_router.choose(text)
+            model = self._by_name[self.auto[choice]]
+            if chat and not model.has_chat_template:
+                other = self._by_name[self.auto["large" if choice == "small" else "small"]]
+                model = other if other.has_chat_template else model
+            return model
         model = self._by_name.get(requested)
         if model is None:
             raise UnknownModel(f"The model `{requested}` does not exist.")
         return model
+
+    def auto_chat_note(self) -> str | None:
+        """For the start-up log: where `auto`'s chats go when one of its two models has no chat template."""
+        if not self.auto:
+            return None
+        small, large = (self._by_name[self.auto[k]] for k in ("small", "large"))
+        bare = [m for m in (small, large) if not m.has_chat_template]
+        if len(bare) != 1:
+            return None
+        other = large if bare[0] is small else small
+        return f"chat requests go to {other.name} ({bare[0].name} has no chat template)"
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -102,4 +121,12 @@ def engine_threads(config: EngineConfig, num_engines: int) -> EngineConfig:
     them all contend for every core. One engine keeps torch's choice, as a one-model server always did."""
     if num_engines <= 1 or config.num_threads is not None:
         return config
-    return replace(config, num_threads=max(1, (os.cpu_count() or 1) // num_engines))
+    return replace(config, num_threads=max(1, usable_cores() // num_engines))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (taskset, a container's cpuset), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:            # not on Linux
+        return os.cpu_count() or 1

@@ -50,6 +50,10 @@ class ServedModel:
         return self.replicas[0].max_model_len
 
     @property
+    def has_chat_template(self) -> bool:
+        return bool(self.tokenizer.chat_template)
+
+    @property
     def vocab_size(self) -> int:
         return self.replicas[0].vocab_size
 

@@ -256,7 +256,9 @@ def build_app(args: ServerArgs, state: ServerState | None = None, auto_router: A
                         ", ".join(str(r.engine_pid) for r in model.replicas), ", ".join(model.aliases),
                         model.max_model_len, len(model.replicas), "s" if len(model.replicas) > 1 else "")
         if registry.auto:
-            logger.info("model `auto`: %s", ", ".join(f"{k} -> {v}" for k, v in registry.auto.items()))
+            note = registry.auto_chat_note()
+            logger.info("model `auto`: %s%s", ", ".join(f"{k} -> {v}" for k, v in registry.auto.items()),
+                        f"; {note}" if note else "")
         try:
             yield
         finally:
@@ -302,7 +304,7 @@ def build_app(args: ServerArgs, state: ServerState | None = None, auto_router: A
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         m = chat.resolve(req.model, lambda: req.prompt if req.prompt is not None
-                         else "\n".join(msg.text for msg in req.messages))
+                         else "\n".join(msg.text for msg in req.messages), chat=req.messages is not None)
         if req.messages is not None:
             ids = await chat.render_prompt(m, req.messages, req.add_generation_prompt)
         else:

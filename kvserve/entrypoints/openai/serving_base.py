@@ -39,9 +39,10 @@ class OpenAIServing:
         self.registry = registry
         self.cache_salt_by_api_key = cache_salt_by_api_key
 
-    def resolve(self, requested: str | None, prompt_text: Callable[[], str] | None = None) -> ServedModel:
+    def resolve(self, requested: str | None, prompt_text: Callable[[], str] | None = None, *,
+                chat: bool = False) -> ServedModel:
         try:
-            return self.registry.resolve(requested, prompt_text)
+            return self.registry.resolve(requested, prompt_text, chat=chat)
         except UnknownModel as e:
             raise OpenAIError(404, str(e), "model") from None
 

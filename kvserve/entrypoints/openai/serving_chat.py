@@ -76,7 +76,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         # model "auto" judges what the user asked last (the router was fitted on questions, not on transcripts).
         m = self.resolve(req.model, lambda: next((msg.text for msg in reversed(req.messages) if msg.role == "user"),
-                                                 ""))
+                                                 ""), chat=True)
         model = self.response_model_name(req.model, m)
         ids = await self.render_prompt(m, req.messages, req.add_generation_prompt, req.continue_final_message,
                                        req.chat_template_kwargs)
