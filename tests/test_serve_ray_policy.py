@@ -113,3 +113,29 @@ def test_ray_is_not_imported_without_backend_ray(tmp_path):
                     "routing:\n  auto: {small: a, large: b}\n")
     out = run_cli("serve", "--backend", "ray", "--models-config", str(auto))
     assert out.returncode == 2 and "routing.auto is not supported with --backend ray" in out.stderr
+
+
+def test_the_command_lines_models_reach_ray_as_they_reach_the_local_gateway(tmp_path):
+    """-dp, several models on the command line and --max-waiting were dropped on the way to Ray (one model,
+    one replica, max_waiting 256); a model both on the command line and in --models-config, and
+    --routing-policy (the local gateway's choice; Ray Serve's router picks the replica), are refused."""
+    from kvserve.entrypoints.cli import _server_args, build_parser, engine_config, models_config
+    from kvserve.serve_ray.launch import models_config_for
+
+    def for_ray(*argv: str) -> ModelsConfig:
+        args = build_parser().parse_args(["serve", "--backend", "ray", *argv])
+        config = engine_config(args, max_waiting=args.max_waiting)
+        return models_config_for(models_config(args), _server_args(args, config, None))
+
+    config = for_ray("smollm2-135m", "gemma3-270m", "-dp", "2", "--max-waiting", "5")
+    assert [(m.name, m.model, m.data_parallel_size) for m in config.models] == [
+        ("smollm2-135m", "smollm2-135m", 2), ("gemma3-270m", "gemma3-270m", 2)]
+    assert config.admission.max_waiting == 5
+    one = for_ray("--max-waiting", "7", "--served-model-name", "smol")
+    assert [(m.name, m.data_parallel_size) for m in one.models] == [("smol", 1)] and one.admission.max_waiting == 7
+    yaml_path = tmp_path / "models.yaml"
+    yaml_path.write_text("models:\n  - {name: a, model: smollm2-135m}\n")
+    out = run_cli("serve", "smollm2-135m", "--backend", "ray", "--models-config", str(yaml_path))
+    assert out.returncode == 2 and "not both" in out.stderr and "RAY_NOT_IMPORTED" in out.stdout
+    out = run_cli("serve", "--backend", "ray", "--routing-policy", "round_robin")
+    assert out.returncode == 2 and "--routing-policy" in out.stderr and "RAY_NOT_IMPORTED" in out.stdout

@@ -66,3 +66,70 @@ def test_a_replica_that_cannot_start_ends_with_its_reason(ray_address, tmp_path)
     # The last line names the deployment and the engine's own reason (it said only which deployments failed).
     assert "Ray Serve deployment failed" in lines[-1] and "'/nonexistent/draft'" in lines[-1], lines[-5:]
     assert not any("Exception during graceful shutdown of replica" in line for line in lines)
+
+
+def run_ray_command(ray_address: str, *args: str, timeout_s: float = 300) -> tuple[int, list[str]]:
+    proc = subprocess.run([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--backend", "ray", *args],
+                          env={**os.environ, "RAY_ADDRESS": ray_address}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout_s, check=False)
+    return proc.returncode, [line for line in proc.stdout.splitlines() if line.strip()]
+
+
+def test_a_replica_no_node_can_hold_is_refused_at_once(ray_address, tmp_path):
+    """A replica reserving more CPUs than any node has (engine.num_threads) was never scheduled: Ray waited for
+    it for ever, and the command with it."""
+    path = tmp_path / "models.yaml"
+    path.write_text(json.dumps({"models": [{"name": "wide", "model": "smollm2-135m", "engine": {"num_threads": 3}}]}))
+    code, lines = run_ray_command(ray_address, "--models-config", str(path), "--port", str(free_port()),
+                                  timeout_s=120)
+    assert code == 1, lines[-20:]
+    assert "Ray Serve cannot start: model 'wide': a replica reserves 3 CPUs (engine.num_threads) and no node of this Ray cluster has " \
+           "more than 2" in lines[-1], lines[-5:]
+
+
+def test_serve_already_running_elsewhere_is_refused_and_left_running(ray_address):
+    """Ray Serve already running on the cluster (another user's application) keeps its HTTP port: this command
+    served there instead of --port while saying --port, and its shutdown removed every application."""
+    import httpx
+    from ray import serve
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Other:
+        async def __call__(self, request) -> str:
+            return "other"
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(Other.bind(), name="other", route_prefix="/other")
+        code, lines = run_ray_command(ray_address, *ENGINE, "--port", str(free_port()), timeout_s=120)
+        assert code == 1, lines[-20:]
+        assert "Ray Serve cannot start" in lines[-1] and f"its HTTP proxy on 127.0.0.1:{port}" in lines[-1] and f"--port {port}" in lines[-1], lines[-5:]
+        assert serve.status().applications["other"].status == "RUNNING"
+        assert httpx.get(f"http://127.0.0.1:{port}/other", timeout=30).text == "other"
+    finally:
+        serve.shutdown()
+
+
+def test_a_signal_while_the_replicas_start_ends_the_start(ray_address):
+    """SIGTERM (or Ctrl-C) while Ray starts the replicas: the command used to wait for every replica to be
+    ready, then serve and drain; a replica that could never start made it wait for ever."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--backend", "ray", *ENGINE,
+                             "--port", str(free_port())], env={**os.environ, "RAY_ADDRESS": ray_address},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if "Deploying new version of Deployment" in line:   # the controller has begun: no replica is ready
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    lines += [line for line in rest.splitlines() if line.strip()]
+    assert proc.returncode == 1, lines[-20:]
+    assert not any("Ray Serve: serving" in line for line in lines), lines[-20:]
+    assert "Ray Serve start-up interrupted" in lines[-1], lines[-5:]

@@ -337,11 +337,14 @@ def _serve(args: argparse.Namespace) -> int:
     from kvserve.models.presets import resolve_model
 
     config = engine_config(args, max_waiting=args.max_waiting)
+    models = models_config(args)
     if args.backend == "ray":
         from kvserve.serve_ray.launch import serve_with_ray  # Ray is imported only on this path
 
-        return serve_with_ray(args.models_config, _server_args(args, config, None))
-    models = models_config(args)
+        if args.routing_policy is not None:
+            raise ValueError("--routing-policy picks a replica in the local gateway; with --backend ray, Ray "
+                             "Serve's router does (the less loaded of two)")
+        return serve_with_ray(models, _server_args(args, config, None))
     for m in models.models if models is not None else []:
         resolve_model(m.model)  # a missing preset fails here, with its pip command, before the server starts
     if models is None:

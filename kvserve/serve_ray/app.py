@@ -104,6 +104,60 @@ def build_application(config: ModelsConfig, args: ServerArgs, engine_mode: Engin
     return ingress.bind(handles, deployments, APP_NAME, args)
 
 
+def replica_cpus(config: ModelsConfig, base: EngineConfig) -> list[tuple[str, int, int]]:
+    """Per model: (name, replicas at start, logical CPUs a replica reserves), as model_deployment_options
+    asks Ray for them."""
+    out = []
+    for entry in config.models:
+        engine = entry.engine_config(base)
+        scaling = entry.autoscaling
+        start = (entry.data_parallel_size if scaling is None
+                 else min(max(entry.data_parallel_size, scaling.min_replicas), scaling.max_replicas))
+        out.append((entry.name, start, engine.num_threads or 1))
+    return out
+
+
+def cluster_problem(config: ModelsConfig, base: EngineConfig, started_here: bool) -> str | None:
+    """Why this Ray cluster can never start the models' first replicas, or None. Ray would wait for them for
+    ever ("No available node types can fulfill resource request"), and the command with it."""
+    import ray
+
+    largest = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0)
+    total = ray.cluster_resources().get("CPU", 0.0)
+    needs = replica_cpus(config, base)
+    for name, _, cpus in needs:
+        if cpus > largest:
+            return (f"model {name!r}: a replica reserves {cpus} CPUs (engine.num_threads) and no node of this Ray "
+                    f"cluster has more than {largest:g}")
+    need = sum(start * cpus for _, start, cpus in needs)
+    if started_here and need > total:   # a cluster joined may grow (an autoscaler); the local one cannot
+        parts = ", ".join(f"{name} {start} x {cpus}" for name, start, cpus in needs)
+        return (f"the models' first replicas reserve {need} CPUs ({parts}) and this local Ray cluster has "
+                f"{total:g} (one per core): lower data_parallel_size or engine.num_threads, or join a larger "
+                f"cluster with RAY_ADDRESS")
+    return None
+
+
+def serve_conflict(args: ServerArgs) -> tuple[str | None, bool]:
+    """Whether Ray Serve already runs on this cluster in a way this command cannot share: (why not, or None;
+    whether other applications run there, which shutdown must then leave alone)."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return None, False
+    apps = set(serve.status().applications)
+    if APP_NAME in apps:
+        return (f"an application named {APP_NAME!r} already runs on this Ray cluster (another `kvserve serve "
+                f"--backend ray`?); stop it first"), True
+    http = client.http_config
+    if (http.host, http.port) != (args.host, args.port):
+        return (f"Ray Serve already runs on this cluster with its HTTP proxy on {http.host}:{http.port}, which "
+                f"cannot change while it runs: pass --host {http.host} --port {http.port}"), bool(apps)
+    return None, bool(apps)
+
+
 def deploy(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMode = "process"):
     """Start Serve's HTTP proxy on args.host:args.port and deploy; returns when every replica is ready.
     Needs a connected Ray (ray.init) first."""
@@ -154,18 +208,28 @@ def drain_ingress(grace_s: float, stop_now: threading.Event) -> None:
         logger.warning("could not drain the ingress: %r", e)
 
 
+class StartupInterrupted(Exception):
+    """A signal while the replicas were starting: stop starting them."""
+
+
 def run_ray_server(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMode = "process") -> int:
-    """`kvserve serve --backend ray`: joins the cluster at RAY_ADDRESS, or starts a local one; serves until
-    SIGTERM/SIGINT, then drains the ingress as `kvserve serve` drains (drain_ingress), shuts Ray Serve down and
-    exits 0."""
+    """`kvserve serve --backend ray`: joins the cluster at RAY_ADDRESS (or the one this machine's `ray start`
+    left running, as ray.init() does), or starts a local one; serves until SIGTERM/SIGINT, then drains the
+    ingress as `kvserve serve` drains (drain_ingress), shuts its Serve application down and exits 0."""
     import ray
     from ray import serve
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     ray.init(include_dashboard=False, logging_level=args.log_level.upper())
+    # ray.init started a head node here unless it connected to a cluster already running.
+    started_here = bool(getattr(getattr(ray._private.worker, "_global_node", None), "head", False))
     stop, stop_now = threading.Event(), threading.Event()
+    deployed = threading.Event()
 
     def on_signal(*_) -> None:
+        if not deployed.is_set() and not stop.is_set():
+            stop.set()
+            raise StartupInterrupted()   # out of serve.run's wait for the replicas (this is the main thread)
         if stop_now.is_set():
             # A third: exit at once, without draining or Serve's shutdown; ray.shutdown() still ends the local
             # cluster's processes started here (left alone, some of them outlived this one).
@@ -176,20 +240,36 @@ def run_ray_server(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMo
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    failure = None
+    failure, others = None, False
     try:
+        conflict, others = serve_conflict(args)
+        problem = conflict or cluster_problem(config, args.engine, started_here)
+        if problem is not None:
+            failure = f"cannot start: {problem}"
+            return 1
         try:
             deploy(config, args, engine_mode)
-        except Exception as e:  # noqa: BLE001 - a replica that cannot start: Ray has logged its traceback
-            failure = deployment_failure(e)
+        except StartupInterrupted:
+            failure = "start-up interrupted: a signal came while the replicas were starting"
             return 1
+        except Exception as e:  # noqa: BLE001 - a replica that cannot start: Ray has logged its traceback
+            failure = f"deployment failed: {deployment_failure(e)}"
+            return 1
+        deployed.set()
         logger.info("Ray Serve: serving %s at http://%s:%d", ", ".join(config.model_names()), args.host, args.port)
         stop.wait()
         logger.info("shutting down: draining in-flight requests (grace %.0fs)", args.shutdown_grace_s)
         drain_ingress(args.shutdown_grace_s, stop_now)
+    except StartupInterrupted:   # a signal between the checks and the deployment
+        failure = "start-up interrupted: a signal came while the replicas were starting"
+        return 1
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        with contextlib.suppress(StartupInterrupted):
+            if others:   # Serve on a cluster shared with other applications: remove only this one
+                serve.delete(APP_NAME)
+            else:
+                serve.shutdown()
+            ray.shutdown()
         if failure is not None:   # last, below what Ray prints while it shuts down
-            logger.error("Ray Serve deployment failed: %s", failure)
+            logger.error("Ray Serve %s", failure)
     return 0
