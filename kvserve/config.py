@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.utils.value_checks import is_int
 
 BatchingPolicy = Literal["continuous", "static", "dynamic"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -82,14 +83,15 @@ class EngineConfig:
             if getattr(self, name) == "":
                 raise ValueError(f"{name} is empty: give a preset name, a Hugging Face directory or a .gguf file "
                                  f"(or leave it out)")
-        if self.num_threads is not None and not 1 <= self.num_threads <= MAX_NUM_THREADS:
-            raise ValueError(f"num_threads must be in [1, {MAX_NUM_THREADS}], got {self.num_threads}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        # A YAML models config hands these over as written: `num_threads: true` or `max_num_seqs: 2.5` must fail
+        # here, not as a float deep in the scheduler or Ray's placement.
+        if self.num_threads is not None and (not is_int(self.num_threads)
+                                             or not 1 <= self.num_threads <= MAX_NUM_THREADS):
+            raise ValueError(f"num_threads must be an integer in [1, {MAX_NUM_THREADS}], got {self.num_threads!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.batching not in ("continuous", "static", "dynamic"):

@@ -46,6 +46,9 @@ def test_short_form():
     ({"models": [{"name": "a", "model": "x", "data_parallel_size": 10**30}]}, "models[0].data_parallel_size"),
     ({"models": [{"name": "a", "model": "x", "engine": {"max_num_seqz": 1}}]}, "models[0].engine"),
     ({"models": [{"name": "a", "model": "x", "engine": {"max_num_seqs": 0}}]}, "models[0].engine"),
+    # YAML hands values over as written: a bool or a float where an integer belongs is refused, not used.
+    ({"models": [{"name": "a", "model": "x", "engine": {"num_threads": True}}]}, "num_threads must be an integer"),
+    ({"models": [{"name": "a", "model": "x", "engine": {"max_num_seqs": 2.5}}]}, "max_num_seqs must be an integer"),
     ({"models": [{"name": "a", "model": "x"}, {"name": "a", "model": "y"}]}, "used twice"),
     ({"models": [{"name": "auto", "model": "x"}]}, "reserved"),
     ({"models": [{"name": "a", "model": "x"}], "routing": {"policy": "random"}}, "routing.policy"),

@@ -69,22 +69,32 @@ def test_a_replica_that_cannot_start_ends_with_its_reason(ray_address, tmp_path)
 
 
 def run_ray_command(ray_address: str, *args: str, timeout_s: float = 300) -> tuple[int, list[str]]:
+    """The command on the cluster at ray_address ("local": a cluster of its own, as without a running one)."""
     proc = subprocess.run([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--backend", "ray", *args],
                           env={**os.environ, "RAY_ADDRESS": ray_address}, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout_s, check=False)
     return proc.returncode, [line for line in proc.stdout.splitlines() if line.strip()]
 
 
-def test_a_replica_no_node_can_hold_is_refused_at_once(ray_address, tmp_path):
-    """A replica reserving more CPUs than any node has (engine.num_threads) was never scheduled: Ray waited for
-    it for ever, and the command with it."""
-    path = tmp_path / "models.yaml"
-    path.write_text(json.dumps({"models": [{"name": "wide", "model": "smollm2-135m", "engine": {"num_threads": 3}}]}))
-    code, lines = run_ray_command(ray_address, "--models-config", str(path), "--port", str(free_port()),
-                                  timeout_s=120)
+def test_replicas_the_local_cluster_cannot_hold_are_refused_at_once(tmp_path):
+    """On the cluster the command starts (one logical CPU per core, 2 here), a replica reserving more CPUs than
+    it has, or first replicas that together do (the README's example asked for 3), were never scheduled: Ray
+    waited for them for ever, and the command with it."""
+    cores = len(os.sched_getaffinity(0))
+    wide = tmp_path / "wide.yaml"
+    wide.write_text(json.dumps({"models": [{"name": "wide", "model": "smollm2-135m",
+                                            "engine": {"num_threads": cores + 1}}]}))
+    code, lines = run_ray_command("local", "--models-config", str(wide), "--port", str(free_port()), timeout_s=120)
     assert code == 1, lines[-20:]
-    assert "Ray Serve cannot start: model 'wide': a replica reserves 3 CPUs (engine.num_threads) and no node of this Ray cluster has " \
-           "more than 2" in lines[-1], lines[-5:]
+    assert (f"Ray Serve cannot start: model 'wide': a replica reserves {cores + 1} CPUs (engine.num_threads) and "
+            f"this local Ray cluster has {cores}") in lines[-1], lines[-5:]
+    many = tmp_path / "many.yaml"
+    many.write_text(json.dumps({"models": [{"name": "a", "model": "smollm2-135m"},
+                                           {"name": "b", "model": "smollm2-135m", "data_parallel_size": cores}]}))
+    code, lines = run_ray_command("local", "--models-config", str(many), "--port", str(free_port()), timeout_s=120)
+    assert code == 1, lines[-20:]
+    assert (f"the models' first replicas reserve {cores + 1} CPUs (a 1 x 1, b {cores} x 1) and this local Ray "
+            f"cluster has {cores}") in lines[-1], lines[-5:]
 
 
 def test_serve_already_running_elsewhere_is_refused_and_left_running(ray_address):
@@ -104,9 +114,17 @@ def test_serve_already_running_elsewhere_is_refused_and_left_running(ray_address
         serve.run(Other.bind(), name="other", route_prefix="/other")
         code, lines = run_ray_command(ray_address, *ENGINE, "--port", str(free_port()), timeout_s=120)
         assert code == 1, lines[-20:]
-        assert "Ray Serve cannot start" in lines[-1] and f"its HTTP proxy on 127.0.0.1:{port}" in lines[-1] and f"--port {port}" in lines[-1], lines[-5:]
+        assert "Ray Serve cannot start" in lines[-1] and f"its HTTP proxy on 127.0.0.1:{port}" in lines[-1] \
+            and f"--port {port}" in lines[-1], lines[-5:]
         assert serve.status().applications["other"].status == "RUNNING"
         assert httpx.get(f"http://127.0.0.1:{port}/other", timeout=30).text == "other"
+        # A second kvserve (here an application of that name) is refused, and left running: the refused
+        # command used to delete it on its way out.
+        serve.run(Other.bind(), name="kvserve", route_prefix="/kv")
+        code, lines = run_ray_command(ray_address, *ENGINE, "--port", str(port), timeout_s=120)
+        assert code == 1 and "an application named 'kvserve' already runs" in lines[-1], lines[-5:]
+        assert {"other", "kvserve"} <= set(serve.status().applications)
+        assert httpx.get(f"http://127.0.0.1:{port}/kv", timeout=30).text == "other"
     finally:
         serve.shutdown()
 

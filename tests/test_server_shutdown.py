@@ -39,14 +39,14 @@ def test_requests_still_in_flight_are_told_and_the_server_exits_0(signals: int, 
 
 
 def test_a_third_signal_exits_at_once_without_a_traceback_or_a_stray_engine():
-    """The third signal lands 50 ms after the second, while the server is still shutting down: it skips the
+    """The third signal lands 20 ms after the second, while the server is still shutting down: it skips the
     lifespan's shutdown event (uvicorn's forced exit). The loop's closing then cancels the lifespan after its
     clean-up, which Starlette reported as a failed shutdown and uvicorn logged with a CancelledError
     traceback. The engine process must be gone all the same."""
     args = ["--max-num-seqs", "1", "--max-model-len", "4096", "--num-kv-blocks", "256", "--shutdown-grace", "300"]
     with RemoteServer(args) as server:
         engine_pid = int(re.search(r"engine ready \(process mode, pid (\d+)\)", server.output()).group(1))
-        _, _, seconds = stop_with_requests_in_flight(server, 3, gaps_s=(0.3, 0.05))
+        _, _, seconds = stop_with_requests_in_flight(server, 3, gaps_s=(0.3, 0.02))
         assert server.proc.wait(60) == 0, server.output()[-3000:]
         output = server.output()
     assert "second signal; stopping 2 requests still in flight" in output, output[-3000:]

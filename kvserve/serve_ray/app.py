@@ -46,6 +46,19 @@ def deployment_name(index: int, model_name: str) -> str:
     return f"model{index}-" + re.sub(r"[^A-Za-z0-9_.-]", "_", model_name)
 
 
+def initial_replicas(entry: ModelEntry) -> int:
+    """Replicas at start: data_parallel_size, within the autoscaling bounds where there are some."""
+    scaling = entry.autoscaling
+    if scaling is None:
+        return entry.data_parallel_size
+    return min(max(entry.data_parallel_size, scaling.min_replicas), scaling.max_replicas)
+
+
+def replica_num_cpus(engine: EngineConfig) -> int:
+    """Logical CPUs a replica reserves for Ray's placement: its engine's threads."""
+    return engine.num_threads or 1
+
+
 def model_deployment_options(entry: ModelEntry, engine: EngineConfig, max_queued: int,
                              grace_s: float) -> dict[str, Any]:
     scaling = entry.autoscaling
@@ -59,7 +72,7 @@ def model_deployment_options(entry: ModelEntry, engine: EngineConfig, max_queued
         # left too little time for the engine's clean stop before the replica was killed.
         "graceful_shutdown_wait_loop_s": 0.2,
         # Logical CPUs for Ray's placement; the engine process uses engine.num_threads of them.
-        "ray_actor_options": {"num_cpus": engine.num_threads or 1,
+        "ray_actor_options": {"num_cpus": replica_num_cpus(engine),
                               "num_gpus": 1 if engine.device.startswith("cuda") else 0},
     }
     if scaling is None:
@@ -68,7 +81,7 @@ def model_deployment_options(entry: ModelEntry, engine: EngineConfig, max_queued
     options["autoscaling_config"] = {
         "min_replicas": scaling.min_replicas,
         "max_replicas": scaling.max_replicas,
-        "initial_replicas": min(max(entry.data_parallel_size, scaling.min_replicas), scaling.max_replicas),
+        "initial_replicas": initial_replicas(entry),
         "upscale_delay_s": scaling.upscale_delay_s,
         "downscale_delay_s": scaling.downscale_delay_s,
         "metrics_interval_s": METRICS_INTERVAL_S,
@@ -107,14 +120,8 @@ def build_application(config: ModelsConfig, args: ServerArgs, engine_mode: Engin
 def replica_cpus(config: ModelsConfig, base: EngineConfig) -> list[tuple[str, int, int]]:
     """Per model: (name, replicas at start, logical CPUs a replica reserves), as model_deployment_options
     asks Ray for them."""
-    out = []
-    for entry in config.models:
-        engine = entry.engine_config(base)
-        scaling = entry.autoscaling
-        start = (entry.data_parallel_size if scaling is None
-                 else min(max(entry.data_parallel_size, scaling.min_replicas), scaling.max_replicas))
-        out.append((entry.name, start, engine.num_threads or 1))
-    return out
+    return [(entry.name, initial_replicas(entry), replica_num_cpus(entry.engine_config(base)))
+            for entry in config.models]
 
 
 def cluster_problem(config: ModelsConfig, base: EngineConfig, started_here: bool) -> str | None:
@@ -125,12 +132,19 @@ def cluster_problem(config: ModelsConfig, base: EngineConfig, started_here: bool
     largest = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0)
     total = ray.cluster_resources().get("CPU", 0.0)
     needs = replica_cpus(config, base)
-    for name, _, cpus in needs:
-        if cpus > largest:
-            return (f"model {name!r}: a replica reserves {cpus} CPUs (engine.num_threads) and no node of this Ray "
-                    f"cluster has more than {largest:g}")
+    wide = next(((name, cpus) for name, _, cpus in needs if cpus > largest), None)
     need = sum(start * cpus for _, start, cpus in needs)
-    if started_here and need > total:   # a cluster joined may grow (an autoscaler); the local one cannot
+    if not started_here:
+        # A cluster joined may grow (an autoscaler adds nodes for pending replicas): say what may wait, only.
+        if wide is not None or need > total:
+            logger.warning("the models' first replicas reserve %d CPUs, a replica up to %d; this Ray cluster has "
+                           "%g, its largest node %g: replicas wait until nodes with room join",
+                           need, max(c for _, _, c in needs), total, largest)
+        return None
+    if wide is not None:
+        return (f"model {wide[0]!r}: a replica reserves {wide[1]} CPUs (engine.num_threads) and this local Ray "
+                f"cluster has {largest:g}")
+    if need > total:
         parts = ", ".join(f"{name} {start} x {cpus}" for name, start, cpus in needs)
         return (f"the models' first replicas reserve {need} CPUs ({parts}) and this local Ray cluster has "
                 f"{total:g} (one per core): lower data_parallel_size or engine.num_threads, or join a larger "
@@ -140,40 +154,53 @@ def cluster_problem(config: ModelsConfig, base: EngineConfig, started_here: bool
 
 def serve_conflict(args: ServerArgs) -> tuple[str | None, bool]:
     """Whether Ray Serve already runs on this cluster in a way this command cannot share: (why not, or None;
-    whether other applications run there, which shutdown must then leave alone)."""
+    whether Serve ran before this command, which must then remove only its own application at exit)."""
     from ray import serve
     from ray.serve.context import _get_global_client
 
     client = _get_global_client(raise_if_no_controller_running=False)
     if client is None:
         return None, False
-    apps = set(serve.status().applications)
-    if APP_NAME in apps:
+    if APP_NAME in serve.status().applications:
         return (f"an application named {APP_NAME!r} already runs on this Ray cluster (another `kvserve serve "
                 f"--backend ray`?); stop it first"), True
     http = client.http_config
     if (http.host, http.port) != (args.host, args.port):
         return (f"Ray Serve already runs on this cluster with its HTTP proxy on {http.host}:{http.port}, which "
-                f"cannot change while it runs: pass --host {http.host} --port {http.port}"), bool(apps)
-    return None, bool(apps)
+                f"cannot change while it runs: pass --host {http.host} --port {http.port}"), True
+    return None, True
 
 
-def deploy(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMode = "process"):
-    """Start Serve's HTTP proxy on args.host:args.port and deploy; returns when every replica is ready.
-    Needs a connected Ray (ray.init) first."""
+def deploy(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMode, stop: threading.Event) -> str | None:
+    """Start Serve's HTTP proxy on args.host:args.port and deploy; returns once every replica is ready (None),
+    or why not: a deployment that failed, or `stop` set (a signal) before then. Needs a connected Ray first.
+    The application is submitted without waiting and then polled, so that a signal is seen within half a
+    second: a signal handler must not raise into serve.run's wait (Ray prints and ignores the exception)."""
     from ray import serve
 
     serve.start(http_options={"host": args.host, "port": args.port})
-    return serve.run(build_application(config, args, engine_mode), name=APP_NAME, route_prefix="/")
+    if stop.is_set():
+        return "start-up interrupted: a signal came while the replicas were starting"
+    serve.run_many([serve.RunTarget(build_application(config, args, engine_mode), name=APP_NAME, route_prefix="/")],
+                   wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+    while not stop.wait(0.5):
+        app = serve.status().applications.get(APP_NAME)
+        if app is None:
+            continue
+        if app.status == "RUNNING":
+            return None
+        if app.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            return f"deployment failed: {deployment_failure(app.message or app.status)}"
+    return "start-up interrupted: a signal came while the replicas were starting"
 
 
-def deployment_failure(error: Exception) -> str:
-    """Why deploying failed, in one line. Ray's exception says only which deployments failed; the reason (a
-    replica constructor's exception, e.g. a draft model path that does not exist) is the last line of the
-    failed deployment's status message."""
+def deployment_failure(message: str) -> str:
+    """Why deploying failed, in one line. The application's status says only which deployments failed; the
+    reason (a replica constructor's exception, e.g. a draft model path that does not exist) is the last line
+    of the failed deployment's status message."""
     from ray import serve
 
-    summary = str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
+    summary = message.strip().splitlines()[-1] if message.strip() else "the application failed"
     with contextlib.suppress(Exception):
         app = serve.status().applications.get(APP_NAME)
         for name, deployment in (app.deployments.items() if app is not None else ()):
@@ -208,14 +235,10 @@ def drain_ingress(grace_s: float, stop_now: threading.Event) -> None:
         logger.warning("could not drain the ingress: %r", e)
 
 
-class StartupInterrupted(Exception):
-    """A signal while the replicas were starting: stop starting them."""
-
-
 def run_ray_server(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMode = "process") -> int:
     """`kvserve serve --backend ray`: joins the cluster at RAY_ADDRESS (or the one this machine's `ray start`
     left running, as ray.init() does), or starts a local one; serves until SIGTERM/SIGINT, then drains the
-    ingress as `kvserve serve` drains (drain_ingress), shuts its Serve application down and exits 0."""
+    ingress as `kvserve serve` drains (drain_ingress), removes its Serve application and exits 0."""
     import ray
     from ray import serve
 
@@ -224,52 +247,40 @@ def run_ray_server(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMo
     # ray.init started a head node here unless it connected to a cluster already running.
     started_here = bool(getattr(getattr(ray._private.worker, "_global_node", None), "head", False))
     stop, stop_now = threading.Event(), threading.Event()
-    deployed = threading.Event()
 
     def on_signal(*_) -> None:
-        if not deployed.is_set() and not stop.is_set():
-            stop.set()
-            raise StartupInterrupted()   # out of serve.run's wait for the replicas (this is the main thread)
         if stop_now.is_set():
             # A third: exit at once, without draining or Serve's shutdown; ray.shutdown() still ends the local
             # cluster's processes started here (left alone, some of them outlived this one).
             with contextlib.suppress(Exception):
                 ray.shutdown()
             os._exit(1)
-        (stop_now if stop.is_set() else stop).set()   # a second signal ends the grace period
+        (stop_now if stop.is_set() else stop).set()   # a first signal ends start-up or serving, a second the grace
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    failure, others = None, False
+    failure, serve_ran_before, deploying = None, False, False
     try:
-        conflict, others = serve_conflict(args)
-        problem = conflict or cluster_problem(config, args.engine, started_here)
-        if problem is not None:
-            failure = f"cannot start: {problem}"
+        conflict, serve_ran_before = serve_conflict(args)
+        failure = conflict or cluster_problem(config, args.engine, started_here)
+        if failure is not None:
+            failure = f"cannot start: {failure}"
             return 1
-        try:
-            deploy(config, args, engine_mode)
-        except StartupInterrupted:
-            failure = "start-up interrupted: a signal came while the replicas were starting"
+        deploying = True
+        failure = deploy(config, args, engine_mode, stop)
+        if failure is not None:
             return 1
-        except Exception as e:  # noqa: BLE001 - a replica that cannot start: Ray has logged its traceback
-            failure = f"deployment failed: {deployment_failure(e)}"
-            return 1
-        deployed.set()
         logger.info("Ray Serve: serving %s at http://%s:%d", ", ".join(config.model_names()), args.host, args.port)
         stop.wait()
         logger.info("shutting down: draining in-flight requests (grace %.0fs)", args.shutdown_grace_s)
         drain_ingress(args.shutdown_grace_s, stop_now)
-    except StartupInterrupted:   # a signal between the checks and the deployment
-        failure = "start-up interrupted: a signal came while the replicas were starting"
-        return 1
     finally:
-        with contextlib.suppress(StartupInterrupted):
-            if others:   # Serve on a cluster shared with other applications: remove only this one
+        if deploying:   # what this command deployed, and nothing it found running
+            if serve_ran_before:
                 serve.delete(APP_NAME)
             else:
                 serve.shutdown()
-            ray.shutdown()
+        ray.shutdown()
         if failure is not None:   # last, below what Ray prints while it shuts down
             logger.error("Ray Serve %s", failure)
     return 0

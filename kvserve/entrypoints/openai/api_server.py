@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -32,7 +33,7 @@ from kvserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat, last_user_text
 from kvserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from kvserve.entrypoints.web.routes import add_api_routes, add_page_routes
 from kvserve.gateway.auto_route import AutoRouter
@@ -190,10 +191,10 @@ class GuardMiddleware:
         async def send_short(message: Message) -> None:
             if message["type"] == "lifespan.startup.failed" and self.state.startup_error is not None:
                 message = {**message, "message": self.state.startup_error}
-            elif message["type"] == "lifespan.shutdown.failed" and self.state.draining:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    message = {"type": message["type"]}
+            elif (message["type"] == "lifespan.shutdown.failed" and self.state.draining
+                  and isinstance(sys.exc_info()[1], asyncio.CancelledError)):
+                # Sent from Starlette's except block: the cancellation, and nothing that failed for real.
+                message = {"type": message["type"]}
             await send(message)
         return send_short
 
@@ -303,8 +304,8 @@ def build_app(args: ServerArgs, state: ServerState | None = None, auto_router: A
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
-        m = chat.resolve(req.model, lambda: req.prompt if req.prompt is not None
-                         else "\n".join(msg.text for msg in req.messages), chat=req.messages is not None)
+        m = chat.resolve(req.model, lambda: req.prompt if req.prompt is not None else last_user_text(req.messages),
+                         chat=req.messages is not None)
         if req.messages is not None:
             ids = await chat.render_prompt(m, req.messages, req.add_generation_prompt)
         else:

@@ -52,6 +52,12 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
+def last_user_text(messages: list[ChatMessage]) -> str:
+    """What model "auto" judges a chat by: what the user asked last (the router was fitted on questions, not on
+    transcripts); /tokenize with messages judges the same, so that it counts the tokens the chat would."""
+    return next((m.text for m in reversed(messages) if m.role == "user"), "")
+
+
 class OpenAIServingChat(OpenAIServing):
     async def render_prompt(self, m: ServedModel, messages: list[ChatMessage], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
@@ -74,9 +80,7 @@ class OpenAIServingChat(OpenAIServing):
         return await self.encode(m, text, add_special_tokens=False)
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
-        # model "auto" judges what the user asked last (the router was fitted on questions, not on transcripts).
-        m = self.resolve(req.model, lambda: next((msg.text for msg in reversed(req.messages) if msg.role == "user"),
-                                                 ""), chat=True)
+        m = self.resolve(req.model, lambda: last_user_text(req.messages), chat=True)
         model = self.response_model_name(req.model, m)
         ids = await self.render_prompt(m, req.messages, req.add_generation_prompt, req.continue_final_message,
                                        req.chat_template_kwargs)
