@@ -67,27 +67,28 @@ class ModelRegistry:
             return self.default
         if requested == AUTO_MODEL and self.auto:
             text = prompt_text() if prompt_text is not None else ""
-            choice = self.auto_router.choose(text)
-            model = self._by_name[self.auto[choice]]
-            if chat and not model.has_chat_template:
-                other = self._by_name[self.auto["large" if choice == "small" else "small"]]
-                model = other if other.has_chat_template else model
+            model = self._by_name[self.auto[self.auto_router.choose(text)]]
+            if chat and not model.has_chat_template:   # the other one, if it has a template
+                model = next((m for m in self._auto_models() if m.has_chat_template), model)
             return model
         model = self._by_name.get(requested)
         if model is None:
             raise UnknownModel(f"The model `{requested}` does not exist.")
         return model
 
+    def _auto_models(self) -> list[ServedModel]:
+        """`auto`'s small and large models."""
+        return [self._by_name[self.auto[k]] for k in ("small", "large")]
+
     def auto_chat_note(self) -> str | None:
         """For the start-up log: where `auto`'s chats go when one of its two models has no chat template."""
         if not self.auto:
             return None
-        small, large = (self._by_name[self.auto[k]] for k in ("small", "large"))
-        bare = [m for m in (small, large) if not m.has_chat_template]
-        if len(bare) != 1:
+        bare = [m for m in self._auto_models() if not m.has_chat_template]
+        chat = [m for m in self._auto_models() if m.has_chat_template]
+        if len(bare) != 1 or len(chat) != 1:
             return None
-        other = large if bare[0] is small else small
-        return f"chat requests go to {other.name} ({bare[0].name} has no chat template)"
+        return f"chat requests go to {chat[0].name} ({bare[0].name} has no chat template)"
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -1,7 +1,7 @@
 """One reading of a Prometheus registry, reduced to what a dashboard draws: every gauge, counter and
 histogram count/sum summed over its label sets (a gauge that is a fraction, KV-cache usage, averaged over them
-instead: three engines 60% full are not 180% full; each engine counts alike, whatever its pool's size), every histogram's cumulative buckets summed the same way,
-and the per-replica split of the gauges where metrics carry a `replica` label (and there are several).
+instead: three engines 60% full are not 180% full; each engine counts alike, whatever its pool's size), every
+histogram's cumulative buckets summed the same way, and the per-replica split of the gauges where metrics carry a `replica` label (and there are several).
 Plus Prometheus's own quantile estimate from buckets.
 
 Reading the registry (rather than keeping counters of our own) is what makes the dashboard agree with

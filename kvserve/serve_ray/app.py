@@ -40,6 +40,7 @@ APP_NAME = "kvserve"
 METRICS_INTERVAL_S = 0.5      # how often replicas and the ingress report their queues to the controller
 LOOK_BACK_S = 2.0             # the window Ray averages those reports over
 INGRESS_MAX_ONGOING = 10_000  # the ingress only forwards bytes; it must never be what queues requests
+INTERRUPTED = "start-up interrupted: a signal came while the replicas were starting"
 
 
 def deployment_name(index: int, model_name: str) -> str:
@@ -180,7 +181,7 @@ def deploy(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMode, stop
 
     serve.start(http_options={"host": args.host, "port": args.port})
     if stop.is_set():
-        return "start-up interrupted: a signal came while the replicas were starting"
+        return INTERRUPTED
     serve.run_many([serve.RunTarget(build_application(config, args, engine_mode), name=APP_NAME, route_prefix="/")],
                    wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
     while not stop.wait(0.5):
@@ -191,7 +192,7 @@ def deploy(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMode, stop
             return None
         if app.status in ("DEPLOY_FAILED", "UNHEALTHY"):
             return f"deployment failed: {deployment_failure(app.message or app.status)}"
-    return "start-up interrupted: a signal came while the replicas were starting"
+    return INTERRUPTED
 
 
 def deployment_failure(message: str) -> str:
