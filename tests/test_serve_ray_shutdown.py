@@ -76,6 +76,21 @@ def run_ray_command(ray_address: str, *args: str, timeout_s: float = 300) -> tup
     return proc.returncode, [line for line in proc.stdout.splitlines() if line.strip()]
 
 
+def test_a_cluster_that_cannot_be_reached_ends_with_one_line_saying_why():
+    """RAY_ADDRESS where no cluster answers (or one that wants Ray's auth token) ended the command with ray.init's
+    traceback. Ray's connection attempts are cut to one (its own knob; each waits 30 s for the cluster)."""
+    address = f"127.0.0.1:{free_port()}"
+    proc = subprocess.run([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--backend", "ray",
+                           "--port", str(free_port())],
+                          env={**os.environ, "RAY_ADDRESS": address, "RAY_gcs_server_port_wait_time_s": "1"},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert proc.returncode == 1, lines[-20:]
+    assert "Ray Serve cannot start: Failed to connect to Ray cluster at" in lines[-1], lines[-5:]
+    assert "Timed out while waiting for GCS" in lines[-1], lines[-5:]
+    assert not any(line.startswith("Traceback") for line in lines), lines[-30:]
+
+
 def test_replicas_the_local_cluster_cannot_hold_are_refused_at_once(tmp_path):
     """On the cluster the command starts (one logical CPU per core, 2 here), a replica reserving more CPUs than
     it has, or first replicas that together do (the README's example asked for 3), were never scheduled: Ray

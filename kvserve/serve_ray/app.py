@@ -244,7 +244,14 @@ def run_ray_server(config: ModelsConfig, args: ServerArgs, engine_mode: EngineMo
     from ray import serve
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
-    ray.init(include_dashboard=False, logging_level=args.log_level.upper())
+    try:
+        ray.init(include_dashboard=False, logging_level=args.log_level.upper())
+    except ConnectionError as e:
+        # Ray's message names the address; the last line of its cause says why (its cause's text carries a
+        # whole traceback), e.g. that the cluster wants a token (Ray's token authentication).
+        why = str(e.__cause__ or "").strip().splitlines()
+        logger.error("Ray Serve cannot start: %s%s", e, f" ({why[-1]})" if why else "")
+        return 1
     # ray.init started a head node here unless it connected to a cluster already running.
     started_here = bool(getattr(getattr(ray._private.worker, "_global_node", None), "head", False))
     stop, stop_now = threading.Event(), threading.Event()
