@@ -92,6 +92,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("max_model_len", "num_kv_blocks", "max_waiting"):  # LLM(max_model_len=0) meant the default
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 (or None), got {value!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.batching not in ("continuous", "static", "dynamic"):

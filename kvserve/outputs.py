@@ -125,9 +125,10 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None      # None while running; "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or token id that ended it, if any
+    # The sum of the returned tokens' logprobs where logprobs were asked for (vLLM's field), else None.
+    cumulative_logprob: float | None = None
 
-    @property
-    def finished(self) -> bool:
+    def finished(self) -> bool:  # a method, as vLLM's
         return self.finish_reason is not None
 
 
@@ -155,7 +156,8 @@ class RequestOutputAccumulator:
                  with_logprobs: bool) -> None:
         self.output = RequestOutput(
             request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
-            outputs=[CompletionOutput(i, "", [], [] if with_logprobs else None) for i in range(n)],
+            outputs=[CompletionOutput(i, "", [], [] if with_logprobs else None,
+                                      cumulative_logprob=0.0 if with_logprobs else None) for i in range(n)],
             finished=False)
 
     def add(self, delta: RequestDelta) -> RequestOutput:
@@ -168,6 +170,7 @@ class RequestOutputAccumulator:
             c.text += d.text
             if d.logprobs and c.logprobs is not None:
                 c.logprobs.extend(d.logprobs)
+                c.cumulative_logprob += sum(lp[t].logprob for t, lp in zip(d.token_ids, d.logprobs))
             if d.finish_reason is not None:
                 c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
             out.new_token_ids[d.index] = d.token_ids

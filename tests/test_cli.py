@@ -182,6 +182,37 @@ def test_the_same_model_given_twice_is_taken(tiny_model_dirs):
 
 
 @pytest.mark.timeout(300)
+def test_generate_reads_windows_lines_numbers_samples_and_refuses_chat_without_a_template(tiny_model_dirs, tmp_path,
+                                                                                          capsys, monkeypatch):
+    import io
+    path, _ = tiny_model_dirs["llama"]
+    flags = ["--max-tokens", "3", "--dtype", "float32", "--max-model-len", "64"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\r\nthere\r\n"))  # the "\r" was kept in the prompt
+    assert main(["generate", str(path), *flags, "--n", "2", "--temperature", "1.0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith("---")] == [
+        "--- prompt 0, sample 0: 'hi'", "--- prompt 0, sample 1: 'hi'",
+        "--- prompt 1, sample 0: 'there'", "--- prompt 1, sample 1: 'there'"]
+    assert not any("\r" in line for line in lines)
+    # The HTTP wording ("use completions, not chat") told a shell user nothing. A copy of the model without the
+    # chat template in its tokenizer_config.json: a base model.
+    import shutil
+    base = tmp_path / "base"
+    shutil.copytree(path, base)
+    tok_config = json.loads((base / "tokenizer_config.json").read_text())
+    del tok_config["chat_template"]
+    (base / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    assert main(["generate", str(base), *flags, "--chat", "--prompt", "hi"]) == 2
+    assert "the model has no chat template (a base model takes plain text): leave out --chat" in capsys.readouterr().err
+
+
+def test_generate_checks_sampling_flags_before_loading_the_model(capsys):
+    # A bad --max-tokens was reported after the model's load (seconds); here the model does not even exist.
+    assert main(["generate", "/nonexistent/model", "--prompt", "hi", "--max-tokens", "-1"]) == 2
+    assert "max_tokens must be an integer >= 1, got -1" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
 def test_any_integer_is_an_engine_seed(tiny_model_dirs, capsys):
     # torch.manual_seed overflowed past 64 bits ("Overflow when unpacking long long", naming no flag).
     path, _ = tiny_model_dirs["llama"]

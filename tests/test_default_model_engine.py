@@ -117,7 +117,68 @@ def test_generate_text_prompts_and_token_prompts_agree(llm):
     for bad in (None, 5):
         with pytest.raises(TypeError, match="prompts must be a prompt"):
             llm.generate(bad, params, use_tqdm=False)
+    # One prompt's ids as a tuple, a numpy array or a tensor (each id had been taken as a prompt of its own);
+    # a 2-D array is a prompt per row; bytes are refused (their bytes would be taken as ids).
+    ids = tok.encode(prompt)
+    for one in (tuple(ids), np.array(ids), torch.tensor(ids), [np.int64(t) for t in ids]):
+        outs = llm.generate(one, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [by_ids.outputs[0].token_ids], type(one)
+    rows = llm.generate(np.array([ids, ids]), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in rows] == [by_ids.outputs[0].token_ids] * 2
+    for bad in (prompt.encode(), [prompt.encode()]):
+        with pytest.raises(TypeError, match="got bytes"):
+            llm.generate(bad, params, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_fields_set_after_construction_are_converted_and_checked_as_given_to_it(llm):
+    """add_request only checked a SamplingParams: a temperature of 1e-9 set afterwards sampled at it (the
+    constructor takes it as greedy), a stop string set as a str stopped at its first character, top_k = -1 was
+    refused with a message that offers -1."""
+    greedy = llm.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    sp = SamplingParams(max_tokens=8, seed=0)
+    sp.temperature, sp.top_k = 1e-9, -1
+    assert llm.chat(CHATS[0], sp, use_tqdm=False)[0].outputs[0].token_ids == greedy.token_ids
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    sp.stop = "Paris"
+    out = llm.chat(CHATS[0], sp, use_tqdm=False)[0].outputs[0]
+    assert out.text == "The capital of France is " and out.stop_reason == "Paris"
+    sp.max_tokens = -1
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1, got -1"):
+        llm.chat(CHATS[0], sp, use_tqdm=False)
+
+
+def test_cumulative_logprob_and_finished_as_in_vllm(llm):
+    """CompletionOutput.cumulative_logprob: the sum of the returned tokens' logprobs where logprobs were asked
+    for (None else); finished() a method."""
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=6, n=2, logprobs=2)
+    for c in llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs:
+        assert c.finished() and len(c.logprobs) == len(c.token_ids)
+        assert c.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)))
+        assert c.cumulative_logprob < 0
+    plain = llm.generate("The capital of France is", SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert plain.outputs[0].cumulative_logprob is None
+
+
+def test_priority_without_the_priority_policy_is_refused(llm):
+    with pytest.raises(ValueError, match="scheduling_policy is fcfs"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=[1, 0], use_tqdm=False)
+    assert len(llm.generate(["a"], SamplingParams(max_tokens=2), priority=[0], use_tqdm=False)) == 1
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("value", [0, -5, 2.5, True])
+def test_a_bad_max_model_len_is_refused(value):
+    """0 fell back to the model's length and -5 made an engine that refused every prompt."""
+    with pytest.raises(ValueError, match="max_model_len must be an integer >= 1"):
+        LLM(max_model_len=value)
+
+
+def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused():
+    """Asked for, it was cut to the pool quietly (vLLM refuses it); the model's own length is still cut."""
+    with pytest.raises(ValueError, match=r"max_model_len=4096 is more than the KV cache holds \(8 blocks of 16"):
+        LLM(max_model_len=4096, num_kv_blocks=8)
+    assert LLM(num_kv_blocks=8).engine.max_model_len == 128
 
 
 def test_streamed_deltas_add_up_to_the_text(llm):

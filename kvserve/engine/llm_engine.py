@@ -12,6 +12,7 @@ num_computed_tokens counts only the verified positions it kept.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import logging
 import numbers
@@ -108,8 +109,15 @@ class LLMEngine:
             gib = 1 << 30
             raise ValueError(f"a KV cache of {num_blocks} blocks needs {num_blocks * block_bytes / gib:.1f} GiB, and "
                              f"{free / gib:.1f} GiB is available: lower num_kv_blocks or kv_cache_memory")
-        # A sequence must fit in the pool on its own, or preemption could not always make room for it.
-        self.max_model_len = min(max_model_len, num_blocks * config.block_size)
+        # A sequence must fit in the pool on its own, or preemption could not always make room for it. The
+        # model's own length is cut to the pool; one asked for is refused rather than cut, as vLLM refuses it
+        # (cut quietly, it surfaced later as prompts refused below the length given).
+        pool_tokens = num_blocks * config.block_size
+        if config.max_model_len is not None and config.max_model_len > pool_tokens:
+            raise ValueError(f"max_model_len={config.max_model_len} is more than the KV cache holds ({num_blocks} "
+                             f"blocks of {config.block_size} = {pool_tokens} tokens): lower max_model_len or give "
+                             f"the cache more (kv_cache_memory, num_kv_blocks)")
+        self.max_model_len = min(max_model_len, pool_tokens)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         if config.batch_invariant and self.device.type != "cpu":
@@ -232,7 +240,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
-        params.validate()
+        # A copy made through the constructor: fields set after construction (sp.stop = "x", sp.temperature =
+        # 1e-9, sp.top_k = -1) get the same conversions and checks as constructor arguments (they skipped them).
+        params = dataclasses.replace(params)
         vocab = self.model_config.vocab_size
         if isinstance(prompt, str):
             if not prompt:

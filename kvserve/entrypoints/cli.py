@@ -160,7 +160,7 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     p.add_argument("--num-kv-blocks", type=positive_int, default=None,
                    help="Exact number of KV blocks (overrides --kv-cache-memory; for tests and experiments).")
     p.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="Context length limit (prompt + output). Default: the model's.")
+                   help="Context length limit (prompt + output); one the KV cache cannot hold is refused. Default: the model's, cut to what the KV cache holds.")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="Most sequences in one batch (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
@@ -201,8 +201,8 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                    help="With --speculative-config: each response of one sequence (n = 1, one prompt) carries "
                         "metrics.speculative_decoding, vLLM's per-request acceptance figures (drafts, accepted "
                         "tokens, a histogram by draft length); streamed, in the final usage chunk "
-                        "(stream_options.include_usage). detailed adds every step's drafted and accepted counts "
-                        "(default: %(default)s)")
+                        "(stream_options.include_usage); `kvserve generate` prints them on stderr, a line per "
+                        "prompt. detailed adds every step's drafted and accepted counts (default: %(default)s)")
     p.set_defaults(prefix_caching=True)
 
 
@@ -402,13 +402,17 @@ def _generate(args: argparse.Namespace) -> int:
     from kvserve.outputs import RequestOutput
     from kvserve.sampling_params import SamplingParams
 
-    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    # Windows line endings too: a kept "\r" became part of the prompt and changed the answer.
+    prompts = args.prompt or [line.rstrip("\r\n") for line in sys.stdin if line.strip()]
     if not prompts:
         print("kvserve generate: no prompts (use --prompt or pipe them in, one per line)", file=sys.stderr)
         return 2
-    engine = LLMEngine(engine_config(args))
+    # Checked before the model loads (a bad --max-tokens was reported after the load's seconds).
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, stop=args.stop or [])
+    engine = LLMEngine(engine_config(args))
+    if args.chat and not engine.tokenizer.chat_template:
+        raise ValueError("the model has no chat template (a base model takes plain text): leave out --chat")
     for i, prompt in enumerate(prompts):
         if args.chat:
             text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -424,9 +428,9 @@ def _generate(args: argparse.Namespace) -> int:
         out = finals.get(str(i))
         if out is None:
             continue
-        for c in out.outputs:
+        for j, c in enumerate(out.outputs):
             if len(prompts) > 1 or args.n > 1:
-                print(f"--- prompt {i}: {prompt!r}")
+                print(f"--- prompt {i}" + (f", sample {j}" if args.n > 1 else "") + f": {prompt!r}")
             print(c.text if args.chat else prompt + c.text, flush=True)
         if out.spec_decode_metrics is not None:  # --per-request-spec-decode-metrics
             print(f"Speculative decoding, prompt {i}: {json.dumps(out.spec_decode_metrics.to_json())}",

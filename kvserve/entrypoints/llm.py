@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Iterable, Sequence as Seq
 from dataclasses import fields
 from typing import Any
@@ -20,11 +21,23 @@ Messages = list[dict[str, Any]]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
+def _is_token_ids(prompt: Any) -> bool:
+    """Whether prompt is one prompt's token ids: a list or tuple of integers (numpy's too), rather than a list
+    of prompts. A tuple of ids had been taken as one-token prompts, each failing as "not iterable"."""
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], numbers.Integral)
+            and not isinstance(prompt[0], bool))
+
+
 def _as_engine_prompt(prompt: Prompt) -> str | list[int]:
     """What the engine takes: a dict prompt's text or ids; a clear error for a dict of anything else (iterated
-    as a list, its keys had reached the engine as token ids)."""
+    as a list, its keys had reached the engine as token ids) and for what is neither text nor ids."""
+    if hasattr(prompt, "tolist") and not isinstance(prompt, list):
+        prompt = prompt.tolist()  # a numpy array or tensor of ids
+    if isinstance(prompt, (str, list, tuple)):  # the engine checks the ids themselves
+        return list(prompt) if isinstance(prompt, tuple) else prompt
     if not isinstance(prompt, dict):
-        return prompt
+        raise TypeError(f"a prompt is text, token ids (a list of ints) or a dict, got {type(prompt).__name__}: "
+                        f"{prompt!r:.80}")
     given = [k for k in _PROMPT_KEYS if k in prompt]
     other = sorted(set(prompt) - set(_PROMPT_KEYS))
     if len(given) != 1 or other:
@@ -65,7 +78,11 @@ class LLM:
                  priority: Seq[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One RequestOutput per prompt, in the order given. A prompt is text, a list of token ids, or as in vLLM
         {"prompt": text} or {"prompt_token_ids": ids}."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (bytes, bytearray)):  # iterated, its bytes would have been taken as token ids
+            raise TypeError("a prompt is text, token ids or a dict, got bytes: decode it first")
+        if hasattr(prompts, "tolist") and not isinstance(prompts, list):
+            prompts = prompts.tolist()  # a numpy array or tensor of ids: 1-D one prompt, 2-D one per row
+        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
             prompts = [prompts]  # a single prompt
         if not isinstance(prompts, Iterable):  # None and 5 failed as "object is not iterable", naming nothing
             raise TypeError(f"prompts must be a prompt (text, token ids, or a dict) or a list of them, got {prompts!r}")
@@ -99,6 +116,10 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        if priority is not None and any(priority) and self.engine.config.scheduling_policy != "priority":
+            # As vLLM: under fcfs they would be ignored without a word.
+            raise ValueError("priority is given but scheduling_policy is fcfs: use LLM(..., "
+                             "scheduling_policy=\"priority\") for it to order the requests")
 
         engine = self.engine
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
