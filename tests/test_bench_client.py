@@ -304,6 +304,7 @@ def test_serve_command_reports_unreachable_server():
     ("--percentiles", "50,150", "in [0, 100]"), ("--extra-body", "[1]", "must be a JSON object"),
     ("--extra-body", "null", "must be a JSON object"), ("--extra-body", '"x"', "must be a JSON object"),
     ("--extra-body", "{bad", "not JSON"), ("--save-result", "DIR", "is a directory"),
+    ("--save-result", "/proc/kvserve-bench.json", "cannot be written"),
 ])
 def test_serve_flags_are_checked_before_the_run(flag, value, says, tmp_path, capsys):
     """Each of these ran the whole benchmark with a silently changed value, printed an empty table, or raised a
@@ -331,3 +332,43 @@ def test_failed_requests_are_given_a_reason(capsys):
                "--input-len", "4", "--output-len", "2", "--disable-tqdm", "--no-test-request"])
     err = capsys.readouterr().err
     assert rc == 1 and "3 of 3 requests failed; the most common reason (3): " in err and "127.0.0.1:9" in err, err
+
+
+def test_a_save_path_is_tried_before_the_run_and_left_as_it_was(tmp_path):
+    from kvserve.bench.cli import _result_file
+    new = tmp_path / "sub" / "r.json"
+    assert _result_file(str(new)) == str(new) and not new.exists()  # writable, and nothing left behind
+    old = tmp_path / "old.json"
+    old.write_text("{}")
+    assert _result_file(str(old)) == str(old) and old.read_text() == "{}"
+
+
+def test_sweep_refuses_a_launch_where_a_server_already_answers(tmp_path, capsys):
+    """The readiness poll took the other server's answer for the launched one's: the sweep measured it and
+    recorded the launch command as what it measured."""
+    marker = tmp_path / "launched"
+    with StubServer() as other:
+        rc = main(["sweep", "--server", f"a={other.url}", "--launch", f"a=touch {marker}", "--concurrencies", "1",
+                   "--model", "stub", "--num-prompts", "1", "--result-dir", str(tmp_path / "out"), "--disable-tqdm"])
+        assert not other.bodies  # nothing measured
+    assert rc == 2 and f"{other.url} already answers before 'a' is launched" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--concurrencies", "1,2", "--max-concurrency", "4"], "--max-concurrency goes with --request-rates"),
+    (["--request-rates", "1,2", "--request-rate", "3"], "--request-rate goes with --concurrencies")])
+def test_sweep_refuses_what_its_points_would_replace(flags, says, tmp_path, capsys):
+    rc = main(["sweep", "--server", "a=http://127.0.0.1:9", *flags, "--model", "m", "--result-dir", str(tmp_path)])
+    assert rc == 2 and says in capsys.readouterr().err
+
+
+def test_cdf_curves_of_unlabelled_runs_are_named_by_their_files(tmp_path):
+    """Saved without --label and outside a sweep, a run's curve had no legend entry at all."""
+    from kvserve.bench.plot import cdf_curve_name, load_results
+    run = {"label": "", "config": {"endpoint": {"base_url": "http://h"}}, "metrics": {}, "requests": []}
+    for name in ("r1", "rate5"):
+        (tmp_path / f"{name}.json").write_text(json.dumps(run))
+    assert sorted(cdf_curve_name(r) for r in load_results([tmp_path])) == ["r1", "rate5"]
+    labelled = dict(run, label="kvserve")
+    assert cdf_curve_name(labelled) == "kvserve"

@@ -81,6 +81,13 @@ def test_bench_result_agrees_with_server_metrics(server, tmp_path, dataset, extr
 
     assert m["completed"] == n and m["failed"] == 0, [r["error"] for r in reqs]
     assert result["spec_decode"] is None  # this server does not speculate: no such section
+    # What the figures were measured on: the server's engine (its kvserve:engine_info), the client's CPU flags.
+    from kvserve.kernels import cpu as cpu_kernels
+    (engine,) = result["server"]
+    assert engine["device"] == "cpu" and engine["cpu_kernels"] == cpu_kernels.describe(), engine
+    assert engine["max_model_len"] == "1024" and engine["model_name"] == model_name(server.base_url)
+    assert {"dtype", "quantization", "kv_cache_dtype", "num_kv_blocks", "num_threads", "version"} <= set(engine)
+    assert cpu_kernels.isa() is None or cpu_kernels.isa().replace("avx512", "avx512f") in result["machine"]["cpu_isa"]
     assert delta["kvserve:request_success_total"] == n
     assert delta["kvserve:generation_tokens_total"] == m["total_output_tokens"]
     assert delta["kvserve:prompt_tokens_total"] == m["total_input_tokens"]

@@ -51,10 +51,25 @@ def _json_object(text: str) -> dict:
 
 
 def _result_file(text: str) -> str:
-    """Checked before the run: a directory here failed only after the whole benchmark, losing it."""
-    if Path(text).is_dir():
+    """Checked before the run: a directory, or a place that cannot be written, failed only after the whole
+    benchmark, losing it. Tried by creating the file (and its folders), then removing what was not there."""
+    path = Path(text)
+    if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file path")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {e.strerror}") from None
+    if not existed:
+        path.unlink()
     return text
+
+
+API_KEY_NOTE = ("A server started with --api-key gets the key from the OPENAI_API_KEY environment variable "
+                "(as vLLM's benchmark reads it).")
 
 
 def _result_dir(text: str) -> str:
@@ -67,9 +82,11 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model name sent in each request")
     p.add_argument("--endpoint", choices=("completions", "chat"), default=None,
                    help="default: chat for --dataset chat, completions otherwise")
-    p.add_argument("--dataset", choices=DATASETS, default="random")
-    p.add_argument("--num-prompts", type=positive_int, default=100)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dataset", choices=DATASETS, default="random",
+                   help="random: passages of the corpus; shared-prefix: a system prompt shared by the requests "
+                        "and a question each; chat: conversations of several turns")
+    p.add_argument("--num-prompts", type=positive_int, default=100, help="requests in the run")
+    p.add_argument("--seed", type=int, default=0, help="draws the prompts, their lengths and the arrival times")
     p.add_argument("--tokenizer", default=None,
                    help="a GGUF file or a directory with tokenizer.json (default: the embedded model)")
     g = p.add_argument_group("dataset shapes")
@@ -77,8 +94,12 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=positive_int, default=128, help="max_tokens (mean for random/chat)")
     g.add_argument("--range-ratio", type=_range_ratio, default=0.0,
                    help="random/chat: lengths uniform in [L*(1-r), L*(1+r)]")
-    g.add_argument("--prefix-len", type=non_negative_int, default=1024, help="shared-prefix: system prompt tokens")
-    g.add_argument("--question-len", type=positive_int, default=32, help="shared-prefix: question tokens")
+    g.add_argument("--prefix-len", type=non_negative_int, default=1024,
+                   help="shared-prefix: tokens of the passage in the system prompt, after a one-line "
+                        "instruction (17 tokens with the default tokenizer)")
+    g.add_argument("--question-len", type=positive_int, default=32,
+                   help="shared-prefix: tokens of corpus text in each question, after a 'Question N: ...' "
+                        "lead (~11 tokens with the default tokenizer)")
     g.add_argument("--num-prefixes", type=positive_int, default=1, help="shared-prefix: distinct prefixes")
     g.add_argument("--max-turns", type=positive_int, default=4, help="chat: user turns drawn in [1, N]")
     g.add_argument("--message-len", type=positive_int, default=64, help="chat: mean tokens per message")
@@ -91,34 +112,38 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="how to make servers generate exactly max_tokens: the ignore_eos field "
                         "(vLLM, llama-server, kvserve), transformers serve's generation_config, "
                         "logit_bias against special tokens (llama-cpp-python's server), or none")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sent in every request")
     p.add_argument("--extra-body", type=_json_object, default=None, help="JSON merged into every request body")
     p.add_argument("--no-test-request", action="store_true",
                    help="skip the unmeasured probe request sent before the run")
-    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.add_argument("--save-text", action="store_true", help="keep generated text in the JSON")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve bench",
-                                     description="Benchmark OpenAI-compatible servers.")
+    parser = argparse.ArgumentParser(prog="kvserve bench", description="Benchmark OpenAI-compatible servers.",
+                                     epilog=API_KEY_NOTE)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="one run against one server")
+    # Every option's default in its help, as vLLM's bench shows them.
+    s = sub.add_parser("serve", help="one run against one server", epilog=API_KEY_NOTE,
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     s.add_argument("--request-rate", type=_rate, default=float("inf"), help="req/s, or inf")
-    s.add_argument("--max-concurrency", type=positive_int, default=None)
+    s.add_argument("--max-concurrency", type=positive_int, default=None,
+                   help="requests in flight at most (None: no limit)")
     s.add_argument("--save-result", type=_result_file, default=None, metavar="FILE", help="write the JSON result here")
     s.add_argument("--label", default="", help="name of this run in plots")
     _add_workload_args(s)
 
-    w = sub.add_parser("sweep", help="a ladder of rates or concurrencies against servers")
+    w = sub.add_parser("sweep", help="a ladder of rates or concurrencies against servers", epilog=API_KEY_NOTE,
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     w.add_argument("--server", action="append", required=True,
                    metavar="NAME=URL[,model=M][,ignore_eos_via=...]",
                    help="a server to benchmark; options override --model / --ignore-eos-via for it")
     w.add_argument("--launch", action="append", default=[], metavar="NAME=COMMAND",
                    help="start this command before NAME's points and stop it after")
-    w.add_argument("--launch-timeout", type=float, default=600.0)
+    w.add_argument("--launch-timeout", type=float, default=600.0, help="seconds a launched server may take to start")
     axis = w.add_mutually_exclusive_group(required=True)
     axis.add_argument("--request-rates", help="e.g. 1,2,4,inf")
     axis.add_argument("--concurrencies", help="e.g. 1,8,32,64 (request rate inf unless given)")
@@ -171,7 +196,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = serve_config_from_args(args, args.base_url)
     res = asyncio.run(run_benchmark(cfg, load_tokenizer(cfg.tokenizer)))
     print(format_table(res.metrics, cfg.request_rate, cfg.burstiness, cfg.max_concurrency, cfg.label,
-                       res.spec_decode))
+                       res.spec_decode, res.server))
     if args.save_result:
         res.save(args.save_result)
         print(f"saved {args.save_result}")
@@ -192,6 +217,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from kvserve.bench.sweep import SweepConfig, parse_points, parse_server, run_sweep
     from kvserve.bench.tokenizer import load_tokenizer
 
+    # Each point sets its own: given beside the ladder that sets it, it had been replaced without a word.
+    if args.concurrencies and args.max_concurrency is not None:
+        raise ValueError("--max-concurrency goes with --request-rates: with --concurrencies each point sets it")
+    if args.request_rates and args.request_rate != float("inf"):
+        raise ValueError("--request-rate goes with --concurrencies: with --request-rates each point sets it")
     servers = [parse_server(s) for s in args.server]
     by_name = {s.name: s for s in servers}
     for item in args.launch:

@@ -55,8 +55,21 @@ def wait_ready(base_url: str, timeout_s: float, proc: subprocess.Popen | None = 
     raise TimeoutError(f"{base} not ready after {timeout_s:.0f}s ({last})")
 
 
+def already_serving(base_url: str) -> bool:
+    """Whether something answers at base_url already: a launched server's readiness would then be that
+    other server's (a leftover from an interrupted sweep), and the sweep would measure it instead."""
+    try:
+        httpx.get(base_url.rstrip("/") + "/health", timeout=2.0, trust_env=False)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
 def launch(name: str, command: str, base_url: str, log_dir: Path,
            timeout_s: float = 600.0) -> LaunchedServer:
+    if already_serving(base_url):
+        raise RuntimeError(f"{base_url} already answers before {name!r} is launched: stop what serves there "
+                           f"(or point --server {name}= at another port)")
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.server.log"
     log = open(log_path, "w")
@@ -65,6 +78,9 @@ def launch(name: str, command: str, base_url: str, log_dir: Path,
     server = LaunchedServer(name, proc, log_path)
     try:
         wait_ready(base_url, timeout_s, proc)
+    except RuntimeError as e:  # it exited: its reason is in its log
+        server.stop()
+        raise RuntimeError(f"{e}; its output: {log_path}") from None
     except BaseException:
         server.stop()
         raise

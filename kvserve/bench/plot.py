@@ -18,6 +18,7 @@ def load_results(paths: list[Path]) -> list[dict]:
         for f in files:
             d = json.loads(f.read_text())
             if isinstance(d, dict) and "metrics" in d and "config" in d:  # skip summaries etc.
+                d.setdefault("_file", f.stem)  # names a CDF curve of a run saved without --label
                 out.append(d)
     return out
 
@@ -71,6 +72,12 @@ def _point_label(r: dict) -> str:
 CDF_METRICS = {"ttft": "ttft_s", "e2el": "latency_s"}
 
 
+def cdf_curve_name(r: dict) -> str:
+    """A result's legend entry: its label and sweep point; unlabelled and not a sweep's point (which had
+    left the curve without an entry), its file's name."""
+    return " ".join(x for x in (r.get("label", ""), _point_label(r)) if x) or r.get("_file", "")
+
+
 def plot_cdf(results: list[dict], metric: str, out_png: Path, title: str = "") -> Path:
     """Empirical CDF of a per-request latency, one curve per result file (server and point)."""
     import matplotlib
@@ -84,8 +91,7 @@ def plot_cdf(results: list[dict], metric: str, out_png: Path, title: str = "") -
         vals = np.sort([q[key] * 1e3 for q in r["requests"] if q["success"]])
         if len(vals) == 0:
             continue
-        name = " ".join(x for x in (r.get("label", ""), _point_label(r)) if x)
-        ax.step(vals, np.arange(1, len(vals) + 1) / len(vals), where="post", label=name)
+        ax.step(vals, np.arange(1, len(vals) + 1) / len(vals), where="post", label=cdf_curve_name(r))
     ax.set_xlabel(f"{metric.upper()} (ms)")
     ax.set_ylabel("fraction of requests")
     ax.grid(True, alpha=0.3)

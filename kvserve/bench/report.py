@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvserve.bench.metrics import BenchmarkMetrics, Distribution
+from kvserve.bench.server_info import describe_engine
 from kvserve.bench.spec_decode import SpecDecodeStats
 
 _W = 50
@@ -42,10 +43,14 @@ def _spec_decode(s: SpecDecodeStats) -> list[str]:
 
 
 def format_table(m: BenchmarkMetrics, request_rate: float, burstiness: float,
-                 max_concurrency: int | None, label: str = "", spec: SpecDecodeStats | None = None) -> str:
+                 max_concurrency: int | None, label: str = "", spec: SpecDecodeStats | None = None,
+                 server: list[dict[str, str]] | None = None) -> str:
     rows = [" Serving Benchmark Result ".center(_W, "=")]
     if label:
         rows.append(_line("Run:", label))
+    # What the figures were measured on, where the server says (kvserve's engine_info): one line per engine.
+    rows += [f"Server engine{f' {i}' if len(server) > 1 else ''}: {describe_engine(e)}"
+             for i, e in enumerate(server or [])]
     rows += [
         _line("Traffic request rate:", "inf" if request_rate == float("inf") else f"{request_rate:g}"),
         _line("Burstiness factor:", f"{burstiness:g}"),

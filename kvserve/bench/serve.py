@@ -25,8 +25,13 @@ from kvserve.bench.metrics import (DEFAULT_PERCENTILES, BenchmarkMetrics, calcul
                                    output_token_count)
 from kvserve.bench.spec_decode import (MetricsUnavailable, SpecCounters, SpecDecodeStats,
                                        settled_spec_counters)
+from kvserve.bench.server_info import read_engine_info
 from kvserve.bench.tokenizer import BenchTokenizer
-from kvserve.utils.cpuinfo import cpu_model_name
+from kvserve.utils.cpuinfo import cpu_flags, cpu_model_name
+
+# The vector extensions a CPU's figures depend on (which kernels it can run), of its /proc/cpuinfo flags.
+ISA_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                       "amx_bf16", "amx_int8", "amx_tile"})
 
 
 @dataclass
@@ -55,6 +60,7 @@ class BenchResult:
     bench_start: float  # perf_counter() at the first send; raw start times are relative to it
     date: str
     spec_decode: SpecDecodeStats | None = None  # the server's, over the run; None if it does not speculate
+    server: list[dict[str, str]] = field(default_factory=list)  # its engines' kvserve:engine_info labels
 
     def to_json(self) -> dict:
         cfg = asdict(self.config)
@@ -72,7 +78,7 @@ class BenchResult:
             if self.config.save_text:
                 item["generated_text"] = r.generated_text
             raw.append(item)
-        return {"date": self.date, "label": self.config.label, "machine": machine_info(),
+        return {"date": self.date, "label": self.config.label, "machine": machine_info(), "server": self.server,
                 "corpus": load_corpus().name, "config": cfg, "metrics": self.metrics.to_dict(),
                 "spec_decode": asdict(self.spec_decode) if self.spec_decode else None, "requests": raw}
 
@@ -83,9 +89,11 @@ class BenchResult:
 
 
 def machine_info() -> dict[str, object]:
-    """Where the client ran (the servers under test run here too in our comparisons)."""
+    """Where the client ran (the servers under test run here too in our comparisons; a kvserve server's own
+    account of its engines is BenchResult.server)."""
     return {"platform": platform.platform(), "python": platform.python_version(),
-            "cpu": cpu_model_name(), "cpu_count": os.cpu_count()}
+            "cpu": cpu_model_name(), "cpu_count": os.cpu_count(),
+            "cpu_isa": sorted((cpu_flags() or frozenset()) & ISA_FLAGS)}
 
 
 def _json_float(x: float) -> float | str:
@@ -117,6 +125,7 @@ async def run_benchmark(cfg: ServeConfig, tokenizer: BenchTokenizer,
                 raise RuntimeError(f"test request to {cfg.endpoint.url} failed: {probe.error}")
 
         base_url, model = cfg.endpoint.base_url, cfg.endpoint.model
+        server = await read_engine_info(session, base_url, model, request_headers())
         try:  # none yet: nothing drafted yet (kvserve registers them at its first draft)
             spec_before = await settled_spec_counters(session, base_url, model, request_headers()) or SpecCounters()
         except MetricsUnavailable:  # no /metrics: no speculative-decoding section
@@ -157,4 +166,4 @@ async def run_benchmark(cfg: ServeConfig, tokenizer: BenchTokenizer,
     spec = (SpecDecodeStats.between(spec_before, spec_after)
             if spec_before is not None and spec_after is not None else None)
     return BenchResult(cfg, metrics, results, requests, bench_start,
-                       dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), spec)
+                       dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), spec, server)

@@ -102,7 +102,7 @@ def run_sweep(sw: SweepConfig, tokenizer: BenchTokenizer) -> list[BenchResult]:
                 res = asyncio.run(run_benchmark(cfg, tokenizer))
                 print(format_table(res.metrics, cfg.request_rate, cfg.burstiness,
                                    cfg.max_concurrency, f"{server.name} {_point_name(sw.axis, value)}",
-                                   res.spec_decode))
+                                   res.spec_decode, res.server))
                 res.save(sw.result_dir / f"{server.name}_{_point_name(sw.axis, value)}.json")
                 results.append(res)
         finally:

@@ -61,6 +61,7 @@ class Ready(msgspec.Struct, tag=True):
     eos_token: str | None
     eos_token_ids: list[int]
     pid: int
+    engine_info: dict[str, str] = {}   # LLMEngine.describe(): the kvserve:engine_info metric's labels
 
 
 class StartupFailed(msgspec.Struct, tag=True):
@@ -114,6 +115,7 @@ class EngineCore:
             eos_token=tok.eos_token,
             eos_token_ids=list(tok.eos_token_ids),
             pid=os.getpid(),
+            engine_info=self.engine.describe(),
         )
 
     def has_work(self) -> bool:

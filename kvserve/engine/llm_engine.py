@@ -31,6 +31,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import Sequence
 from kvserve.engine.stats import EngineStats
 from kvserve.kernels import cpu as cpu_kernels
+from kvserve.models.presets import resolve_model
 from kvserve.models.kv_cache import kv_cache_spec
 from kvserve.models.loader import load_model
 from kvserve.outputs import (PositionLogprobs, RequestDelta, RequestMetrics, RequestOutput, RequestOutputAccumulator,
@@ -446,6 +447,19 @@ class LLMEngine:
         return lp
 
     # ---- introspection -------------------------------------------------------------------------
+    def describe(self) -> dict[str, str]:
+        """What a figure measured on this engine depends on, as text (the server's kvserve:engine_info labels,
+        which `kvserve bench` records): where it runs and in what formats."""
+        c = self.config
+        return {"model": resolve_model(c.model), "device": str(self.device),
+                "cpu_kernels": cpu_kernels.describe() if self.device.type == "cpu" else "none",
+                "num_threads": str(torch.get_num_threads()), "torch": str(torch.__version__),
+                "dtype": str(self.dtype).removeprefix("torch."), "quantization": c.quantization,
+                "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
+                "block_size": str(c.block_size), "num_kv_blocks": str(self.block_manager.num_blocks),
+                "max_model_len": str(self.max_model_len), "prefix_caching": str(c.enable_prefix_caching).lower(),
+                "speculative": "none" if c.speculative_config is None else c.speculative_config.method}
+
     def get_stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(

@@ -104,6 +104,7 @@ class AsyncLLM:
         self.max_model_len = 0
         self.vocab_size = 0
         self.engine_pid: int | None = None
+        self.engine_info: dict[str, str] = {}  # LLMEngine.describe(), once ready
         self.stats = EngineStats()
         self.step_listeners: list[StepListener] = []
         # Called with the engine's id of the request (see generate) when its stream ends.
@@ -240,6 +241,7 @@ class AsyncLLM:
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.engine_pid = ready.pid
+        self.engine_info = ready.engine_info
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         self._closing = True

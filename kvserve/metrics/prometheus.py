@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from kvserve.engine.core_process import StepResult
 from kvserve.engine.stats import EngineStats
@@ -80,6 +80,10 @@ class MetricFamilies:
                                      REQUEST_LATENCY_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens processed per engine step.",
                                           ITERATION_TOKEN_BUCKETS, per_replica)
+        # kvserve:engine_info{model_name, replica, device, cpu_kernels, dtype, quantization, ...} 1: what each
+        # engine's figures depend on (kvserve's own; vLLM's cache_config_info is the same idea), set once ready.
+        self.engine_info = Info(PREFIX + "engine", "Each engine's device, CPU kernels, threads, weight and KV "
+                                "formats and cache size (kvserve's own metric).", per_replica, registry=r)
         self._spec: _SpecDecodeFamilies | None = None
 
     def spec_decode(self) -> _SpecDecodeFamilies:
@@ -118,6 +122,7 @@ class ServerMetrics:
         self.prefill_time = f.prefill_time.labels(model_name)
         self.decode_time = f.decode_time.labels(model_name)
         self.iteration_tokens = f.iteration_tokens.labels(*engine)
+        self.engine_info = f.engine_info.labels(*engine)
         self._last_stats = EngineStats()
         self._tracked: dict[str, _Tracked] = {}
         self._spec: _SpecDecodeCounters | None = None  # registered once the engine says it speculates

@@ -58,7 +58,7 @@ def read_registry(registry: CollectorRegistry, t: float | None = None) -> Regist
             if family.type == "histogram" and s.name.endswith("_bucket"):
                 buckets[family.name][float(s.labels["le"])] += s.value
                 continue
-            if family.type not in ("gauge", "counter", "histogram"):
+            if family.type not in ("gauge", "counter", "histogram", "info"):  # info: 1 per labelled engine
                 continue
             values[s.name] += s.value  # gauges, counters, and histograms' _count and _sum
             if s.name in MEAN_GAUGES:

@@ -242,6 +242,7 @@ def build_app(args: ServerArgs, state: ServerState | None = None, auto_router: A
             raise
         tasks = [asyncio.create_task(history.run())]
         for model, i, engine, metrics in engines:
+            metrics.engine_info.info({"version": VERSION, **engine.engine_info})
             if engine.config.speculative_config is not None:
                 # One per chain position (a token tree's alternatives count as its first).
                 metrics.expect_speculation(engine.config.speculative_config.draft_depth)

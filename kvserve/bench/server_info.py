@@ -1,0 +1,47 @@
+"""What the server under test runs on, read from its /metrics before the run: kvserve's `kvserve:engine_info`
+(device, CPU kernels, threads, weight and KV formats, cache size, version), one label set per engine. A
+result without it cannot say which ISA or format its figures were measured with; other servers have no
+such metric, and their results record none."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+ENGINE_INFO = "kvserve:engine_info"
+
+
+def parse_engine_info(text: str, model: str | None = None) -> list[dict[str, str]]:
+    """Each engine's labels in a /metrics page. On a server of several models, only `model`'s engines (as
+    parse_spec_counters picks its counters); on a server of one, whatever name was sent, an alias included."""
+    engines = [dict(s.labels) for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == ENGINE_INFO]
+    if model is not None and len({e.get("model_name") for e in engines}) > 1:
+        engines = [e for e in engines if e.get("model_name") == model]
+    return engines
+
+
+async def read_engine_info(session: aiohttp.ClientSession, base_url: str, model: str,
+                           headers: dict[str, str]) -> list[dict[str, str]]:
+    """parse_engine_info of the server's /metrics now; [] where it cannot be read."""
+    try:
+        async with session.get(base_url.rstrip("/") + "/metrics", headers=headers,
+                               timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            if resp.status != 200:
+                return []
+            return parse_engine_info(await resp.text(), model)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):  # ValueError: not Prometheus text
+        return []
+
+
+def describe_engine(info: dict[str, str]) -> str:
+    """One line for the result table, e.g. "kvserve 0.1.0, cpu (kernels avx512, 2 threads), bfloat16, weights
+    auto, KV bfloat16 x 4096 blocks"."""
+    where = info.get("device", "?")
+    if where == "cpu":
+        where += f" (kernels {info.get('cpu_kernels', '?')}, {info.get('num_threads', '?')} threads)"
+    return (f"kvserve {info.get('version', '?')}, {where}, {info.get('dtype', '?')}, weights "
+            f"{info.get('quantization', '?')}, KV {info.get('kv_cache_dtype', '?')} x {info.get('num_kv_blocks', '?')} "
+            f"blocks")
