@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.metrics.dashboard import RATE_WINDOW_S, MetricsHistory
-from kvserve.metrics.prometheus import ServerMetrics
+from kvserve.metrics.prometheus import MetricFamilies, ServerMetrics
 from kvserve.metrics.registry_sample import Histogram as Buckets
 from kvserve.metrics.registry_sample import histogram_quantile, read_registry
 
@@ -215,3 +215,15 @@ def test_kv_cache_usage_is_the_engines_mean_not_their_sum():
     assert d["series"]["kv_cache_usage_perc"][-1] == pytest.approx(0.5)
     assert d["totals"]["kvserve:num_requests_running"] == 6                  # counts still add up
     assert d["replicas"]["large/0"]["kv_cache_usage_perc"] == [pytest.approx(0.3)]
+
+
+def test_kv_cache_usage_weighs_each_engine_by_its_pool_where_engine_info_says():
+    """A small pool 60% full beside a large one 30% full is not 45% full: each engine counted alike before."""
+    metrics = [ServerMetrics(model, replica=replica, families=families)
+               for families in [MetricFamilies()] for model, replica in (("small", "0"), ("small", "1"), ("large", "0"))]
+    for m, usage, blocks in zip(metrics, (0.6, 0.6, 0.3), (100, 100, 800)):
+        m.kv_cache_usage_perc.set(usage)
+        m.engine_info.info({"num_kv_blocks": str(blocks)})
+    d = MetricsHistory(metrics[0].registry).dashboard()
+    assert d["totals"]["kvserve:kv_cache_usage_perc"] == pytest.approx((60 + 60 + 240) / 1000)
+    assert d["replicas"]["small/1"]["kv_cache_usage_perc"] == [pytest.approx(0.6)]

@@ -1,7 +1,8 @@
 """One reading of a Prometheus registry, reduced to what a dashboard draws: every gauge, counter and
 histogram count/sum summed over its label sets (a gauge that is a fraction, KV-cache usage, averaged over them
-instead: three engines 60% full are not 180% full; each engine counts alike, whatever its pool's size), every
-histogram's cumulative buckets summed the same way, and the per-replica split of the gauges where metrics carry a `replica` label (and there are several).
+instead: three engines 60% full are not 180% full; weighed by their pools' blocks where kvserve:engine_info
+gives them, else each engine alike), every histogram's cumulative buckets summed the same way, and the
+per-replica split of the gauges where metrics carry a `replica` label (and there are several).
 Plus Prometheus's own quantile estimate from buckets.
 
 Reading the registry (rather than keeping counters of our own) is what makes the dashboard agree with
@@ -16,8 +17,11 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
-# Gauges that are each engine's fraction of something (0..1): their label sets are averaged, not summed.
-MEAN_GAUGES = frozenset({"kvserve:kv_cache_usage_perc"})
+# Gauges that are each engine's fraction of something (0..1): their label sets are averaged, not summed. KV-cache
+# usage is weighed by each engine's pool (the blocks its kvserve:engine_info names) where every engine says it.
+KV_USAGE = "kvserve:kv_cache_usage_perc"
+MEAN_GAUGES = frozenset({KV_USAGE})
+ENGINE_INFO = "kvserve:engine_info"
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ def read_registry(registry: CollectorRegistry, t: float | None = None) -> Regist
     # (model_name, replica) -> gauge name -> value
     engines: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
     label_sets: dict[str, int] = defaultdict(int)   # per MEAN_GAUGES name
+    pools: dict[tuple[str, str], float] = {}        # (model_name, replica) -> KV blocks, from kvserve:engine_info
     for family in registry.collect():
         if family.type == "counter" and not family.samples:
             values[family.name + "_total"] = 0.0   # a labelled counter nothing has incremented yet
@@ -60,6 +65,8 @@ def read_registry(registry: CollectorRegistry, t: float | None = None) -> Regist
                 continue
             if family.type not in ("gauge", "counter", "histogram", "info"):  # info: 1 per labelled engine
                 continue
+            if s.name == ENGINE_INFO and s.labels.get("num_kv_blocks", "").isdigit():
+                pools[(s.labels.get("model_name", ""), s.labels.get("replica", ""))] = float(s.labels["num_kv_blocks"])
             values[s.name] += s.value  # gauges, counters, and histograms' _count and _sum
             if s.name in MEAN_GAUGES:
                 label_sets[s.name] += 1
@@ -67,6 +74,9 @@ def read_registry(registry: CollectorRegistry, t: float | None = None) -> Regist
                 engines[(s.labels.get("model_name", ""), s.labels["replica"])][s.name] += s.value
     for name, n in label_sets.items():
         values[name] /= n
+    usage = {key: g[KV_USAGE] for key, g in engines.items() if KV_USAGE in g}
+    if len(usage) > 1 and all(key in pools for key in usage):  # each engine weighed by its pool's size
+        values[KV_USAGE] = sum(u * pools[key] for key, u in usage.items()) / sum(pools[key] for key in usage)
     histograms = {name: Histogram(tuple(sorted(b)), tuple(b[le] for le in sorted(b))) for name, b in buckets.items()}
     return RegistrySample(time.time() if t is None else t, dict(values), histograms, _replicas(engines))
 
