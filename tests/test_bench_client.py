@@ -334,13 +334,23 @@ def test_failed_requests_are_given_a_reason(capsys):
     assert rc == 1 and "3 of 3 requests failed; the most common reason (3): " in err and "127.0.0.1:9" in err, err
 
 
-def test_a_save_path_is_tried_before_the_run_and_left_as_it_was(tmp_path):
+def test_a_save_path_is_checked_without_making_or_touching_anything(tmp_path):
+    import argparse
+    import os
+
     from kvserve.bench.cli import _result_file
     new = tmp_path / "sub" / "r.json"
-    assert _result_file(str(new)) == str(new) and not new.exists()  # writable, and nothing left behind
+    assert _result_file(str(new)) == str(new) and not (tmp_path / "sub").exists()
     old = tmp_path / "old.json"
     old.write_text("{}")
     assert _result_file(str(old)) == str(old) and old.read_text() == "{}"
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "target.json")  # dangling: the result will be written through it
+    assert _result_file(str(link)) == str(link) and link.is_symlink() and not (tmp_path / "target.json").exists()
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a regular file"):
+        _result_file(str(tmp_path / "fifo"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.json", "old.json"]
 
 
 def test_sweep_refuses_a_launch_where_a_server_already_answers(tmp_path, capsys):

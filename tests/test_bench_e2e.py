@@ -87,6 +87,10 @@ def test_bench_result_agrees_with_server_metrics(server, tmp_path, dataset, extr
     assert engine["device"] == "cpu" and engine["cpu_kernels"] == cpu_kernels.describe(), engine
     assert engine["max_model_len"] == "1024" and engine["model_name"] == model_name(server.base_url)
     assert {"dtype", "quantization", "kv_cache_dtype", "num_kv_blocks", "num_threads", "version"} <= set(engine)
+    # The file's formats as loaded (Q4_1 projections, a Q8_0 LM head; floats where no kernel multiplies blocks),
+    # and its name without the folders (open on /metrics without a key).
+    assert engine["weights"] == ("gguf q4 + gguf q8" if cpu_kernels.available() else f"float {engine['dtype']}")
+    assert engine["model"].endswith(".gguf") and "/" not in engine["model"]
     assert cpu_kernels.isa() is None or cpu_kernels.isa().replace("avx512", "avx512f") in result["machine"]["cpu_isa"]
     assert delta["kvserve:request_success_total"] == n
     assert delta["kvserve:generation_tokens_total"] == m["total_output_tokens"]

@@ -125,9 +125,13 @@ def test_generate_text_prompts_and_token_prompts_agree(llm):
         assert [o.outputs[0].token_ids for o in outs] == [by_ids.outputs[0].token_ids], type(one)
     rows = llm.generate(np.array([ids, ids]), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in rows] == [by_ids.outputs[0].token_ids] * 2
-    for bad in (prompt.encode(), [prompt.encode()]):
+    for bad in (prompt.encode(), [prompt.encode()], {"prompt": prompt.encode()}, [memoryview(prompt.encode())]):
         with pytest.raises(TypeError, match="got bytes"):
             llm.generate(bad, params, use_tqdm=False)
+    with pytest.raises(TypeError, match="'prompt_token_ids' is token ids, got str"):
+        llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt token ids must be integers, got 1.0 \(float\)"):
+        llm.generate(torch.tensor([1.0, 2.0]), params, use_tqdm=False)  # one prompt, of floats
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -137,7 +141,10 @@ def test_fields_set_after_construction_are_converted_and_checked_as_given_to_it(
     refused with a message that offers -1."""
     greedy = llm.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
     sp = SamplingParams(max_tokens=8, seed=0)
-    sp.temperature, sp.top_k = 1e-9, -1
+    sp.temperature = 1e-9
+    assert llm.chat(CHATS[0], sp, use_tqdm=False)[0].outputs[0].token_ids == greedy.token_ids
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    sp.top_k = -1
     assert llm.chat(CHATS[0], sp, use_tqdm=False)[0].outputs[0].token_ids == greedy.token_ids
     sp = SamplingParams(temperature=0, max_tokens=8)
     sp.stop = "Paris"
@@ -146,6 +153,14 @@ def test_fields_set_after_construction_are_converted_and_checked_as_given_to_it(
     sp.max_tokens = -1
     with pytest.raises(ValueError, match="max_tokens must be an integer >= 1, got -1"):
         llm.chat(CHATS[0], sp, use_tqdm=False)
+
+
+def test_a_conversion_warning_is_given_once_a_call_not_once_a_prompt(llm, caplog):
+    sp = SamplingParams(max_tokens=2)
+    sp.temperature = 5e-3
+    with caplog.at_level("WARNING", logger="kvserve.sampling_params"):
+        assert len(llm.generate(["a", "b", "c"], sp, use_tqdm=False)) == 3
+    assert sum("temperature 0.005 is below" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_cumulative_logprob_and_finished_as_in_vllm(llm):

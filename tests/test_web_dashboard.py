@@ -221,9 +221,10 @@ def test_kv_cache_usage_weighs_each_engine_by_its_pool_where_engine_info_says():
     """A small pool 60% full beside a large one 30% full is not 45% full: each engine counted alike before."""
     metrics = [ServerMetrics(model, replica=replica, families=families)
                for families in [MetricFamilies()] for model, replica in (("small", "0"), ("small", "1"), ("large", "0"))]
-    for m, usage, blocks in zip(metrics, (0.6, 0.6, 0.3), (100, 100, 800)):
+    for m, usage, blocks, block_size in zip(metrics, (0.6, 0.6, 0.3), (100, 100, 400), (16, 16, 32)):
         m.kv_cache_usage_perc.set(usage)
-        m.engine_info.info({"num_kv_blocks": str(blocks)})
+        m.engine_info.info({"num_kv_blocks": str(blocks), "block_size": str(block_size)})
     d = MetricsHistory(metrics[0].registry).dashboard()
-    assert d["totals"]["kvserve:kv_cache_usage_perc"] == pytest.approx((60 + 60 + 240) / 1000)
+    # Pools of 1600, 1600 and 12800 tokens.
+    assert d["totals"]["kvserve:kv_cache_usage_perc"] == pytest.approx((0.6 * 3200 + 0.3 * 12800) / 16000)
     assert d["replicas"]["small/1"]["kv_cache_usage_perc"] == [pytest.approx(0.6)]

@@ -7,6 +7,7 @@ import asyncio
 import json
 import shlex
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -52,20 +53,34 @@ def _json_object(text: str) -> dict:
 
 def _result_file(text: str) -> str:
     """Checked before the run: a directory, or a place that cannot be written, failed only after the whole
-    benchmark, losing it. Tried by creating the file (and its folders), then removing what was not there."""
+    benchmark, losing it. Nothing is made here: a scratch file in the nearest folder that exists is written and
+    removed (the folders under it are made when the result is saved)."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file path")
-    existed = path.exists()
+    if path.exists() and not path.is_file():  # a FIFO or a device would block or swallow the result
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular file")
+    folder = path.absolute().parent
+    while not folder.exists():
+        folder = folder.parent
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a"):
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".kvserve-bench-"):
             pass
     except OSError as e:
-        raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {e.strerror}") from None
-    if not existed:
-        path.unlink()
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written ({folder}: {e.strerror})") from None
     return text
+
+
+class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in its help, as vLLM's bench shows them; not where there is none to show (None,
+    off, empty, a required option) or the help says it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.required or action.default in (None, False, "", argparse.SUPPRESS) or "default" in text
+                or not action.option_strings):
+            return text
+        return super()._get_help_string(action)
 
 
 API_KEY_NOTE = ("A server started with --api-key gets the key from the OPENAI_API_KEY environment variable "
@@ -125,40 +140,42 @@ def build_parser() -> argparse.ArgumentParser:
                                      epilog=API_KEY_NOTE)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    # Every option's default in its help, as vLLM's bench shows them.
     s = sub.add_parser("serve", help="one run against one server", epilog=API_KEY_NOTE,
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_HelpWithDefaults)
     s.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     s.add_argument("--request-rate", type=_rate, default=float("inf"), help="req/s, or inf")
     s.add_argument("--max-concurrency", type=positive_int, default=None,
-                   help="requests in flight at most (None: no limit)")
+                   help="requests in flight at most (default: no limit)")
     s.add_argument("--save-result", type=_result_file, default=None, metavar="FILE", help="write the JSON result here")
     s.add_argument("--label", default="", help="name of this run in plots")
     _add_workload_args(s)
 
     w = sub.add_parser("sweep", help="a ladder of rates or concurrencies against servers", epilog=API_KEY_NOTE,
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_HelpWithDefaults)
     w.add_argument("--server", action="append", required=True,
                    metavar="NAME=URL[,model=M][,ignore_eos_via=...]",
                    help="a server to benchmark; options override --model / --ignore-eos-via for it")
     w.add_argument("--launch", action="append", default=[], metavar="NAME=COMMAND",
                    help="start this command before NAME's points and stop it after")
-    w.add_argument("--launch-timeout", type=float, default=600.0, help="seconds a launched server may take to start")
+    w.add_argument("--launch-timeout", type=float, default=600.0,
+                   help="seconds a launched server may take to start")
     axis = w.add_mutually_exclusive_group(required=True)
     axis.add_argument("--request-rates", help="e.g. 1,2,4,inf")
     axis.add_argument("--concurrencies", help="e.g. 1,8,32,64 (request rate inf unless given)")
     w.add_argument("--request-rate", type=_rate, default=float("inf"),
                    help="with --concurrencies: the arrival rate at every point")
-    w.add_argument("--max-concurrency", type=positive_int, default=None, help="with --request-rates")
+    w.add_argument("--max-concurrency", type=positive_int, default=None,
+                   help="with --request-rates: requests in flight at most (default: no limit)")
     w.add_argument("--prompts-per-concurrency", type=non_negative_int, default=0,
                    help="at concurrency C send max(--num-prompts, this*C) requests")
-    w.add_argument("--result-dir", type=_result_dir, required=True)
+    w.add_argument("--result-dir", type=_result_dir, required=True,
+                   help="where each point's JSON, sweep_summary.json, sweep.png and launched servers' logs go")
     _add_workload_args(w)
 
     pl = sub.add_parser("plot", help="redraw curves from result JSONs (files or directories)")
-    pl.add_argument("paths", nargs="+")
+    pl.add_argument("paths", nargs="+", help="result JSON files, or folders of them")
     pl.add_argument("--out", required=True, help="PNG path")
-    pl.add_argument("--title", default="")
+    pl.add_argument("--title", default="", help="the figure's title")
     pl.add_argument("--cdf", choices=("ttft", "e2el"), default=None,
                     help="draw the per-request CDF of this latency instead of throughput curves")
     return parser

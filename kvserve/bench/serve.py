@@ -23,8 +23,8 @@ from kvserve.bench.corpus import load_corpus
 from kvserve.bench.datasets import BenchRequest, DatasetConfig, cut_text, sample_requests
 from kvserve.bench.metrics import (DEFAULT_PERCENTILES, BenchmarkMetrics, calculate_metrics,
                                    output_token_count)
-from kvserve.bench.spec_decode import (MetricsUnavailable, SpecCounters, SpecDecodeStats,
-                                       settled_spec_counters)
+from kvserve.bench.metrics_page import MetricsUnavailable
+from kvserve.bench.spec_decode import SpecCounters, SpecDecodeStats, settled_spec_counters
 from kvserve.bench.server_info import read_engine_info
 from kvserve.bench.tokenizer import BenchTokenizer
 from kvserve.utils.cpuinfo import cpu_flags, cpu_model_name

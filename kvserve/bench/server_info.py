@@ -5,12 +5,11 @@ such metric, and their results record none."""
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-ENGINE_INFO = "kvserve:engine_info"
+from kvserve.bench.metrics_page import MetricsUnavailable, fetch_metrics_text
+from kvserve.metrics.registry_sample import ENGINE_INFO
 
 
 def parse_engine_info(text: str, model: str | None = None) -> list[dict[str, str]]:
@@ -27,21 +26,17 @@ async def read_engine_info(session: aiohttp.ClientSession, base_url: str, model:
                            headers: dict[str, str]) -> list[dict[str, str]]:
     """parse_engine_info of the server's /metrics now; [] where it cannot be read."""
     try:
-        async with session.get(base_url.rstrip("/") + "/metrics", headers=headers,
-                               timeout=aiohttp.ClientTimeout(total=30)) as resp:
-            if resp.status != 200:
-                return []
-            return parse_engine_info(await resp.text(), model)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):  # ValueError: not Prometheus text
+        return parse_engine_info(await fetch_metrics_text(session, base_url, headers), model)
+    except (MetricsUnavailable, ValueError):  # ValueError: not Prometheus text
         return []
 
 
 def describe_engine(info: dict[str, str]) -> str:
     """One line for the result table, e.g. "kvserve 0.1.0, cpu (kernels avx512, 2 threads), bfloat16, weights
-    auto, KV bfloat16 x 4096 blocks"."""
+    gguf q4 + gguf q8, KV bfloat16 x 4096 blocks"."""
     where = info.get("device", "?")
     if where == "cpu":
         where += f" (kernels {info.get('cpu_kernels', '?')}, {info.get('num_threads', '?')} threads)"
     return (f"kvserve {info.get('version', '?')}, {where}, {info.get('dtype', '?')}, weights "
-            f"{info.get('quantization', '?')}, KV {info.get('kv_cache_dtype', '?')} x {info.get('num_kv_blocks', '?')} "
+            f"{info.get('weights', '?')}, KV {info.get('kv_cache_dtype', '?')} x {info.get('num_kv_blocks', '?')} "
             f"blocks")

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserve.bench.metrics_page import MetricsUnavailable, fetch_metrics_text
+
 _DRAFTS, _DRAFT_TOKENS, _ACCEPTED, _PER_POS = (
     "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
     "spec_decode_num_accepted_tokens_per_pos_total")
@@ -94,22 +96,14 @@ class SpecDecodeStats:
                    acceptance_by_position=[a / drafts for a in by_pos] if drafts else [])
 
 
-class MetricsUnavailable(Exception):
-    """The server's /metrics could not be read as Prometheus text."""
-
-
 async def read_spec_counters(session: aiohttp.ClientSession, base_url: str, model: str,
                              headers: dict[str, str]) -> SpecCounters | None:
     """The server's counters now; None when its /metrics has none (it does not speculate, or kvserve has
     not drafted yet: it registers them at the first draft). Raises MetricsUnavailable."""
+    text = await fetch_metrics_text(session, base_url, headers)
     try:
-        async with session.get(base_url.rstrip("/") + "/metrics", headers=headers,
-                               timeout=aiohttp.ClientTimeout(total=30)) as resp:
-            if resp.status != 200:
-                raise MetricsUnavailable(f"HTTP {resp.status}")
-            text = await resp.text()
         return parse_spec_counters(text, model)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # ValueError: not Prometheus text
+    except ValueError as e:  # not Prometheus text
         raise MetricsUnavailable(str(e)) from e
 
 

@@ -19,6 +19,7 @@ import numbers
 import os
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -31,9 +32,10 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import Sequence
 from kvserve.engine.stats import EngineStats
 from kvserve.kernels import cpu as cpu_kernels
-from kvserve.models.presets import resolve_model
+from kvserve.layers.quantization.methods import weight_formats
 from kvserve.models.kv_cache import kv_cache_spec
 from kvserve.models.loader import load_model
+from kvserve.models.presets import resolve_model
 from kvserve.outputs import (PositionLogprobs, RequestDelta, RequestMetrics, RequestOutput, RequestOutputAccumulator,
                              SpecDecodeMetrics)
 from kvserve.sampling.sampler import cpu_seed, make_generator
@@ -117,7 +119,7 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > pool_tokens:
             raise ValueError(f"max_model_len={config.max_model_len} is more than the KV cache holds ({num_blocks} "
                              f"blocks of {config.block_size} = {pool_tokens} tokens): lower max_model_len or give "
-                             f"the cache more (kv_cache_memory, num_kv_blocks)")
+                             f"the cache more (kv_cache_memory, num_kv_blocks; on CUDA gpu_memory_utilization)")
         self.max_model_len = min(max_model_len, pool_tokens)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
@@ -241,9 +243,10 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
-        # A copy made through the constructor: fields set after construction (sp.stop = "x", sp.temperature =
-        # 1e-9, sp.top_k = -1) get the same conversions and checks as constructor arguments (they skipped them).
-        params = dataclasses.replace(params)
+        # The request's own copy, made through the constructor: fields set after construction (sp.stop = "x",
+        # sp.temperature = 1e-9, sp.top_k = -1) get the same conversions and checks as constructor arguments
+        # (they skipped them); deep, so that later changes to the caller's logit_bias reach no running request.
+        params = copy.deepcopy(dataclasses.replace(params))
         vocab = self.model_config.vocab_size
         if isinstance(prompt, str):
             if not prompt:
@@ -266,7 +269,6 @@ class LLMEngine:
         if n_prompt >= self.max_model_len:
             raise ValueError(f"prompt is {n_prompt} tokens, but max_model_len is {self.max_model_len}: "
                              "the prompt must leave room for at least one output token")
-        params = copy.deepcopy(params)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - n_prompt
         elif n_prompt + params.max_tokens > self.max_model_len:
@@ -451,10 +453,15 @@ class LLMEngine:
         """What a figure measured on this engine depends on, as text (the server's kvserve:engine_info labels,
         which `kvserve bench` records): where it runs and in what formats."""
         c = self.config
-        return {"model": resolve_model(c.model), "device": str(self.device),
-                "cpu_kernels": cpu_kernels.describe() if self.device.type == "cpu" else "none",
+        # The model file's name only: /metrics is open without a key, and a path says more than it should.
+        kernels = cpu_kernels.applies(torch.empty(0, dtype=self.dtype, device=self.device))
+        return {"model": Path(resolve_model(c.model)).name,
+                "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+                "cpu_kernels": cpu_kernels.describe() if kernels else "none",
+                "attention_backend": self.runner.attn_backend.name,
                 "num_threads": str(torch.get_num_threads()), "torch": str(torch.__version__),
                 "dtype": str(self.dtype).removeprefix("torch."), "quantization": c.quantization,
+                "weights": weight_formats(self.runner.model),
                 "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
                 "block_size": str(c.block_size), "num_kv_blocks": str(self.block_manager.num_blocks),
                 "max_model_len": str(self.max_model_len), "prefix_caching": str(c.enable_prefix_caching).lower(),

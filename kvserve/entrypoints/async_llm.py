@@ -110,6 +110,8 @@ class AsyncLLM:
         # Called with the engine's id of the request (see generate) when its stream ends.
         self.end_listeners: list[Callable[[str], None]] = []
         self.restart_listeners: list[Callable[[], None]] = []  # called when a replacement engine is started
+        # Called with engine_info whenever an engine is ready, a replacement too (its pool may differ).
+        self.ready_listeners: list[Callable[[dict[str, str]], None]] = []
         self.dead: str | None = None          # why no engine is serving (gone, or being replaced), if so
         self.stopping: str | None = None      # why new requests are refused: the server is shutting down
         self.num_restarts = 0                 # engine processes started to replace one that died
@@ -242,6 +244,8 @@ class AsyncLLM:
         self.vocab_size = ready.vocab_size
         self.engine_pid = ready.pid
         self.engine_info = ready.engine_info
+        for listener in self.ready_listeners:
+            listener(ready.engine_info)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         self._closing = True

@@ -160,7 +160,8 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     p.add_argument("--num-kv-blocks", type=positive_int, default=None,
                    help="Exact number of KV blocks (overrides --kv-cache-memory; for tests and experiments).")
     p.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="Context length limit (prompt + output); one the KV cache cannot hold is refused. Default: the model's, cut to what the KV cache holds.")
+                   help="Context length limit (prompt + output); one the KV cache cannot hold is refused. "
+                        "Default: the model's, cut to what the KV cache holds.")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="Most sequences in one batch (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,

@@ -1,6 +1,7 @@
 """The offline API: `LLM().generate(prompts, SamplingParams(...))`, as in vLLM."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import numbers
 from collections.abc import Iterable, Sequence as Seq
@@ -29,22 +30,29 @@ def _is_token_ids(prompt: Any) -> bool:
 
 
 def _as_engine_prompt(prompt: Prompt) -> str | list[int]:
-    """What the engine takes: a dict prompt's text or ids; a clear error for a dict of anything else (iterated
-    as a list, its keys had reached the engine as token ids) and for what is neither text nor ids."""
+    """What the engine takes: text, or token ids as a list (a dict prompt's too); a clear error for a dict of
+    anything else (iterated as a list, its keys had reached the engine as token ids) and for what is neither
+    text nor ids (bytes had been taken as ids, one per byte)."""
+    if isinstance(prompt, dict):
+        given = [k for k in _PROMPT_KEYS if k in prompt]
+        other = sorted(set(prompt) - set(_PROMPT_KEYS))
+        if len(given) != 1 or other:
+            raise ValueError(f"a dict prompt holds exactly one of 'prompt' (text) or 'prompt_token_ids' (a list of "
+                             f"token ids); got keys {sorted(prompt)}"
+                             + (f" ({', '.join(other)} not supported)" if other else ""))
+        value = prompt[given[0]]
+        if (given[0] == "prompt") != isinstance(value, str):
+            raise TypeError(f"a dict prompt's {given[0]!r} is {'text' if given[0] == 'prompt' else 'token ids'}, "
+                            f"got {type(value).__name__}: {value!r:.80}")
+        prompt = value
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise TypeError("a prompt is text, token ids or a dict, got bytes: decode it first")
     if hasattr(prompt, "tolist") and not isinstance(prompt, list):
         prompt = prompt.tolist()  # a numpy array or tensor of ids
     if isinstance(prompt, (str, list, tuple)):  # the engine checks the ids themselves
         return list(prompt) if isinstance(prompt, tuple) else prompt
-    if not isinstance(prompt, dict):
-        raise TypeError(f"a prompt is text, token ids (a list of ints) or a dict, got {type(prompt).__name__}: "
-                        f"{prompt!r:.80}")
-    given = [k for k in _PROMPT_KEYS if k in prompt]
-    other = sorted(set(prompt) - set(_PROMPT_KEYS))
-    if len(given) != 1 or other:
-        raise ValueError(f"a dict prompt holds exactly one of 'prompt' (text) or 'prompt_token_ids' (a list of "
-                         f"token ids); got keys {sorted(prompt)}"
-                         + (f" ({', '.join(other)} not supported)" if other else ""))
-    return prompt[given[0]]
+    raise TypeError(f"a prompt is text, token ids (a list of ints) or a dict, got {type(prompt).__name__}: "
+                    f"{prompt!r:.80}")
 
 
 class LLM:
@@ -76,13 +84,15 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
                  priority: Seq[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in the order given. A prompt is text, a list of token ids, or as in vLLM
-        {"prompt": text} or {"prompt_token_ids": ids}."""
-        if isinstance(prompts, (bytes, bytearray)):  # iterated, its bytes would have been taken as token ids
+        """One RequestOutput per prompt, in the order given. A prompt is text, token ids (a list, a tuple, a numpy
+        array or a tensor; a 2-D one is a prompt per row), or as in vLLM {"prompt": text} or
+        {"prompt_token_ids": ids}."""
+        if isinstance(prompts, (bytes, bytearray, memoryview)):  # iterated, its bytes were taken as token ids
             raise TypeError("a prompt is text, token ids or a dict, got bytes: decode it first")
+        one_row = getattr(prompts, "ndim", None) == 1  # an array or tensor of one prompt's ids, whatever their type
         if hasattr(prompts, "tolist") and not isinstance(prompts, list):
-            prompts = prompts.tolist()  # a numpy array or tensor of ids: 1-D one prompt, 2-D one per row
-        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
+            prompts = prompts.tolist()  # 1-D: one prompt, 2-D: one per row
+        if isinstance(prompts, (str, dict)) or one_row or _is_token_ids(prompts):
             prompts = [prompts]  # a single prompt
         if not isinstance(prompts, Iterable):  # None and 5 failed as "object is not iterable", naming nothing
             raise TypeError(f"prompts must be a prompt (text, token ids, or a dict) or a list of them, got {prompts!r}")
@@ -121,6 +131,13 @@ class LLM:
             raise ValueError("priority is given but scheduling_policy is fcfs: use LLM(..., "
                              "scheduling_policy=\"priority\") for it to order the requests")
 
+        # Each distinct SamplingParams converted once for the call, so that a warning its conversion gives
+        # (a temperature set below 0.01 after construction) is said once, not once per prompt.
+        converted: dict[int, SamplingParams] = {}
+        for sp in params:
+            if isinstance(sp, SamplingParams) and id(sp) not in converted:
+                converted[id(sp)] = dataclasses.replace(sp)
+        params = [converted.get(id(sp), sp) for sp in params]
         engine = self.engine
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:

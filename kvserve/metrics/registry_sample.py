@@ -1,6 +1,6 @@
 """One reading of a Prometheus registry, reduced to what a dashboard draws: every gauge, counter and
 histogram count/sum summed over its label sets (a gauge that is a fraction, KV-cache usage, averaged over them
-instead: three engines 60% full are not 180% full; weighed by their pools' blocks where kvserve:engine_info
+instead: three engines 60% full are not 180% full; weighed by their pools' sizes where kvserve:engine_info
 gives them, else each engine alike), every histogram's cumulative buckets summed the same way, and the
 per-replica split of the gauges where metrics carry a `replica` label (and there are several).
 Plus Prometheus's own quantile estimate from buckets.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 
 # Gauges that are each engine's fraction of something (0..1): their label sets are averaged, not summed. KV-cache
-# usage is weighed by each engine's pool (the blocks its kvserve:engine_info names) where every engine says it.
+# usage is weighed by each engine's pool (the tokens its kvserve:engine_info's blocks hold) where every engine says.
 KV_USAGE = "kvserve:kv_cache_usage_perc"
 MEAN_GAUGES = frozenset({KV_USAGE})
 ENGINE_INFO = "kvserve:engine_info"
@@ -53,7 +53,7 @@ def read_registry(registry: CollectorRegistry, t: float | None = None) -> Regist
     # (model_name, replica) -> gauge name -> value
     engines: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
     label_sets: dict[str, int] = defaultdict(int)   # per MEAN_GAUGES name
-    pools: dict[tuple[str, str], float] = {}        # (model_name, replica) -> KV blocks, from kvserve:engine_info
+    pools: dict[tuple[str, str], float] = {}        # (model_name, replica) -> KV tokens, from kvserve:engine_info
     for family in registry.collect():
         if family.type == "counter" and not family.samples:
             values[family.name + "_total"] = 0.0   # a labelled counter nothing has incremented yet
@@ -65,8 +65,9 @@ def read_registry(registry: CollectorRegistry, t: float | None = None) -> Regist
                 continue
             if family.type not in ("gauge", "counter", "histogram", "info"):  # info: 1 per labelled engine
                 continue
-            if s.name == ENGINE_INFO and s.labels.get("num_kv_blocks", "").isdigit():
-                pools[(s.labels.get("model_name", ""), s.labels.get("replica", ""))] = float(s.labels["num_kv_blocks"])
+            blocks, block_size = s.labels.get("num_kv_blocks", ""), s.labels.get("block_size", "1")
+            if s.name == ENGINE_INFO and blocks.isdigit() and block_size.isdigit():  # a pool's tokens
+                pools[(s.labels.get("model_name", ""), s.labels.get("replica", ""))] = float(blocks) * int(block_size)
             values[s.name] += s.value  # gauges, counters, and histograms' _count and _sum
             if s.name in MEAN_GAUGES:
                 label_sets[s.name] += 1

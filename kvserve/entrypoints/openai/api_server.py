@@ -242,7 +242,10 @@ def build_app(args: ServerArgs, state: ServerState | None = None, auto_router: A
             raise
         tasks = [asyncio.create_task(history.run())]
         for model, i, engine, metrics in engines:
-            metrics.engine_info.info({"version": VERSION, **engine.engine_info})
+            def set_info(info: dict[str, str], m: ServerMetrics = metrics) -> None:
+                m.engine_info.info({"version": VERSION, **info})
+            set_info(engine.engine_info)
+            engine.ready_listeners.append(set_info)   # a replacement engine's, after a crash
             if engine.config.speculative_config is not None:
                 # One per chain position (a token tree's alternatives count as its first).
                 metrics.expect_speculation(engine.config.speculative_config.draft_depth)

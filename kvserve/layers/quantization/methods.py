@@ -132,6 +132,20 @@ def amx_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return rows.reshape(*ids.shape, -1)
 
 
+def weight_formats(model: nn.Module) -> str:
+    """The formats model's linear layers hold their weights in, as a benchmark states them: e.g. "gguf q4 +
+    gguf q8" for the default model (its projections' Q4_1 blocks, its LM head's Q8_0), "int4 q4 + int8 q8",
+    or "float bfloat16"."""
+    found = set()
+    for m in model.modules():
+        method = getattr(m, "method", None)
+        if isinstance(method, BlockMethod):
+            found.update(f"{method.source} {seg.layout}" for seg in getattr(m, "segments", ()))
+        elif isinstance(method, FloatMethod):
+            found.add(f"float {str(method.dtype).removeprefix('torch.')}")
+    return " + ".join(sorted(found)) or "none"
+
+
 def rounds_by_step_shape(model: nn.Module) -> bool:
     """Whether some linear layer of model multiplies with torch's matmuls (float or block weights without
     kvserve's kernels: on a GPU, or under KVSERVE_CPU_ISA=none), whose rounding of a row depends on how many
