@@ -143,7 +143,8 @@ def test_tiny_temperatures_are_greedy_and_fail_no_one_beside_them(client):
 def test_prompt_logprobs_without_echo_are_returned_as_vllm_does(http, offline):
     """vLLM's choices[i].prompt_logprobs: per prompt token (None for the first) the prompt's own token and the
     top ones by id, each with logprob, rank and text; the offline engine's values. They were computed and
-    dropped before (returned only through echo with logprobs). Not in streamed chunks, as in vLLM."""
+    dropped before (returned only through echo with logprobs). Refused with stream, as in vLLM (they had been
+    accepted and dropped there); 0 passes."""
     from kvserve import SamplingParams
 
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3}
@@ -159,7 +160,9 @@ def test_prompt_logprobs_without_echo_are_returned_as_vllm_does(http, offline):
             assert e["logprob"] == pytest.approx(ref[int(t)].logprob, abs=1e-4)
     assert http.post("/v1/completions", json={**body, "prompt_logprobs": None}).json()["choices"][0][
         "prompt_logprobs"] is None
-    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+    refused = http.post("/v1/completions", json={**body, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True, "prompt_logprobs": 0}) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert chunks and all("prompt_logprobs" not in c["choices"][0] for c in chunks if c["choices"])
 
@@ -621,6 +624,80 @@ def test_fuzz_chat_messages_and_cache_salt(server, http):
 
     fuzz()
     assert http.get("/health").status_code == 200
+
+
+def test_fields_whose_answer_kvserve_cannot_give_are_refused_as_vllm_refuses_them(http):
+    """response_format, tools and the rest had been accepted with a 200 and dropped: a JSON schema came back
+    as free text, tools never reached the prompt."""
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    refused = [
+        (chat | {"response_format": {"type": "json_object"}}, "response_format"),
+        (chat | {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+         "response_format"),
+        (chat | {"tools": [tool]}, "tools"), (chat | {"tools": [tool], "tool_choice": "auto"}, "tools"),
+        (chat | {"tool_choice": "required"}, "tool_choice"),
+        (chat | {"stream_options": {"include_usage": True}}, "stream_options"),
+        (chat | {"continue_final_message": True}, "continue_final_message"),
+        (chat | {"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+        (chat | {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ]
+    for body, param in refused:
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    completion = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2}
+    for body, param in [(completion | {"response_format": {"type": "json_object"}}, "response_format"),
+                        (completion | {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs")]:
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    for body in (chat | {"response_format": {"type": "text"}}, chat | {"tools": [tool], "tool_choice": "none"},
+                 chat | {"tools": []}):
+        assert http.post("/v1/chat/completions", json=body).status_code == 200, body
+
+
+def test_errors_name_the_request_field(http):
+    """A union's branch ("prompt.str") was given as the field, and a chat over the context named "prompt"."""
+    for body, param in [({"prompt": None}, "prompt"), ({"prompt": ["a", [1, 2]]}, "prompt"),
+                        ({"prompt": "hi", "stop": ["a", 5]}, "stop")]:
+        r = http.post("/v1/completions", json={"model": MODEL, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    long = [{"role": "user", "content": "hi " * (2 * MAX_MODEL_LEN)}]
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": long})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+def test_null_max_tokens_on_completions_is_openais_16(http):
+    """It had meant the whole context left (as chat's does, where vLLM also takes it so)."""
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": None,
+                                           "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
+
+
+def test_chat_echo_and_prompt_logprobs_as_vllm_gives_them(http, offline):
+    """echo had been accepted and ignored, prompt_logprobs too (chat only: completions returned them)."""
+    from kvserve import SamplingParams
+    tok = offline.get_tokenizer()
+    start = "My favourite fruit is"
+    messages = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": start}]
+    body = {"model": MODEL, "messages": messages, "continue_final_message": True, "add_generation_prompt": False,
+            "max_tokens": 4, "temperature": 0}
+    plain = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    echoed = http.post("/v1/chat/completions", json=body | {"echo": True}).json()["choices"][0]["message"]["content"]
+    assert echoed == start + plain and plain
+    with http.stream("POST", "/v1/chat/completions", json=body | {"echo": True, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": start}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == echoed
+
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 2,
+                                                "prompt_logprobs": 1, "temperature": 0}).json()
+    got = r["prompt_logprobs"]
+    ids = tok.encode(tok.apply_chat_template(CHAT), add_special_tokens=False)
+    assert len(got) == len(ids) == r["usage"]["prompt_tokens"] and got[0] is None
+    ref = offline.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0].prompt_logprobs
+    for position, (mine, theirs) in enumerate(zip(got[1:], ref[1:]), 1):
+        token = str(ids[position])  # JSON keys: the position's own token is always there
+        assert mine[token]["logprob"] == pytest.approx(theirs[ids[position]].logprob, abs=2e-2), position
 
 
 def test_sigterm_finishes_inflight_stream_then_exits_0(server):

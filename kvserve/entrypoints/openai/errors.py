@@ -34,6 +34,7 @@ _TYPES = {
 # "n must be an integer >= 1, got 0": SamplingParams and the engine name the field first.
 _FIELD_FIRST = re.compile(r"^([a-z_]+) ")
 _PATH_FIRST = re.compile(r"^([a-z_][a-z_0-9.]*) ")
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|bytes|none|.*[\[\]\-].*)$")
 
 
 class OpenAIError(Exception):
@@ -71,6 +72,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in first.get("loc", ())]
     if loc[:1] in (["body"], ["query"]):    # where the field was, not which field
         loc = loc[1:]
+    # A union's branch that pydantic tried ("prompt.str", "stop.list[str].1") is no field of the request.
+    loc = [part for part in loc if not _UNION_BRANCH.match(part)]
     param = ".".join(loc) or None
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")  # pydantic's prefix for our checks
     if first.get("type") == "json_invalid":

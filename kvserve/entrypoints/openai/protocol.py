@@ -97,6 +97,19 @@ class SamplingFields(RequestBody):
     request_id: str | None = None
     # vLLM's field: only requests with the same salt share prefix-cache entries (e.g. one salt per tenant).
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # OpenAI's structured outputs: kvserve does not constrain what it samples, so anything but plain text is
+    # refused (accepted and ignored, a JSON schema had come back as free text with a 200).
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> SamplingFields:
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"response_format type {kind!r} is not supported: kvserve does not constrain its "
+                             f"output to JSON or a schema (structured outputs); leave response_format out")
+        if self.stream_options is not None and not self.stream:  # as vLLM
+            raise ValueError("stream_options is only allowed with stream set to true")
+        return self
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            prompt_logprobs: int | None) -> SamplingParams:
@@ -138,7 +151,13 @@ Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: BoundedInt | None = 16
+    # 16, OpenAI's default, also for an explicit null (as vLLM's): null had meant the whole context left.
+    max_tokens: Annotated[BoundedInt | None, Field(validate_default=True)] = 16
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_is_the_default(cls, v: int | None) -> int:
+        return 16 if v is None else v
     echo: bool = False
     logprobs: BoundedInt | None = None
     prompt_logprobs: BoundedInt | None = None
@@ -231,6 +250,28 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    prompt_logprobs: BoundedInt | None = None       # vLLM's: ChatCompletionResponse.prompt_logprobs
+    # OpenAI's tool calling: kvserve has no tool-call parser, so tools are refused unless tool_choice is "none"
+    # (as vLLM refuses them without --enable-auto-tool-choice); they had been dropped with a 200.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_supported(self) -> ChatCompletionRequest:
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("tools are not supported (kvserve has no tool-call parser): leave tools out, or set "
+                             "tool_choice to \"none\" to have them ignored")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice names a tool choice, and no tools are given")
+        if self.continue_final_message and self.add_generation_prompt:  # as vLLM
+            raise ValueError("continue_final_message cannot be true with add_generation_prompt true (the default): "
+                             "set add_generation_prompt to false to continue the final message")
+        reserved = sorted({"add_generation_prompt", "continue_final_message", "messages", "conversation", "tokenize",
+                           "tools"} & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)} (a field of its own, or the "
+                             f"server's)")
+        return self
 
 
 class ChatTopLogprob(BaseModel):
@@ -268,6 +309,9 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     metrics: dict | None = None  # as CompletionResponse.metrics
+    # vLLM's, where the request asked for prompt_logprobs: per prompt token (None for the first) its own token
+    # and the top ones, by token id; not streamed.
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class DeltaMessage(BaseModel):

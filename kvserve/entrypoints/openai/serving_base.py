@@ -16,12 +16,12 @@ from pydantic import BaseModel
 from kvserve.entrypoints.async_llm import EngineDeadError, EngineRequestError, ServerStopping
 from kvserve.entrypoints.openai.auth import bearer_token, tenant_cache_salt
 from kvserve.entrypoints.openai.errors import SHUTDOWN_RETRY_AFTER, OpenAIError, bad_request, error_body
-from kvserve.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from kvserve.entrypoints.openai.protocol import PromptLogprob, PromptTokensDetails, SamplingFields, UsageInfo
 from kvserve.gateway.admission import NoReplica, QueueFull
 from kvserve.gateway.config import AUTO_MODEL
 from kvserve.gateway.registry import ModelRegistry, UnknownModel
 from kvserve.gateway.served_model import ServedModel
-from kvserve.outputs import RequestDelta, SpecDecodeMetrics
+from kvserve.outputs import PositionLogprobs, RequestDelta, SpecDecodeMetrics
 from kvserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -87,11 +87,11 @@ class OpenAIServing:
 
     @staticmethod
     def resolve_max_tokens(model: ServedModel, prompt_len: int, max_tokens: int | None,
-                           param: str = "max_tokens") -> int:
+                           param: str = "max_tokens", prompt_param: str = "prompt") -> int:
         room = model.max_model_len - prompt_len
         if room < 1:
             raise bad_request(f"This model's maximum context length is {model.max_model_len} tokens; "
-                              f"the prompt has {prompt_len} tokens, leaving no room to generate.", "prompt")
+                              f"the prompt has {prompt_len} tokens, leaving no room to generate.", prompt_param)
         if max_tokens is None:
             return room
         if max_tokens < 1:
@@ -243,6 +243,14 @@ def sse(payload: dict | str) -> str:
 
 def sse_error(e: OpenAIError) -> str:
     return sse(error_body(e.status, e.message, e.param))
+
+
+def prompt_logprobs_body(entries: list[PositionLogprobs | None] | None) -> list[dict[int, PromptLogprob] | None] | None:
+    """The engine's prompt logprobs in vLLM's response shape (None where the request asked for none)."""
+    if entries is None:
+        return None
+    return [None if e is None else {t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+                                    for t, lp in e.items()} for e in entries]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:

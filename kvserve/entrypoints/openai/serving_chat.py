@@ -30,6 +30,7 @@ from kvserve.entrypoints.openai.serving_base import (
     OpenAIServing,
     body_json,
     first_output,
+    prompt_logprobs_body,
     request_metrics,
     sse,
     sse_error,
@@ -87,14 +88,17 @@ class OpenAIServingChat(OpenAIServing):
         self.check_prompt(m, ids, "messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.resolve_max_tokens(
-            m, len(ids), requested, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+            m, len(ids), requested, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+            prompt_param="messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             # Checked here, not by SamplingParams, which would name its own field (logprobs) in the error.
             raise bad_request(f"top_logprobs must be an integer in [0, 20], got {req.top_logprobs}", "top_logprobs")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(m, req, max_tokens, num_top, None)
+        if req.prompt_logprobs and req.stream:  # as vLLM: they would have nowhere to go
+            raise bad_request("prompt_logprobs is not returned in a streamed response", "prompt_logprobs")
+        params = self.sampling_params(m, req, max_tokens, num_top, req.prompt_logprobs)
         self.check_admission(m, 1, req.priority)
 
         request_id = req.request_id or random_id("chatcmpl")
@@ -115,16 +119,25 @@ class OpenAIServingChat(OpenAIServing):
         except ClientDisconnected:
             return Response(status_code=499)
         choices = []
+        echoed = self._echoed(req)
         for c in out.outputs:
             logprobs = (self._logprobs(m.tokenizer, c.token_ids, c.logprobs or [], num_top)
                         if num_top is not None else None)
-            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=echoed + c.text),
                                       logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         body = ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                       usage=usage(len(ids), completion_tokens, out.num_cached_tokens),
-                                      metrics=request_metrics(out.spec_decode_metrics))
+                                      metrics=request_metrics(out.spec_decode_metrics),
+                                      prompt_logprobs=prompt_logprobs_body(out.prompt_logprobs))
         return JSONResponse(body_json(body, m))
+
+    @staticmethod
+    def _echoed(req: ChatCompletionRequest) -> str:
+        """vLLM's `echo`: the final message's text, to go before the answer, where that message is the
+        assistant's (the one continue_final_message continues); "" otherwise. It was accepted and ignored."""
+        last = req.messages[-1]
+        return last.text if req.echo and last.role == "assistant" else ""
 
     @staticmethod
     def _logprobs(tokenizer, token_ids: list[int], entries: list[PositionLogprobs],
@@ -183,9 +196,10 @@ class OpenAIServingChat(OpenAIServing):
         async def body() -> AsyncIterator[str]:
             async with contextlib.aclosing(gen):
                 try:
-                    # OpenAI opens each choice with a role-only delta.
+                    # OpenAI opens each choice with a role-only delta (with echo, the text echoed).
+                    echoed = self._echoed(req)
                     for j in range(n):
-                        yield chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))],
+                        yield chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=echoed))],
                                     continuous)
                     for line in deltas(first):
                         yield line

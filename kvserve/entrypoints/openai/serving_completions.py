@@ -15,7 +15,6 @@ from kvserve.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    PromptLogprob,
     UsageInfo,
     random_id,
 )
@@ -25,6 +24,7 @@ from kvserve.entrypoints.openai.serving_base import (
     body_json,
     first_output,
     merge,
+    prompt_logprobs_body,
     request_metrics,
     sse,
     sse_error,
@@ -47,14 +47,6 @@ def _prompt_text(req: CompletionRequest) -> str:
     return "\n".join(items)
 
 
-def _prompt_logprobs(entries: list[PositionLogprobs | None] | None) -> list[dict[int, PromptLogprob] | None] | None:
-    """The engine's prompt logprobs in vLLM's response shape (None where the request asked for none)."""
-    if entries is None:
-        return None
-    return [None if e is None else {t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
-                                    for t, lp in e.items()} for e in entries]
-
-
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
         m = self.resolve(req.model, lambda: _prompt_text(req))
@@ -63,6 +55,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of must equal n (best-of selection is not supported)", "best_of")
+        if req.prompt_logprobs and req.stream:  # as vLLM: accepted, they had been dropped
+            raise bad_request("prompt_logprobs is not returned in a streamed response", "prompt_logprobs")
         prompts = await self._prompts(m, req)
         if req.echo and req.logprobs is not None:
             prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs
@@ -114,7 +108,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(CompletionChoice(
                     index=len(choices), text=(prompt_text if req.echo else "") + c.text, logprobs=logprobs,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    prompt_logprobs=_prompt_logprobs(out.prompt_logprobs)))
+                    prompt_logprobs=prompt_logprobs_body(out.prompt_logprobs)))
         body = CompletionResponse(id=request_id, model=model, choices=choices,
                                   usage=usage(prompt_tokens, completion_tokens, cached),
                                   metrics=request_metrics(finals[0].spec_decode_metrics) if len(finals) == 1 else None)
