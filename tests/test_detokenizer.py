@@ -150,6 +150,41 @@ def test_byte_tokens_after_a_prompt_ending_in_byte_tokens(gemma_tok: Tokenizer, 
     assert not any("\ufffd" in d for d in deltas), deltas
 
 
+@pytest.mark.parametrize("text", ["𓀀𓀁𓀂𓀃 end", "A 𓀀𓀁𓀂𓀃𓀄𓀅𓀆𓀇 ok", "龘 and 𓀀"])
+def test_byte_token_prompt_cut_anywhere(gemma_tok: Tokenizer, text: str) -> None:
+    """A token-id prompt cut inside a run of byte tokens: the seed had been taken before setting the broken
+    tail aside, and the output streamed U+FFFDs at 5 of the first text's cuts. As test_token_id_prompt_cut_
+    inside_a_char, with byte-fallback tokens."""
+    ids = gemma_tok.encode(text, add_special_tokens=False)
+    full = gemma_tok.decode(ids)
+    assert full == text
+    for cut in range(1, len(ids)):
+        whole = max(j for j in range(cut + 1) if full.startswith(gemma_tok.decode(ids[:j])))
+        detok = IncrementalDetokenizer(gemma_tok.backend, ids[:cut], SamplingParams())
+        text_out = ""
+        for i, t in enumerate(ids[cut:]):
+            detok.update([t])
+            text_out += detok.get_delta(finished=i == len(ids) - cut - 1)
+        assert gemma_tok.decode(ids[:whole]) + text_out == full, (cut, text_out)
+
+
+def test_a_stray_byte_in_the_output_is_rendered_not_raised(gemma_tok: Tokenizer) -> None:
+    """A byte token that continues no char ("Invalid prefix encountered while decoding stream") raised out of
+    the engine's step and failed every request in it. Its text is now a full decode's (U+FFFD), and the
+    stream goes on after it."""
+    stray = gemma_tok.backend.token_to_id("<0x80>")
+    after = gemma_tok.encode(" then 𓀃 words", add_special_tokens=False)
+    for prompt in ("𓀀𓀁𓀂𓀃", "龘", "plain"):
+        out = [stray] + after
+        detok = IncrementalDetokenizer(gemma_tok.backend, gemma_tok.encode(prompt), SamplingParams())
+        text = ""
+        for t in out:
+            detok.update([t])
+            text += detok.get_delta(finished=False)
+        text += detok.get_delta(finished=True)
+        assert text == gemma_tok.decode(out) == "\ufffd then 𓀃 words", (prompt, text)
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_skip_special_tokens(tok: Tokenizer, skip: bool) -> None:
     im_start, im_end = tok.backend.token_to_id("<|im_start|>"), tok.backend.token_to_id("<|im_end|>")

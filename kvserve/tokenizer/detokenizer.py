@@ -31,15 +31,19 @@ def _broken_tail(tokenizer: Tokenizer, ids: list[int], skip_special: bool) -> in
     return 0
 
 
-def _whole_chars(tokenizer: Tokenizer, ids: list[int], skip_special: bool) -> list[int]:
-    """The longest suffix of ids whose text holds no U+FFFD: a seed that does not start inside a char. The
-    prompt's last tokens may start with the middle bytes of a char (byte-fallback tokens, as Gemma's and Llama
-    2's write rare chars), and such a decoder turns a whole run of bytes with a stray one in it into U+FFFDs:
-    every output char written in bytes after that seed came out as U+FFFD."""
+def _seed(tokenizer: Tokenizer, ids: list[int], skip_special: bool) -> tuple[list[int], list[int]]:
+    """Where a decode stream over ids' continuation starts: (seed, tail), the seed the longest suffix of ids,
+    less its broken tail, whose text holds no U+FFFD, and the tail the tokens after it that start a char the
+    continuation will finish. ids may start with the middle bytes of a char (byte-fallback tokens, as Gemma's
+    and Llama 2's write rare chars), and such a decoder turns a whole run of bytes with a stray one in it into
+    U+FFFDs: a seed holding one made every output char written in bytes come out as U+FFFD."""
+    decode = lambda t: tokenizer.decode(t, skip_special_tokens=skip_special)  # noqa: E731
     for start in range(len(ids)):
-        if "\ufffd" not in tokenizer.decode(ids[start:], skip_special_tokens=skip_special):
-            return ids[start:]
-    return []
+        suffix = ids[start:]
+        broken = _broken_tail(tokenizer, suffix, skip_special)
+        if "\ufffd" not in decode(suffix[:len(suffix) - broken]):
+            return suffix[:len(suffix) - broken], suffix[len(suffix) - broken:]
+    return [], []
 
 
 class IncrementalDetokenizer:
@@ -49,24 +53,24 @@ class IncrementalDetokenizer:
         self.output_text = ""            # full output text so far (after any stop truncation)
         self.stop_reason: str | None = None
         self._skip_special = params.skip_special_tokens
-        context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
-        broken = _broken_tail(tokenizer, context, self._skip_special)
-        tail = context[len(context) - broken:]
-        seed = _whole_chars(tokenizer, context[:len(context) - broken], self._skip_special)
+        # The ids whose text output_text already holds (a short tail, as context for the final flush)
+        # and the ids the stream is still holding back.
+        seed, tail = _seed(tokenizer, list(prompt_token_ids[-_PROMPT_CONTEXT:]), self._skip_special)
+        self._start_stream(seed, tail)
+        self._decoded_tail: list[int] = seed + tail   # a prompt's broken tail is the prompt's, not output
+        self._held: list[int] = []
+        self._sent = 0                   # chars of output_text already returned by get_delta
+        self._max_stop_len = max((len(s) for s in params.stop), default=0)
+
+    def _start_stream(self, seed: list[int], tail: list[int]) -> None:
+        """A new decode stream after seed's text, tail (the start of a char) stepped in."""
         self._stream = DecodeStream(seed, skip_special_tokens=self._skip_special)
         # A token-id prompt may end inside a multi-byte char. Seeded with that broken text, the stream found
         # its first output unlike its seed and returned the whole seed's text, prompt included. Stepped in
         # instead, the tail waits like any broken char, and the output's first text completes it (as vLLM's
         # stream, primed by steps, does).
         for t in tail:
-            self._stream.step(tokenizer, t)
-        context = seed + tail
-        # The ids whose text output_text already holds (a short tail, as context for the final flush)
-        # and the ids the stream is still holding back.
-        self._decoded_tail: list[int] = context
-        self._held: list[int] = []
-        self._sent = 0                   # chars of output_text already returned by get_delta
-        self._max_stop_len = max((len(s) for s in params.stop), default=0)
+            self._stream.step(self.tokenizer, t)
 
     def update(self, new_token_ids: list[int], stop_terminated: bool = False, check_stop: bool = True) -> str | None:
         """Append generated tokens. Returns the stop string if one now occurs in the output (the
@@ -83,7 +87,21 @@ class IncrementalDetokenizer:
         checked = len(self.output_text)
         for tok in new_token_ids:
             self._held.append(tok)
-            chunk = self._stream.step(self.tokenizer, tok)
+            try:
+                chunk = self._stream.step(self.tokenizer, tok)
+            except Exception:  # noqa: BLE001 - tokenizers' own error type is not exported
+                # A byte the decoder cannot continue from (a stray byte token in a run of them: "Invalid
+                # prefix encountered while decoding stream"). It raised out of the engine's step, failing every
+                # request in it. The text is then what a full decode gives (U+FFFD for the bytes that make no
+                # char), and a new stream starts after it.
+                seed, tail = _seed(self.tokenizer, (self._decoded_tail + self._held)[-_PROMPT_CONTEXT:],
+                                   self._skip_special)
+                tail = tail[len(tail) - min(len(tail), len(self._held)):]  # a char the next ids may finish
+                self._held = self._held[:len(self._held) - len(tail)]
+                self.output_text += self._full_decode_chunk()
+                self._start_stream(seed, tail)
+                self._decoded_tail, self._held = seed, tail
+                continue
             if chunk is not None:
                 self.output_text += chunk
                 self._decoded_tail = (self._decoded_tail + self._held)[-_PROMPT_CONTEXT:]
@@ -125,8 +143,14 @@ class IncrementalDetokenizer:
         exactly as a full decode would render it."""
         if not self._held or self.stop_reason is not None:
             return
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self._skip_special)  # noqa: E731
-        before = decode(self._decoded_tail)
-        after = decode(self._decoded_tail + self._held)
-        self.output_text += after[len(before):]
+        self.output_text += self._full_decode_chunk()
         self._held = []
+
+    def _full_decode_chunk(self) -> str:
+        """The held ids' text as a full decode renders it after a plain char: a char's worth of context, so a
+        decoder that strips a leading space keeps it. Not after the decoded tail: a byte-fallback decoder
+        renders a run of bytes with a stray one in it as U+FFFDs only, so the tail's own bytes, run into the
+        held ones, came out as U+FFFD too."""
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self._skip_special)  # noqa: E731
+        plain = self.tokenizer.encode("a", add_special_tokens=False).ids
+        return decode(plain + self._held)[len(decode(plain)):]

@@ -107,7 +107,8 @@ class SamplingFields(RequestBody):
         if kind != "text":
             raise ValueError(f"response_format type {kind!r} is not supported: kvserve does not constrain its "
                              f"output to JSON or a schema (structured outputs); leave response_format out")
-        if self.stream_options is not None and not self.stream:  # as vLLM
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            # as vLLM, which refuses a non-empty object
             raise ValueError("stream_options is only allowed with stream set to true")
         return self
 
@@ -255,22 +256,28 @@ class ChatCompletionRequest(SamplingFields):
     # (as vLLM refuses them without --enable-auto-tool-choice); they had been dropped with a 200.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None        # OpenAI's deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _chat_supported(self) -> ChatCompletionRequest:
         if self.tools and self.tool_choice != "none":
             raise ValueError("tools are not supported (kvserve has no tool-call parser): leave tools out, or set "
                              "tool_choice to \"none\" to have them ignored")
-        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+        if self.tool_choice not in (None, "none", "auto") and self.tools is None:
             raise ValueError("tool_choice names a tool choice, and no tools are given")
+        if self.functions and self.function_call != "none":
+            raise ValueError("functions are not supported (kvserve has no tool-call parser): leave functions out")
         if self.continue_final_message and self.add_generation_prompt:  # as vLLM
             raise ValueError("continue_final_message cannot be true with add_generation_prompt true (the default): "
                              "set add_generation_prompt to false to continue the final message")
-        reserved = sorted({"add_generation_prompt", "continue_final_message", "messages", "conversation", "tokenize",
-                           "tools"} & set(self.chat_template_kwargs or {}))
+        # What the template is rendered with already (kvserve/tokenizer/tokenizer.py): given twice, the render
+        # raised a TypeError, reported as a problem with the messages.
+        reserved = sorted({"messages", "add_generation_prompt", "bos_token", "eos_token"}
+                          & set(self.chat_template_kwargs or {}))
         if reserved:
             raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)} (a field of its own, or the "
-                             f"server's)")
+                             f"tokenizer's)")
         return self
 
 

@@ -98,7 +98,8 @@ class OpenAIServingChat(OpenAIServing):
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         if req.prompt_logprobs and req.stream:  # as vLLM: they would have nowhere to go
             raise bad_request("prompt_logprobs is not returned in a streamed response", "prompt_logprobs")
-        params = self.sampling_params(m, req, max_tokens, num_top, req.prompt_logprobs)
+        # Streamed, prompt logprobs have nowhere to go: none asked of the engine (they skip the prefix cache).
+        params = self.sampling_params(m, req, max_tokens, num_top, None if req.stream else req.prompt_logprobs)
         self.check_admission(m, 1, req.priority)
 
         request_id = req.request_id or random_id("chatcmpl")

@@ -60,8 +60,8 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = await self._prompts(m, req)
         if req.echo and req.logprobs is not None:
             prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs
-        else:
-            prompt_logprobs = req.prompt_logprobs
+        else:  # streamed, they have nowhere to go: none asked of the engine (they skip the prefix cache)
+            prompt_logprobs = None if req.stream else req.prompt_logprobs
         params = []
         for _, ids in prompts:
             self.check_prompt(m, ids)
