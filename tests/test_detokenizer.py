@@ -109,6 +109,12 @@ def test_token_id_prompt_cut_inside_a_char(tok: Tokenizer, text: str) -> None:
     """A prompt of token ids may end inside a multi-byte char. The output's text then starts with that char,
     finished by the output's first tokens, and holds none of the prompt's whole text: prompt text up to the
     cut's char and the output's text make up the full decode."""
+    check_every_cut(tok, text)
+
+
+def check_every_cut(tok: Tokenizer, text: str) -> None:
+    """text's ids cut at every place into a token-id prompt and an output streamed a token at a time: the
+    prompt's whole chars and the output's text make up the full decode."""
     ids = tok.encode(text, add_special_tokens=False)
     full = tok.decode(ids)
     assert full == text
@@ -155,17 +161,7 @@ def test_byte_token_prompt_cut_anywhere(gemma_tok: Tokenizer, text: str) -> None
     """A token-id prompt cut inside a run of byte tokens: the seed had been taken before setting the broken
     tail aside, and the output streamed U+FFFDs at 5 of the first text's cuts. As test_token_id_prompt_cut_
     inside_a_char, with byte-fallback tokens."""
-    ids = gemma_tok.encode(text, add_special_tokens=False)
-    full = gemma_tok.decode(ids)
-    assert full == text
-    for cut in range(1, len(ids)):
-        whole = max(j for j in range(cut + 1) if full.startswith(gemma_tok.decode(ids[:j])))
-        detok = IncrementalDetokenizer(gemma_tok.backend, ids[:cut], SamplingParams())
-        text_out = ""
-        for i, t in enumerate(ids[cut:]):
-            detok.update([t])
-            text_out += detok.get_delta(finished=i == len(ids) - cut - 1)
-        assert gemma_tok.decode(ids[:whole]) + text_out == full, (cut, text_out)
+    check_every_cut(gemma_tok, text)
 
 
 def test_a_stray_byte_in_the_output_is_rendered_not_raised(gemma_tok: Tokenizer) -> None:
