@@ -668,6 +668,23 @@ def test_errors_name_the_request_field(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
 
+def test_openais_system_fingerprint_and_vllms_top_logprobs_zero(http):
+    """system_fingerprint was missing (vLLM sends null); top_logprobs 0 without logprobs was a 400 (vLLM takes
+    it: only a count above 0 needs logprobs)."""
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 2,
+                                                   "top_logprobs": 0})
+    assert chat.status_code == 200 and chat.json()["system_fingerprint"] is None, chat.text
+    assert chat.json()["choices"][0]["logprobs"] is None
+    completion = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2})
+    assert completion.json()["system_fingerprint"] is None
+    with http.stream("POST", "/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 2,
+                                                            "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks and all(c["system_fingerprint"] is None for c in chunks)
+    refused = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "top_logprobs": 2})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs"
+
+
 def test_null_max_tokens_on_completions_is_openais_16(http):
     """It had meant the whole context left (as chat's does, where vLLM also takes it so)."""
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": None,

@@ -209,6 +209,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = None  # OpenAI's field; null, as vLLM sends it
     # vLLM's per-request `metrics` (here its speculative_decoding part): in a body only where the server reports
     # them (--per-request-spec-decode-metrics; serving_base.body_json), null for n > 1 or several prompts.
     metrics: dict | None = None
@@ -315,6 +316,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = None  # OpenAI's field; null, as vLLM sends it
     metrics: dict | None = None  # as CompletionResponse.metrics
     # vLLM's, where the request asked for prompt_logprobs: per prompt token (None for the first) its own token
     # and the top ones, by token id; not streamed.
@@ -345,6 +347,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = None  # OpenAI's field; null, as vLLM sends it
     metrics: dict | None = None  # as CompletionResponse.metrics, in the final usage chunk only
 
 

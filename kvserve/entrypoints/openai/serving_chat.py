@@ -90,7 +90,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(
             m, len(ids), requested, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
             prompt_param="messages")
-        if req.top_logprobs is not None and not req.logprobs:
+        if req.top_logprobs and not req.logprobs:  # 0 passes, as in vLLM
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             # Checked here, not by SamplingParams, which would name its own field (logprobs) in the error.
