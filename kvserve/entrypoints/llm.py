@@ -87,13 +87,14 @@ class LLM:
         """One RequestOutput per prompt, in the order given. A prompt is text, token ids (a list, a tuple, a numpy
         array or a tensor; a 2-D one is a prompt per row), or as in vLLM {"prompt": text} or
         {"prompt_token_ids": ids}."""
-        if isinstance(prompts, (bytes, bytearray, memoryview)):  # iterated, its bytes were taken as token ids
-            raise TypeError("a prompt is text, token ids or a dict, got bytes: decode it first")
-        one_row = getattr(prompts, "ndim", None) == 1  # an array or tensor of one prompt's ids, whatever their type
-        if hasattr(prompts, "tolist") and not isinstance(prompts, list):
-            prompts = prompts.tolist()  # 1-D: one prompt, 2-D: one per row
-        if isinstance(prompts, (str, dict)) or one_row or _is_token_ids(prompts):
-            prompts = [prompts]  # a single prompt
+        if isinstance(prompts, (str, dict, bytes, bytearray, memoryview)):
+            prompts = [prompts]  # a single prompt (bytes: refused by _as_engine_prompt, not iterated as ids)
+        else:
+            one_row = getattr(prompts, "ndim", None) == 1  # an array or tensor of one prompt's ids, of any type
+            if hasattr(prompts, "tolist") and not isinstance(prompts, list):
+                prompts = prompts.tolist()  # 1-D: one prompt, 2-D: one per row
+            if one_row or _is_token_ids(prompts):
+                prompts = [prompts]
         if not isinstance(prompts, Iterable):  # None and 5 failed as "object is not iterable", naming nothing
             raise TypeError(f"prompts must be a prompt (text, token ids, or a dict) or a list of them, got {prompts!r}")
         prompts = [_as_engine_prompt(p) for p in prompts]

@@ -83,8 +83,9 @@ class MetricFamilies:
                                           ITERATION_TOKEN_BUCKETS, per_replica)
         # kvserve:engine_info{model_name, replica, device, cpu_kernels, dtype, quantization, ...} 1: what each
         # engine's figures depend on (kvserve's own; vLLM's cache_config_info is the same idea), set once ready.
-        self.engine_info = Info(ENGINE_INFO.removesuffix("_info"), "Each engine's device, CPU kernels, threads, weight and KV "
-                                "formats and cache size (kvserve's own metric).", per_replica, registry=r)
+        self.engine_info = Info(ENGINE_INFO.removesuffix("_info"), "Each engine's device, CPU kernels, threads, "
+                                "weight and KV formats and cache size (kvserve's own metric).", per_replica,
+                                registry=r)
         self._spec: _SpecDecodeFamilies | None = None
 
     def spec_decode(self) -> _SpecDecodeFamilies:

@@ -53,11 +53,11 @@ class IncrementalDetokenizer:
         self.output_text = ""            # full output text so far (after any stop truncation)
         self.stop_reason: str | None = None
         self._skip_special = params.skip_special_tokens
-        # The ids whose text output_text already holds (a short tail, as context for the final flush)
-        # and the ids the stream is still holding back.
         seed, tail = _seed(tokenizer, list(prompt_token_ids[-_PROMPT_CONTEXT:]), self._skip_special)
         self._start_stream(seed, tail)
-        self._decoded_tail: list[int] = seed + tail   # a prompt's broken tail is the prompt's, not output
+        # The ids whose text output_text already holds (a short tail, as context; a prompt's broken tail is the
+        # prompt's, not output) and the ids the stream is still holding back.
+        self._decoded_tail: list[int] = seed + tail
         self._held: list[int] = []
         self._sent = 0                   # chars of output_text already returned by get_delta
         self._max_stop_len = max((len(s) for s in params.stop), default=0)

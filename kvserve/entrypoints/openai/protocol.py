@@ -100,6 +100,8 @@ class SamplingFields(RequestBody):
     # OpenAI's structured outputs: kvserve does not constrain what it samples, so anything but plain text is
     # refused (accepted and ignored, a JSON schema had come back as free text with a 200).
     response_format: dict[str, Any] | None = None
+    # vLLM's: completions' choices[i].prompt_logprobs, chat's ChatCompletionResponse.prompt_logprobs.
+    prompt_logprobs: BoundedInt | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> SamplingFields:
@@ -110,6 +112,8 @@ class SamplingFields(RequestBody):
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             # as vLLM, which refuses a non-empty object
             raise ValueError("stream_options is only allowed with stream set to true")
+        if self.prompt_logprobs and self.stream:  # as vLLM: they would have nowhere to go (they had been dropped)
+            raise ValueError("prompt_logprobs is not returned in a streamed response")
         return self
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
@@ -161,7 +165,6 @@ class CompletionRequest(SamplingFields):
         return 16 if v is None else v
     echo: bool = False
     logprobs: BoundedInt | None = None
-    prompt_logprobs: BoundedInt | None = None
     suffix: str | None = None
     best_of: BoundedInt | None = None
 
@@ -252,7 +255,6 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    prompt_logprobs: BoundedInt | None = None       # vLLM's: ChatCompletionResponse.prompt_logprobs
     # OpenAI's tool calling: kvserve has no tool-call parser, so tools are refused unless tool_choice is "none"
     # (as vLLM refuses them without --enable-auto-tool-choice); they had been dropped with a 200.
     tools: list[dict[str, Any]] | None = None

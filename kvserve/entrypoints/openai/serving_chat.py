@@ -96,8 +96,6 @@ class OpenAIServingChat(OpenAIServing):
             # Checked here, not by SamplingParams, which would name its own field (logprobs) in the error.
             raise bad_request(f"top_logprobs must be an integer in [0, 20], got {req.top_logprobs}", "top_logprobs")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        if req.prompt_logprobs and req.stream:  # as vLLM: they would have nowhere to go
-            raise bad_request("prompt_logprobs is not returned in a streamed response", "prompt_logprobs")
         # Streamed, prompt logprobs have nowhere to go: none asked of the engine (they skip the prefix cache).
         params = self.sampling_params(m, req, max_tokens, num_top, None if req.stream else req.prompt_logprobs)
         self.check_admission(m, 1, req.priority)

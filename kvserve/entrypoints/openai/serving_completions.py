@@ -55,8 +55,6 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of must equal n (best-of selection is not supported)", "best_of")
-        if req.prompt_logprobs and req.stream:  # as vLLM: accepted, they had been dropped
-            raise bad_request("prompt_logprobs is not returned in a streamed response", "prompt_logprobs")
         prompts = await self._prompts(m, req)
         if req.echo and req.logprobs is not None:
             prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs
