@@ -692,6 +692,20 @@ def test_null_max_tokens_on_completions_is_openais_16(http):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
 
 
+def test_null_n_and_echo_mean_their_defaults(http):
+    """OpenAI documents n (both endpoints) and echo (completions) as nullable; a client that sends every field,
+    unset ones as null, had got a 400 naming n."""
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "n": None,
+                                           "echo": None, "temperature": 0})
+    assert r.status_code == 200, r.text
+    [choice] = r.json()["choices"]
+    assert not choice["text"].startswith(PROMPTS[0])  # not echoed
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 2, "n": None})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 2, "echo": None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text  # chat's echo is vLLM's: a bool
+
+
 def test_chat_echo_and_prompt_logprobs_as_vllm_gives_them(http, offline):
     """echo had been accepted and ignored, prompt_logprobs too (chat only: completions returned them)."""
     from kvserve import SamplingParams

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (BaseModel, WithJsonSchema, ConfigDict, Field, ValidationInfo, field_validator,
                       model_serializer, model_validator)
@@ -30,6 +30,16 @@ class OpenAIBase(BaseModel):
 
 class RequestBody(OpenAIBase):
     """A whole request body (not a part nested in one): checked once, with every string in it."""
+    # Fields OpenAI documents as nullable ("integer or null") whose null means the default: dropped before
+    # validation, as if left out (a client sending every field, unset ones as null, had got a 400 for n).
+    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_null_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in cls.NULL_IS_DEFAULT):
+            return {k: v for k, v in data.items() if not (v is None and k in cls.NULL_IS_DEFAULT)}
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -155,14 +165,10 @@ Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
 class CompletionRequest(SamplingFields):
+    # max_tokens: 16, OpenAI's default, also for an explicit null (as vLLM's): null had meant the whole context.
+    NULL_IS_DEFAULT = frozenset({"n", "max_tokens", "echo"})
     prompt: Prompt
-    # 16, OpenAI's default, also for an explicit null (as vLLM's): null had meant the whole context left.
-    max_tokens: Annotated[BoundedInt | None, Field(validate_default=True)] = 16
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _null_is_the_default(cls, v: int | None) -> int:
-        return 16 if v is None else v
+    max_tokens: BoundedInt = 16
     echo: bool = False
     logprobs: BoundedInt | None = None
     suffix: str | None = None
@@ -246,6 +252,7 @@ class ChatMessage(OpenAIBase):
 
 
 class ChatCompletionRequest(SamplingFields):
+    NULL_IS_DEFAULT = frozenset({"n"})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: BoundedInt | None = None            # deprecated by OpenAI in favour of the next one
     max_completion_tokens: BoundedInt | None = None
