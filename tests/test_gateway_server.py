@@ -88,6 +88,7 @@ def test_models_lists_every_name_and_auto(http):
     cards = http.get("/v1/models").json()["data"]
     assert [c["id"] for c in cards] == ["small", "large", "auto"]
     assert all(c["max_model_len"] == 512 for c in cards)
+    assert [http.get(f"/v1/models/{c['id']}").json() for c in cards] == cards
     assert http.get("/api/info").json()["models"] == ["small", "large", "auto"]
 
 

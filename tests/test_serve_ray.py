@@ -126,6 +126,8 @@ def test_openai_surface_and_streaming_through_the_ingress(server, offline):
         assert http.get("/health").status_code == 200
         models = http.get("/v1/models").json()
         assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [(NAME, 512)]
+        assert http.get(f"/v1/models/{NAME}").json() == models["data"][0]
+        assert http.get("/v1/models/no-such-model").json()["error"]["code"] == 404
 
         # Non-streamed, then streamed: the same greedy text as the engine run in this process.
         want = expected_text(offline, [prompt(0)])[0]

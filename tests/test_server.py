@@ -66,6 +66,10 @@ def test_health_models_and_tokenize(server, http):
     models = http.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    # OpenAI's "retrieve model" (the client's models.retrieve) had been a 404 for every name
+    assert http.get(f"/v1/models/{MODEL}").json() == models["data"][0]
+    missing = http.get("/v1/models/no-such-model")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model", missing.text
     tok = http.post("/tokenize", json={"prompt": "Hello world"}).json()
     assert tok["count"] == len(tok["tokens"]) > 0
     assert http.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"].endswith("Hello world")

@@ -168,6 +168,13 @@ def build_ingress_app(router: ModelRouter, args: ServerArgs, state: ServerState)
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": await router.model_cards()})
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:  # OpenAI's "retrieve model", as `kvserve serve`
+        for card in await router.model_cards():
+            if card["id"] == model_id:
+                return JSONResponse(card)
+        raise OpenAIError(404, f"The model `{model_id}` does not exist.", "model")
+
     @app.get("/version")
     async def version() -> dict:
         return {"version": VERSION}

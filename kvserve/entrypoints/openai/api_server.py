@@ -21,7 +21,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvserve.config import EngineConfig
 from kvserve.entrypoints.async_llm import EngineMode, EngineStartupError
 from kvserve.entrypoints.openai.auth import bearer_token, key_matches
-from kvserve.entrypoints.openai.errors import SHUTDOWN_RETRY_AFTER, bad_request, error_body, install_error_handlers
+from kvserve.entrypoints.openai.errors import (
+    SHUTDOWN_RETRY_AFTER, OpenAIError, bad_request, error_body, install_error_handlers)
 from kvserve.entrypoints.openai.pacing import LoopPacer
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -287,14 +288,24 @@ def build_app(args: ServerArgs, state: ServerState | None = None, auto_router: A
     async def prometheus_metrics() -> Response:
         return Response(families.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", response_model=ModelList)
-    async def models() -> ModelList:
+    def model_cards() -> list[ModelCard]:
         cards = [ModelCard(id=alias, root=m.name, max_model_len=m.max_model_len)
                  for m in registry.models for alias in m.aliases]
         if registry.auto:
             chosen = [registry.resolve(name) for name in registry.auto.values()]
             cards.append(ModelCard(id=AUTO_MODEL, root=AUTO_MODEL, max_model_len=min(m.max_model_len for m in chosen)))
-        return ModelList(data=cards)
+        return cards
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=model_cards())
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    async def model(model_id: str) -> ModelCard:  # OpenAI's "retrieve model" (the client's models.retrieve)
+        for card in model_cards():
+            if card.id == model_id:
+                return card
+        raise OpenAIError(404, f"The model `{model_id}` does not exist.", "model")
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request) -> Response:
