@@ -38,6 +38,11 @@ def test_help_lists_subcommands_and_every_serve_option(capsys):
             assert action.help, action.option_strings
 
 
+def test_version_is_printed(capsys):
+    from kvserve import __version__
+    assert _help(["--version"], capsys) == f"kvserve {__version__}\n"
+
+
 def test_serve_options_map_to_engine_config():
     args = build_parser().parse_args([
         "serve", "/models/x.gguf", "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--block-size", "32",

@@ -9,6 +9,7 @@ import re
 import sys
 from collections.abc import Sequence
 
+from kvserve import __version__
 from kvserve.config import (ATTENTION_BACKENDS, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, MAX_NUM_THREADS, QUANTIZATIONS,
                             EngineConfig)
 from kvserve.gateway.config import MAX_DATA_PARALLEL_SIZE, ROUTING_POLICIES, ModelsConfig
@@ -239,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  kvserve generate --chat --prompt 'Write a haiku about caches.'\n"
                "  kvserve bench --help\n"
                "Run `kvserve SUBCOMMAND --help` for every option of a subcommand.")
+    parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{serve,generate,bench}")
 
     serve = sub.add_parser("serve", help="Start the OpenAI-compatible HTTP server.",
