@@ -108,7 +108,8 @@ def test_bench_result_agrees_with_server_metrics(server, tmp_path, dataset, extr
 
 
 def test_bench_runs_right_after_the_readme_setup(server, tmp_path, monkeypatch):
-    """The README installs no text package: `kvserve bench serve` then cuts prompts from the bundled play."""
+    """The README installs no text package: `kvserve bench serve` then cuts prompts from the bundled play. With
+    no --model, the run sends the first name the server lists (as vLLM's benchmark; --model had been required)."""
     from kvserve.bench import corpus as corpus_mod
 
     real_find_spec = importlib.util.find_spec
@@ -117,11 +118,22 @@ def test_bench_runs_right_after_the_readme_setup(server, tmp_path, monkeypatch):
     corpus_mod.load_corpus.cache_clear()
     out = tmp_path / "bundled.json"
     try:
-        assert bench_main(["serve", "--base-url", server.base_url, "--model", model_name(server.base_url),
+        assert bench_main(["serve", "--base-url", server.base_url,
                            "--dataset", "random", "--num-prompts", "3", "--input-len", "32", "--output-len", "4",
                            "--seed", "3", "--disable-tqdm", "--save-result", str(out)]) == 0
     finally:
         corpus_mod.load_corpus.cache_clear()
     result = json.loads(out.read_text())
     assert result["corpus"] == corpus_mod.BUNDLED_CORPUS
+    assert result["config"]["endpoint"]["model"] == model_name(server.base_url)
     assert result["metrics"]["completed"] == 3 and result["metrics"]["failed"] == 0
+
+
+def test_without_model_a_server_that_lists_none_is_named(capsys):
+    from kvserve.bench.cli import main
+    from kvserve.entrypoints.openai.launcher import free_port
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["serve", "--base-url", url, "--num-prompts", "1", "--disable-tqdm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvserve bench: error: no --model given, and {url}/v1/models names none (") and \
+        err.endswith("): pass --model"), err

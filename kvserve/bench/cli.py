@@ -94,7 +94,8 @@ def _result_dir(text: str) -> str:
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="model name sent in each request")
+    p.add_argument("--model", default=None,
+                   help="model name sent in each request (default: the first the server lists at /v1/models)")
     p.add_argument("--endpoint", choices=("completions", "chat"), default=None,
                    help="default: chat for --dataset chat, completions otherwise")
     p.add_argument("--dataset", choices=DATASETS, default="random",

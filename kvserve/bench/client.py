@@ -38,7 +38,7 @@ IGNORE_EOS_METHODS = ("field", "generation-config", "logit-bias", "none")
 @dataclass
 class EndpointConfig:
     base_url: str
-    model: str
+    model: str | None  # None: the first the server lists (run_benchmark reads it)
     endpoint: str = "completions"  # or "chat"
     # How to make the server generate exactly max_tokens whatever it samples:
     #   "field": the `ignore_eos` request field (vLLM, llama.cpp, kvserve);

@@ -25,7 +25,7 @@ from kvserve.bench.metrics import (DEFAULT_PERCENTILES, BenchmarkMetrics, calcul
                                    output_token_count)
 from kvserve.bench.metrics_page import MetricsUnavailable
 from kvserve.bench.spec_decode import SpecCounters, SpecDecodeStats, settled_spec_counters
-from kvserve.bench.server_info import read_engine_info
+from kvserve.bench.server_info import first_listed_model, read_engine_info
 from kvserve.bench.tokenizer import BenchTokenizer
 from kvserve.utils.cpuinfo import cpu_flags, cpu_model_name
 
@@ -118,6 +118,8 @@ async def run_benchmark(cfg: ServeConfig, tokenizer: BenchTokenizer,
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
 
     async with make_session() as session:
+        if cfg.endpoint.model is None:
+            cfg.endpoint.model = await first_listed_model(session, cfg.endpoint.base_url, request_headers())
         if cfg.test_request:
             probe = await send_request(session, cfg.endpoint,
                                        warmup_request(tokenizer, cfg.dataset.seed, cfg.endpoint.endpoint))

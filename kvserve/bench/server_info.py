@@ -5,6 +5,8 @@ such metric, and their results record none."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -40,3 +42,19 @@ def describe_engine(info: dict[str, str]) -> str:
     return (f"kvserve {info.get('version', '?')}, {where}, {info.get('dtype', '?')}, weights "
             f"{info.get('weights', '?')}, KV {info.get('kv_cache_dtype', '?')} x {info.get('num_kv_blocks', '?')} "
             f"blocks")
+
+
+async def first_listed_model(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]) -> str:
+    """The first model the server lists at /v1/models: the name a run sends when --model is left out (as in
+    vLLM's benchmark). Raises RuntimeError, saying to pass --model, where there is none to read."""
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            body = await resp.json(content_type=None) if resp.status == 200 else f"HTTP {resp.status}"
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        body = str(e) or type(e).__name__
+    models = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(models, list) or not models or not isinstance(models[0], dict) or "id" not in models[0]:
+        why = body if isinstance(body, str) else "no model listed"
+        raise RuntimeError(f"no --model given, and {url} names none ({why}): pass --model")
+    return str(models[0]["id"])
