@@ -20,6 +20,8 @@ EXPECTED = {
                 "prefix_cache_queries", "prefix_cache_hits", "engine_restarts"],
     "histogram": ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
                   "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                  "request_inference_time_seconds", "request_time_per_output_token_seconds", "request_prompt_tokens",
+                  "request_generation_tokens", "request_max_num_generation_tokens", "request_params_n",
                   "iteration_tokens_total"],
 }
 
@@ -90,6 +92,10 @@ def test_request_histograms_and_token_counters():
     assert abs(s["kvserve:request_queue_time_seconds_sum"] - 0.5) < 1e-9
     assert abs(s["kvserve:request_prefill_time_seconds_sum"] - 0.5) < 1e-9
     assert abs(s["kvserve:request_decode_time_seconds_sum"] - 0.2) < 1e-9
+    assert abs(s["kvserve:request_inference_time_seconds_sum"] - 0.7) < 1e-9
+    assert abs(s["kvserve:request_time_per_output_token_seconds_sum"] - 0.1) < 1e-9  # 0.2 s over 2 tokens after the first
+    assert s["kvserve:request_prompt_tokens_sum"] == 4 and s["kvserve:request_generation_tokens_sum"] == 3
+    assert s["kvserve:request_params_n_sum"] == 1
     assert s["kvserve:prompt_tokens_total"] == 4      # once per request
     assert s["kvserve:generation_tokens_total"] == 3
     assert s["kvserve:request_success_total{finished_reason=length}"] == 1
@@ -97,6 +103,25 @@ def test_request_histograms_and_token_counters():
     # engine counters are cumulative; a later, lower snapshot never makes a Prometheus counter go down
     assert s["kvserve:num_preemptions_total"] == 2 and s["kvserve:prefix_cache_hits_total"] == 4
     assert s["kvserve:num_requests_running"] == 0 and s["kvserve:kv_cache_usage_perc"] == 0
+
+
+def test_a_request_of_several_samples_is_one_observation():
+    """n = 2: its tokens add up in request_generation_tokens, its longest sample is the max, and its mean gap is
+    over that sample's tokens (as vLLM's, whose samples end together in this test)."""
+    m = ServerMetrics("m")
+    t = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.1, first_token_time=0.5, last_token_time=0.5)
+    m.on_step(StepResult([RequestDelta("a", [CompletionDelta(0, [1], "x"), CompletionDelta(1, [2], "y")], False,
+                                       num_prompt_tokens=6, metrics=t)], [], EngineStats(), 1, 0.01, True))
+    end = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.1, first_token_time=0.5, last_token_time=1.5,
+                         finished_time=1.5)
+    m.on_step(StepResult([RequestDelta("a", [CompletionDelta(0, [3, 4, 5, 6], "z", finish_reason="length"),
+                                             CompletionDelta(1, [7], "w", finish_reason="stop")], True,
+                                       num_prompt_tokens=6, metrics=end)], [], EngineStats(), 1, 0.01, True))
+    s = samples(m)
+    assert s["kvserve:request_generation_tokens_sum"] == 7 and s["kvserve:request_generation_tokens_count"] == 1
+    assert s["kvserve:request_max_num_generation_tokens_sum"] == 5
+    assert s["kvserve:request_params_n_sum"] == 2
+    assert abs(s["kvserve:request_time_per_output_token_seconds_sum"] - 0.25) < 1e-9  # 1.0 s over 4 tokens
 
 
 def test_aborted_request_is_forgotten():

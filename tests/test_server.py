@@ -554,6 +554,16 @@ def test_metrics_are_consistent(client, http):
     assert delta("kvserve:prompt_tokens_total") == prompt_tokens
     assert delta("kvserve:generation_tokens_total") == completion_tokens
     assert delta("kvserve:inter_token_latency_seconds_count") == completion_tokens - n_requests
+    # vLLM's per-request histograms: the same totals, one observation a request
+    assert delta("kvserve:request_prompt_tokens_sum") == prompt_tokens
+    assert delta("kvserve:request_generation_tokens_sum") == completion_tokens
+    assert delta("kvserve:request_max_num_generation_tokens_sum") == completion_tokens  # n = 1: one sample each
+    assert delta("kvserve:request_params_n_sum") == delta("kvserve:request_params_n_count") == n_requests
+    assert delta("kvserve:request_inference_time_seconds_count") == n_requests
+    assert delta("kvserve:request_time_per_output_token_seconds_count") == n_requests  # every one made > 1 token
+    assert delta("kvserve:request_inference_time_seconds_sum") == pytest.approx(
+        delta("kvserve:request_prefill_time_seconds_sum") + delta("kvserve:request_decode_time_seconds_sum"),
+        abs=0.05)
     finished = sum(v for k, v in after.items() if k.startswith("kvserve:request_success_total"))
     finished_before = sum(v for k, v in before.items() if k.startswith("kvserve:request_success_total"))
     assert finished - finished_before == n_requests

@@ -5,7 +5,7 @@ Everything is fed from the engine's step results: gauges and engine counters fro
 histograms from each RequestDelta's RequestMetrics (monotonic times, comparable across processes)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
@@ -22,6 +22,9 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+# Tokens per request: vLLM's 1-2-5 series (it stops at max_model_len; one family here serves every model).
+REQUEST_TOKEN_BUCKETS = [m * 10 ** e for e in range(6) for m in (1, 2, 5)]
+N_BUCKETS = [1, 2, 5, 10, 20]
 
 PREFIX = "kvserve:"
 
@@ -29,6 +32,7 @@ PREFIX = "kvserve:"
 @dataclass
 class _Tracked:
     last_token_time: float | None = None
+    tokens_by_sample: dict[int, int] = field(default_factory=dict)  # generated tokens of each of the n samples
 
 
 class MetricFamilies:
@@ -79,6 +83,19 @@ class MetricFamilies:
                                       REQUEST_LATENCY_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds", "First token to last token.",
                                      REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to finish.",
+                                        REQUEST_LATENCY_BUCKETS)
+        self.request_tpot = histogram("request_time_per_output_token_seconds",
+                                      "A request's decode time over its tokens after the first.", ITL_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of each finished request.",
+                                               REQUEST_TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Tokens each finished request generated (all its samples).",
+                                                   REQUEST_TOKEN_BUCKETS)
+        self.request_max_generation_tokens = histogram("request_max_num_generation_tokens",
+                                                       "The most tokens one sample of a finished request generated.",
+                                                       REQUEST_TOKEN_BUCKETS)
+        self.request_n = histogram("request_params_n", "Samples (n) of each finished request.", N_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens processed per engine step.",
                                           ITERATION_TOKEN_BUCKETS, per_replica)
         # kvserve:engine_info{model_name, replica, device, cpu_kernels, dtype, quantization, ...} 1: what each
@@ -123,6 +140,12 @@ class ServerMetrics:
         self.queue_time = f.queue_time.labels(model_name)
         self.prefill_time = f.prefill_time.labels(model_name)
         self.decode_time = f.decode_time.labels(model_name)
+        self.inference_time = f.inference_time.labels(model_name)
+        self.request_tpot = f.request_tpot.labels(model_name)
+        self.request_prompt_tokens = f.request_prompt_tokens.labels(model_name)
+        self.request_generation_tokens = f.request_generation_tokens.labels(model_name)
+        self.request_max_generation_tokens = f.request_max_generation_tokens.labels(model_name)
+        self.request_n = f.request_n.labels(model_name)
         self.iteration_tokens = f.iteration_tokens.labels(*engine)
         self.engine_info = f.engine_info.labels(*engine)
         self._last_stats = EngineStats()
@@ -168,6 +191,8 @@ class ServerMetrics:
         if tracked is None:
             tracked = self._tracked[out.request_id] = _Tracked()
             self.prompt_tokens.inc(out.num_prompt_tokens)
+        for c in out.outputs:
+            tracked.tokens_by_sample[c.index] = tracked.tokens_by_sample.get(c.index, 0) + len(c.token_ids)
         new_tokens = sum(len(c.token_ids) for c in out.outputs)
         if new_tokens:
             self.generation_tokens.inc(new_tokens)
@@ -180,12 +205,17 @@ class ServerMetrics:
                 self.itl.observe(m.last_token_time - tracked.last_token_time)
             tracked.last_token_time = m.last_token_time
         if out.finished:
-            self._on_finished(out)
+            self._on_finished(out, tracked)
 
-    def _on_finished(self, out: RequestDelta) -> None:
+    def _on_finished(self, out: RequestDelta, tracked: _Tracked) -> None:
         self._tracked.pop(out.request_id, None)
         reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "stop"
         self._request_success.labels(self.model_name, reason).inc()
+        longest = max(tracked.tokens_by_sample.values(), default=0)
+        self.request_prompt_tokens.observe(out.num_prompt_tokens)
+        self.request_generation_tokens.observe(sum(tracked.tokens_by_sample.values()))
+        self.request_max_generation_tokens.observe(longest)
+        self.request_n.observe(len(tracked.tokens_by_sample))
         m = out.metrics
         if m is None:
             return
@@ -196,8 +226,13 @@ class ServerMetrics:
             self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
             if m.first_token_time is not None:
                 self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+        if m.first_scheduled_time is not None and end is not None:
+            self.inference_time.observe(max(0.0, end - m.first_scheduled_time))
         if m.first_token_time is not None and m.last_token_time is not None:
-            self.decode_time.observe(max(0.0, m.last_token_time - m.first_token_time))
+            decode = max(0.0, m.last_token_time - m.first_token_time)
+            self.decode_time.observe(decode)
+            if longest > 1:  # as vLLM: the mean gap over the request's tokens after its first (its longest sample)
+                self.request_tpot.observe(decode / (longest - 1))
 
     def on_engine_restart(self) -> None:
         """A new engine process counts from zero: engine counters are diffed against its stats from now on."""
