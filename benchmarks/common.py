@@ -118,6 +118,12 @@ def command_options(options: dict) -> str:
     return "".join(" " + w for w in words)
 
 
+def _running_script(name: str) -> str:
+    """The benchmark script this process runs (its --name may name the results otherwise), else name."""
+    stem = Path(sys.argv[0]).stem
+    return stem if (Path(__file__).parent / f"{stem}.py").is_file() else name
+
+
 def report(name: str, title: str, args, setup: str, table: str, results: dict, isa: str | None = None,
            script: str | None = None) -> None:
     """Print the table and save it as results/<name>.json and .md, with the command that reproduces it
@@ -129,7 +135,7 @@ def report(name: str, title: str, args, setup: str, table: str, results: dict, i
     # The switches that force a narrower ISA than the CPU's are part of the command.
     switches = ("KVSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
     forced = "".join(f"{k}={os.environ[k]} " for k in switches if os.environ.get(k))
-    cmd = f"{forced}python benchmarks/{script or name}.py" + command_options(vars(args))
+    cmd = f"{forced}python benchmarks/{script or _running_script(name)}.py" + command_options(vars(args))
     kernels = ""
     if isa:
         from kvserve.kernels import cpu as cpu_kernels

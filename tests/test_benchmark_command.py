@@ -38,3 +38,12 @@ def test_recorded_command_parses_back_to_the_same_options():
         words = shlex.split(common.command_options(vars(args)))
         assert "None" not in words and "False" not in words
         assert ap.parse_args(words) == args
+
+
+def test_recorded_command_names_the_script_that_ran_whatever_the_results_are_called(monkeypatch):
+    """A run with --name recorded `python benchmarks/<name>.py`, a script that does not exist."""
+    common = _common()
+    monkeypatch.setattr("sys.argv", [str(ROOT / "benchmarks" / "verify_rows.py"), "--name", "verify_rows_host_a"])
+    assert common._running_script("verify_rows_host_a") == "verify_rows"  # noqa: SLF001
+    monkeypatch.setattr("sys.argv", ["/usr/bin/pytest"])  # not a benchmark: the results' name, as before
+    assert common._running_script("verify_rows_host_a") == "verify_rows_host_a"  # noqa: SLF001
