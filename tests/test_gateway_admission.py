@@ -97,6 +97,20 @@ def test_background_work_leaves_the_reserved_places_to_interactive_requests():
     run(main())
 
 
+def test_requests_that_could_never_all_be_admitted_are_named():
+    """A background request wider than its places took the reserved ones too (interactive requests then waited
+    for it to end); a batch of more prompts than places and line together got 429s that no retry could pass."""
+    q = make(replicas=2, slots=4, max_waiting=3, reserved=1)
+    assert q.refusal(priority=1, weight=3, count=1) is None
+    assert q.refusal(priority=0, weight=4, count=1) is None
+    assert "n=4 is more than the 3 of a replica's 4 places" in q.refusal(priority=1, weight=4, count=1)
+    assert q.refusal(priority=0, weight=1, count=11) is None                  # 2 x 4 places + 3 waiting
+    assert "12 prompts are more than this model admits at once (11" in q.refusal(priority=0, weight=1, count=12)
+    assert "(7: " in q.refusal(priority=0, weight=2, count=8)                 # 2 x 2 places of two sequences + 3
+    assert "(9: " in q.refusal(priority=1, weight=1, count=10)                # 2 x 3 background places + 3
+    assert make(max_waiting=None).refusal(priority=0, weight=1, count=10_000) is None
+
+
 def test_a_full_line_refuses_the_least_urgent_request():
     async def main() -> None:
         q = make(slots=1, max_waiting=2, reserved=0)

@@ -244,6 +244,21 @@ def test_full_queue_is_429_and_interactive_requests_are_not_starved(server, http
     wait_idle(http)
 
 
+def test_requests_that_could_never_all_be_admitted_are_400s_naming_why(http):
+    """On `large` (one replica, 2 places, 1 kept for priority <= 0, a line of 2): a background request of n = 2
+    had taken the kept place too; five prompts had got a 429 on every retry, on an idle server."""
+    wait_idle(http)
+    wide = http.post("/v1/completions", json={"model": "large", "prompt": "Hi", "max_tokens": 2, "n": 2,
+                                              "priority": 1})
+    assert wide.status_code == 400 and wide.json()["error"]["param"] == "n", wide.text
+    many = http.post("/v1/completions", json={"model": "large", "prompt": ["Hi"] * 5, "max_tokens": 2})
+    assert many.status_code == 400 and many.json()["error"]["param"] == "prompt", many.text
+    assert "send at most 4 per request" in many.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"model": "large", "prompt": ["Hi"] * 4, "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
+    wait_idle(http)
+
+
 # ---------------------------------------------------------------- auto with a base model
 
 def test_auto_sends_chats_to_the_model_that_has_a_chat_template(tiny_model_dirs, tmp_path):

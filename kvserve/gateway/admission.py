@@ -96,11 +96,26 @@ class AdmissionQueue:
     def cap(self, priority: int) -> int:
         return self.slots if priority <= 0 else self.slots - self.reserved
 
+    def refusal(self, priority: int, weight: int, count: int) -> str | None:
+        """Why `count` requests of `weight` sequences each could never all be admitted, even into an idle queue
+        (placed or waiting): the reason, else None. Without it such a request waited for ever, or was refused
+        with a 429 whose retries could never succeed."""
+        cap = self.cap(priority)
+        if weight > cap:  # a background request this wide would take the places kept for interactive ones
+            return (f"n={weight} is more than the {cap} of a replica's {self.slots} places that requests of "
+                    f"priority > 0 may hold ({self.reserved} are kept for priority <= 0): lower n or the priority")
+        if self.max_waiting is not None:
+            most = self.num_replicas * (cap // weight) + self.max_waiting
+            if count > most:
+                return (f"{count} prompts are more than this model admits at once ({most}: its replicas' places "
+                        f"and max_waiting={self.max_waiting}); send at most {most} per request")
+        return None
+
     def loads(self, priority: int = 0, weight: int = 1) -> list[ReplicaLoad]:
         out = []
         for i in range(self.num_replicas):
             e = self._engine_view(i)
-            room = self.in_flight[i] + weight <= max(self.cap(priority), weight)
+            room = self.in_flight[i] + weight <= max(self.cap(priority), weight)  # max: n = slots, priority 0
             out.append(ReplicaLoad(self.in_flight[i], e.num_running, e.num_waiting, e.kv_cache_usage,
                                    self.pending_prefill[i], available=e.alive and room))
         return out

@@ -67,11 +67,14 @@ class OpenAIServing:
         return tenant_cache_salt(bearer_token(raw_request.headers.get("authorization")), requested)
 
     @staticmethod
-    def check_admission(model: ServedModel, num_new: int, priority: int = 0) -> None:
+    def check_admission(model: ServedModel, num_new: int, priority: int = 0, n: int = 1) -> None:
         """A cheap early refusal; the model's admission queue makes the binding check as each request joins."""
+        queue = model.queue
+        why = queue.refusal(priority, n, num_new)
+        if why is not None:
+            raise bad_request(why, "n" if n > queue.cap(priority) else "prompt")
         if model.dead is not None:
             raise OpenAIError(503, f"engine is not running: {model.dead}", headers={"Retry-After": "2"})
-        queue = model.queue
         if not queue.admits(priority, num_new):
             raise OpenAIError(429, f"too many requests waiting (max_waiting={queue.max_waiting}); retry later",
                               headers={"Retry-After": str(queue.retry_after_s())})

@@ -98,7 +98,7 @@ class OpenAIServingChat(OpenAIServing):
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         # Streamed, prompt logprobs have nowhere to go: none asked of the engine (they skip the prefix cache).
         params = self.sampling_params(m, req, max_tokens, num_top, None if req.stream else req.prompt_logprobs)
-        self.check_admission(m, 1, req.priority)
+        self.check_admission(m, 1, req.priority, req.n)
 
         request_id = req.request_id or random_id("chatcmpl")
         gen = self.generate(m, raw_request, ids, params, req.priority, request_id, req.cache_salt)

@@ -65,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_prompt(m, ids)
             max_tokens = self.resolve_max_tokens(m, len(ids), req.max_tokens)
             params.append(self.sampling_params(m, req, max_tokens, req.logprobs, prompt_logprobs))
-        self.check_admission(m, len(prompts), req.priority)
+        self.check_admission(m, len(prompts), req.priority, req.n)
 
         request_id = req.request_id or random_id("cmpl")
         gens = [self.generate(m, raw_request, ids, p, req.priority, f"{request_id}-{i}", req.cache_salt)
