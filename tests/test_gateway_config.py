@@ -56,6 +56,19 @@ def test_short_form():
      "routing.auto.large"),
     ({"models": [{"name": "a", "model": "x"}], "admission": {"max_waiting": -1}}, "admission.max_waiting"),
     ({"models": [{"name": "a", "model": "x", "autoscaling": {"max_replicas": 0}}]}, "autoscaling.max_replicas"),
+    # These had raised a TypeError (a traceback at start-up) or were taken as written.
+    ({"models": [{"name": "a", "model": "x", "autoscaling": {"min_replicas": "2"}}]}, "autoscaling.min_replicas"),
+    ({"models": [{"name": "a", "model": "x", "autoscaling": {"max_replicas": True}}]}, "autoscaling.max_replicas"),
+    ({"models": [{"name": "a", "model": "x", "autoscaling": {"min_replicas": 1.5}}]}, "autoscaling.min_replicas"),
+    ({"models": [{"name": "a", "model": "x", "autoscaling": {"target_queue_depth": "x"}}]},
+     "autoscaling.target_queue_depth"),
+    ({"models": [{"name": "a", "model": "x", "autoscaling": {"target_queue_depth": float("nan")}}]},
+     "autoscaling.target_queue_depth"),
+    ({"models": [{"name": "a", "model": "x", "autoscaling": {"upscale_delay_s": -5}}]}, "autoscaling.upscale_delay_s"),
+    ({"models": [{"name": "a", "model": "x"}], "routing": {"auto": {"small": ["a"], "large": "a"}}},
+     "routing.auto.small"),
+    # Accepted, then dropped: the gateway's line is admission.max_waiting.
+    ({"models": [{"name": "a", "model": "x", "engine": {"max_waiting": 3}}]}, "admission.max_waiting"),
     ({"modles": []}, "modles"),
 ])
 def test_errors_name_the_field(data, field):

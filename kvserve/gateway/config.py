@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from kvserve.config import EngineConfig
-from kvserve.utils.value_checks import is_int
+from kvserve.utils.value_checks import is_finite, is_int
 
 RoutingPolicy = Literal["cache_aware", "least_loaded", "round_robin"]
 ROUTING_POLICIES = ("cache_aware", "least_loaded", "round_robin")
@@ -16,7 +16,8 @@ AUTO_MODEL = "auto"                       # the model name that asks the gateway
 # Engine processes per model: each holds a copy of the weights, so this is a bound against a typo (10**30 grew
 # the replica list until memory ran out), not a measured limit.
 MAX_DATA_PARALLEL_SIZE = 256
-_ENGINE_FIELDS = {f.name for f in fields(EngineConfig)} - {"model"}
+# max_waiting: the gateway's line is the model's (admission.max_waiting); an engine's own bound was dropped unsaid.
+_ENGINE_FIELDS = {f.name for f in fields(EngineConfig)} - {"model", "max_waiting"}
 
 
 class ModelsConfigError(ValueError):
@@ -33,6 +34,14 @@ class AutoscalingConfig:
     downscale_delay_s: float = 30.0
 
     def check(self, where: str) -> None:
+        # Types first: a YAML string or bool had raised a TypeError below, and 1.5 replicas or a NaN were taken.
+        for name in ("min_replicas", "max_replicas"):
+            if not is_int(getattr(self, name)):
+                raise ModelsConfigError(f"{where}.{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("target_queue_depth", "upscale_delay_s", "downscale_delay_s"):
+            value = getattr(self, name)
+            if not is_finite(value) or value < 0:
+                raise ModelsConfigError(f"{where}.{name} must be a finite number >= 0, got {value!r}")
         if self.min_replicas < 0:
             raise ModelsConfigError(f"{where}.min_replicas must be >= 0, got {self.min_replicas}")
         if self.max_replicas < max(1, self.min_replicas):
@@ -141,6 +150,9 @@ def _model_entry(d: Any, where: str) -> ModelEntry:
     engine = d.get("engine") or {}
     if not isinstance(engine, dict):
         raise ModelsConfigError(f"{where}.engine must be a mapping of engine options")
+    if "max_waiting" in engine:
+        raise ModelsConfigError(f"{where}.engine.max_waiting: a model's waiting line is the gateway's, set once for "
+                                f"every model as admission.max_waiting")
     _no_unknown(engine, _ENGINE_FIELDS, f"{where}.engine")
     try:
         EngineConfig(**engine)
@@ -170,7 +182,7 @@ def _routing(d: Any, names: set[str]) -> RoutingConfig:
         if not isinstance(auto, dict) or set(auto) != {"small", "large"}:
             raise ModelsConfigError("routing.auto must be a mapping with exactly the keys small and large")
         for role, name in auto.items():
-            if name not in names:
+            if not isinstance(name, str) or name not in names:
                 raise ModelsConfigError(f"routing.auto.{role}: no model named {name!r} in models")
     return RoutingConfig(policy=policy, auto=dict(auto) if auto else None)
 
