@@ -266,3 +266,18 @@ def test_a_models_config_entry_that_cannot_start_is_named(tiny_model_dirs, tmp_p
     reason = [line for line in out.stderr.splitlines() if "engine failed to start" in line]
     assert len(reason) == 1 and "model 'drafted': engine failed to start" in reason[0], out.stderr[-3000:]
     assert f"model '{missing}' does not exist" in reason[0] and "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+def test_every_served_model_name_is_kept_with_replicas():
+    """--served-model-name a b with --data-parallel-size answered only to a (b had been a 404, and unlisted)."""
+    from fastapi.testclient import TestClient
+
+    from kvserve.entrypoints.cli import _server_args, models_config
+    from kvserve.entrypoints.openai.api_server import build_app
+
+    args = build_parser().parse_args(["serve", "smollm2-135m", "--data-parallel-size", "2",
+                                      "--served-model-name", "a", "b"])
+    server_args = _server_args(args, engine_config(args), models_config(args))
+    client = TestClient(build_app(server_args))  # no engine started: /v1/models reads the registry
+    assert [c["id"] for c in client.get("/v1/models").json()["data"]] == ["a", "b"]
+    assert client.get("/v1/models/b").status_code == 200

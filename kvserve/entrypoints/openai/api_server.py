@@ -219,7 +219,9 @@ async def _no_receive() -> Message:
 def build_app(args: ServerArgs, state: ServerState | None = None, auto_router: AutoRouter | None = None) -> FastAPI:
     """auto_router: what picks small or large for `model: "auto"` (default: PromptLengthRouter)."""
     state = state or ServerState()
-    aliases = args.served_model_names[1:] if args.models is None else None
+    # --served-model-name's further names: only ever given for one model (the CLI refuses them with several), with
+    # one replica or, as models of one entry, with --data-parallel-size or --routing-policy (they had been dropped).
+    aliases = args.served_model_names[1:] or None
     registry = ModelRegistry.from_config(args.models_config(), args.engine, engine_mode=args.engine_mode,
                                          aliases=aliases, auto_router=auto_router)
     state.stop_requests = registry.stop_requests
