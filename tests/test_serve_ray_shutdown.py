@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 pytest.importorskip("ray.serve")
@@ -37,8 +38,14 @@ def ray_address():
 def test_sigterm_tells_requests_in_flight_and_replicas_log_their_stats(ray_address):
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
     args = ["--backend", "ray", *ENGINE, "--max-num-seqs", "1", "--shutdown-grace", "1", "--log-stats-interval",
-            "1", "--speculative-config", spec]
+            "1", "--speculative-config", spec, "--served-model-name", "smol", "smol-too"]
     with RemoteServer(args, env={"RAY_ADDRESS": ray_address}, startup_timeout_s=400) as server:
+        # Every --served-model-name answers, as on the local backend (the second had been a 404, and unlisted).
+        cards = httpx.get(server.base_url + "/v1/models", timeout=60).json()["data"]
+        assert [c["id"] for c in cards] == ["smol", "smol-too"]
+        r = httpx.post(server.base_url + "/v1/completions", timeout=120,
+                       json={"model": "smol-too", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "smol-too", r.text
         events, queued, seconds = stop_with_requests_in_flight(server, signals=1)
         code = server.proc.wait(120)
         output = server.output()

@@ -105,8 +105,10 @@ def build_application(config: ModelsConfig, args: ServerArgs, engine_mode: Engin
         engine = entry.engine_config(args.engine)
         name = deployment_name(i, entry.name)
         # The replica's own app checks nothing the ingress has checked already (API keys).
-        replica_args = replace(args, engine=engine, served_model_names=[entry.name], engine_mode=engine_mode,
-                               api_keys=[], web=False)
+        # The first model's further --served-model-name names (given for one model only) are its replicas' too.
+        aliases = args.served_model_names[1:] if i == 0 else []
+        replica_args = replace(args, engine=engine, served_model_names=[entry.name, *aliases],
+                               engine_mode=engine_mode, api_keys=[], web=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)   # metrics_interval_s: still Ray's knob
             options = model_deployment_options(entry, engine, config.admission.max_waiting, args.shutdown_grace_s)

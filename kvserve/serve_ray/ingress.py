@@ -37,11 +37,13 @@ _HOP_BY_HOP = {b"host", b"connection", b"transfer-encoding", b"keep-alive"}
 class ModelRouter:
     """Model name -> that model's deployment handle; forwards one HTTP request to it."""
 
-    def __init__(self, handles: dict, deployments: dict[str, str], app_name: str) -> None:
+    def __init__(self, handles: dict, deployments: dict[str, str], app_name: str,
+                 aliases: dict[str, str] | None = None) -> None:
         self.handles = handles              # {model name: DeploymentHandle of its ModelReplica deployment}
         self.deployments = deployments      # {model name: deployment name}, for /health
         self.app_name = app_name
         self.names = list(handles)
+        self.aliases = aliases or {}        # {further --served-model-name: the model's name}; its replicas know them
         self._cards: dict[str, dict] = {}
         self.stopping: str | None = None    # why requests in flight were stopped (shutdown), once they were
         # Replica calls in flight (streaming handle responses); weak, as a response whose body is never read
@@ -59,6 +61,7 @@ class ModelRouter:
         model = data.get("model") if isinstance(data, dict) else None
         if not isinstance(model, str) or model == "":
             return self.names[0]
+        model = self.aliases.get(model, model)
         if model not in self.handles:
             raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
         return model
@@ -136,7 +139,8 @@ class ModelRouter:
         if missing:
             cards = await asyncio.gather(*(self.handles[n].model_card.remote() for n in missing))
             self._cards.update(zip(missing, cards))
-        return [self._cards[n] for n in self.names]
+        return [self._cards[n] for n in self.names] + [{**self._cards[name], "id": alias}
+                                                       for alias, name in self.aliases.items()]
 
     async def unhealthy(self) -> str | None:
         """Why some model cannot serve, or None. From Ray Serve's deployment states, so that /health
@@ -191,7 +195,8 @@ class OpenAIIngress:
     shutdown stops the HTTP proxy at once, cutting every open response."""
 
     def __init__(self, handles: dict, deployments: dict[str, str], app_name: str, args: ServerArgs) -> None:
-        self.router = ModelRouter(handles, deployments, app_name)
+        names = args.served_model_names  # several only for one model (the CLI refuses them with more)
+        self.router = ModelRouter(handles, deployments, app_name, {alias: names[0] for alias in names[1:]})
         self.args = args
         self.state = ServerState(stop_requests=self.router.stop_requests)
 
