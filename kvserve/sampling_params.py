@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
@@ -104,8 +105,10 @@ class SamplingParams:
             raise bad("top_k", f"must be -1 (disabled) or an integer >= 0, got {self.top_k!r}")
         if not is_finite(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if not is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        # At most the largest float: an int past it (10**400) had passed, then failed the whole step in the sampler.
+        if not is_finite(self.repetition_penalty) or not 0 < self.repetition_penalty <= sys.float_info.max:
+            raise bad("repetition_penalty", f"must be > 0 (and at most {sys.float_info.max:g}), got "
+                                            f"{self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not is_finite(v) or not -2 <= v <= 2:

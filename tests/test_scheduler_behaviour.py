@@ -186,10 +186,27 @@ def test_bad_input_raises_clear_error_and_leaves_nothing(path, prompt, params, f
     (dict(top_p=1.5), "top_p"), (dict(n=0), "n"), (dict(min_p=2), "min_p"), (dict(top_k=-5), "top_k"),
     (dict(presence_penalty=3), "presence_penalty"), (dict(logprobs=99), "logprobs"),
     (dict(temperature=float("nan")), "temperature"), (dict(stop=[""]), "stop"),
+    (dict(repetition_penalty=10**400), "repetition_penalty"),  # had failed the whole step, in the sampler
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_values_that_had_failed_the_whole_step_are_taken_or_refused_at_add_request(path):
+    """A top_k past int64, a salt of invalid Unicode, a priority that is no integer: each passed add_request and
+    then failed the step that carried it, and with it every other request in that step."""
+    engine = make_engine(path)
+    sampled = dict(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    engine.add_request("huge-k", [5, 6, 7], SamplingParams(top_k=2**63, **sampled))
+    engine.add_request("no-k", [5, 6, 7], SamplingParams(top_k=0, **sampled))
+    out = drain(engine)
+    assert out["huge-k"].outputs[0].token_ids == out["no-k"].outputs[0].token_ids   # every token kept: no top-k
+    for kwargs, field in ((dict(cache_salt="\ud800"), "cache_salt"), (dict(cache_salt=7), "cache_salt"),
+                          (dict(priority=1.5), "priority"), (dict(priority="1"), "priority")):
+        with pytest.raises(ValueError, match=field):
+            engine.add_request("bad", [5, 6, 7], SamplingParams(), **kwargs)
+    assert_no_leaks(engine)
 
 
 def test_abort_frees_blocks_at_once(path):

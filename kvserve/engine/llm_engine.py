@@ -278,6 +278,13 @@ class LLMEngine:
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
                 raise ValueError(f"{name} has token id {bad}, outside the vocabulary [0, {vocab})")
+        if params.top_k >= vocab:  # keeping every token is no top-k (a top_k past int64 had failed the whole step)
+            params.top_k = 0
+        # Checked here, not in the step that hashes the prompt's blocks: a bad salt failed every request in it.
+        if cache_salt is not None and not _valid_text(cache_salt):
+            raise ValueError(f"cache_salt must be a string of valid Unicode, got {cache_salt!r}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
 
         now = time.monotonic()
         arrival = now if arrival_time is None else arrival_time
@@ -501,3 +508,14 @@ def _available_host_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _valid_text(value: object) -> bool:
+    """A str that UTF-8 can encode (a lone surrogate, "\\ud800", cannot)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

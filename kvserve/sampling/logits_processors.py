@@ -21,20 +21,43 @@ from kvserve.utils.device import to_device
 _NEG_INF = float("-inf")
 
 
-def apply_logit_bias(logits: Tensor, biases: list[dict[int, float] | None]) -> None:
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
+def apply_logit_bias(logits: Tensor, params: list) -> None:
+    """Adds each row's SamplingParams.logit_bias. A bias is turned into tensors once per request and kept on its
+    params: walked entry by entry every step, a bias over the whole vocabulary had cost 16 ms a step for one row
+    and 0.25 s for n = 16, a delay every request in the batch paid."""
     vocab = logits.shape[1]
-    for i, bias in enumerate(biases):
-        for tok, b in (bias or {}).items():
-            if tok < vocab:  # ids past the model's vocabulary can never be sampled anyway
-                rows.append(i)
-                cols.append(tok)
-                vals.append(b)
+    rows: list[Tensor] = []
+    cols: list[Tensor] = []
+    vals: list[Tensor] = []
+    for i, p in enumerate(params):
+        if not p.logit_bias:
+            continue
+        ids, biases = _bias_tensors(p, vocab)
+        rows.append(torch.full_like(ids, i))
+        cols.append(ids)
+        vals.append(biases)
     if rows:
-        idx = (to_device(rows, logits.device), to_device(cols, logits.device))
-        logits.index_put_(idx, to_device(vals, logits.device, logits.dtype), accumulate=True)
+        device = logits.device
+        idx = (_host_to(torch.cat(rows), device), _host_to(torch.cat(cols), device))
+        logits.index_put_(idx, _host_to(torch.cat(vals), device).to(logits.dtype), accumulate=True)
+
+
+def _bias_tensors(p, vocab: int) -> tuple[Tensor, Tensor]:
+    """(token ids, biases as float64) of p.logit_bias below `vocab` (ids past the model's vocabulary can never be
+    sampled anyway), built on first use and cached on p. float64: each bias reaches the logits' dtype in one
+    rounding, as from the Python float it is."""
+    by_vocab = p.__dict__.setdefault("_logit_bias_tensors", {})  # a draft model's vocabulary may differ
+    if vocab not in by_vocab:
+        ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
+        biases = torch.tensor(list(p.logit_bias.values()), dtype=torch.float64)
+        keep = ids < vocab
+        by_vocab[vocab] = (ids[keep], biases[keep])
+    return by_vocab[vocab]
+
+
+def _host_to(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on `device`; to CUDA through pinned memory without waiting (as utils.device.to_device)."""
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 def apply_token_mask(logits: Tensor, banned: list[list[int]]) -> None:

@@ -131,7 +131,7 @@ class Sampler:
             return logits
         logits = logits.clone()
         if any(p.logit_bias for p in params):
-            lp.apply_logit_bias(logits, [p.logit_bias for p in params])
+            lp.apply_logit_bias(logits, params)
 
         banned = [
             (p.stop_token_ids + ([] if p.ignore_eos else inputs.eos_token_ids))

@@ -120,8 +120,6 @@ class OpenAIServing:
             params = req.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ValueError as e:
             raise bad_request(str(e)) from None
-        if params.top_k >= model.vocab_size:  # keeping every token is the same as no top-k
-            params.top_k = 0
         return params
 
     async def generate(self, model: ServedModel, raw_request: Request, prompt_token_ids: list[int],
