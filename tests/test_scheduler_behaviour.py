@@ -59,6 +59,33 @@ def test_second_request_with_shared_prefix_computes_only_its_suffix(path):
     assert_no_leaks(engine)
 
 
+def test_cached_tokens_are_those_of_the_admission_that_ran(path):
+    """A request whose cached prefix was matched while the pool had no room for the rest waits; meanwhile another
+    request's decoding evicts part of that prefix. Its cached_tokens (usage, the hit counter) had said the first,
+    failed attempt's 40 where the step that admitted it computed all but 8."""
+    rng = random.Random(0)
+    engine = make_engine(path, num_kv_blocks=32, max_num_batched_tokens=128, max_model_len=128)
+    shared = [rng.randrange(250) for _ in range(40)]
+    run(engine, [shared], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))   # cached: 10 blocks
+    engine.add_request("fill", [rng.randrange(250) for _ in range(80)],
+                       SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    engine.step()
+    engine.add_request("late", shared + [rng.randrange(250) for _ in range(12)],
+                       SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    hits_before, computed = engine.get_stats().prefix_cache_hits, None
+    reported = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "late" and out.finished:
+                reported = out.num_cached_tokens
+        if computed is None and any(s.request_id == "late" for s in engine.scheduler.running):
+            computed = engine.get_stats().last_step_num_tokens   # that step ran it alone (the filler had ended)
+    assert computed is not None and 0 < 52 - computed < 40, computed   # the scenario: part of the prefix evicted
+    assert reported == 52 - computed
+    assert engine.get_stats().prefix_cache_hits - hits_before == reported
+    assert_no_leaks(engine)
+
+
 def test_outputs_identical_with_prefix_caching_on_and_off(path):
     base = prompts_(1, 30, 30, seed=5)[0]
     prompts = [base + p for p in prompts_(8, 1, 9, seed=6)]

@@ -171,11 +171,12 @@ class Scheduler:
                 break
             if not self._ready(seq):
                 continue
-            self._match_prefix(seq)
+            cached = self.block_manager.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.allocate(seq, n):
                 self.block_manager.free(seq)  # give back the prefix blocks we just took
                 break
+            self._count_admission(seq, cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)
@@ -185,10 +186,11 @@ class Scheduler:
             taken = set(map(id, admitted))
             self.waiting = [s for s in self.waiting if id(s) not in taken]
 
-    def _match_prefix(self, seq: Sequence) -> None:
-        cached = self.block_manager.match_prefix(seq)
+    def _count_admission(self, seq: Sequence, cached: int) -> None:
+        """Its prefix-cache hits, at its first admission only (a resumed sequence is not a new query), and only once
+        admitted: an attempt that found no room for the rest had recorded hits that eviction may take before the
+        attempt that succeeds (usage's cached_tokens and the hit counter then overstated them)."""
         if not seq.ever_admitted:
-            # Count each prompt once, at its first admission (a resumed sequence is not a new query).
             seq.ever_admitted = True
             seq.num_cached_tokens = cached
             self.prefix_cache_queries += seq.num_prompt_tokens
@@ -210,7 +212,7 @@ class Scheduler:
         self.waiting.sort(key=self._key)
         batch = [s for s in self.waiting if self._ready(s)][: self.config.max_num_seqs]
         for seq in batch:
-            self._match_prefix(seq)
+            self._count_admission(seq, self.block_manager.match_prefix(seq))
             seq.status = SequenceStatus.RUNNING
         taken = set(map(id, batch))
         self.waiting = [s for s in self.waiting if id(s) not in taken]
