@@ -32,6 +32,16 @@ def test_names_resolve_to_their_models_and_unknown_names_fail():
         one.resolve("auto")                     # no routing.auto: `auto` is just an unknown name
 
 
+def test_cache_aware_without_prefix_caching_picks_the_least_loaded():
+    """Nothing is cached to route by: crediting prompts the engines never keep had held a shared system prompt's
+    traffic on one replica until the load imbalance overrode it."""
+    config = {"models": [{"name": "a", "model": "smollm2-135m", "data_parallel_size": 2,
+                          "engine": {"enable_prefix_caching": False}},
+                         {"name": "b", "model": "smollm2-135m", "data_parallel_size": 2}]}
+    reg = ModelRegistry.from_config(ModelsConfig.from_dict(config))
+    assert reg.resolve("a").policy.name == "least_loaded" and reg.resolve("b").policy.name == "cache_aware"
+
+
 def test_auto_asks_the_router_it_was_given():
     class FirstWordRouter:
         def choose(self, prompt_text: str):

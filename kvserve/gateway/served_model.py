@@ -34,6 +34,12 @@ class ServedModel:
         self.aliases = [name, *(a for a in aliases or [] if a != name)]   # names clients may send
         # Admission is the queue's job here; the engines take whatever they are sent.
         self.config = replace(config, max_waiting=None)
+        if policy == "cache_aware" and not self.config.enable_prefix_caching:
+            # Nothing is cached to route by: crediting prefixes the engines never keep had held traffic on one
+            # replica until the load imbalance overrode it.
+            logger.info("model %s: prefix caching is off, so replicas are picked least_loaded, not cache_aware",
+                        name)
+            policy = "least_loaded"
         self.policy = make_policy(policy, num_replicas, self.config.block_size)
         self.replicas = [AsyncLLM(self.config, mode=engine_mode) for _ in range(num_replicas)]
         self.queue = AdmissionQueue(num_replicas, self.config.max_num_seqs, self.policy, self._engine_view,
