@@ -121,6 +121,7 @@ class ServedModel:
         if isinstance(self.policy, CacheAwarePolicy) and len(self.replicas) > 1:
             digests = block_hashes(prompt_token_ids, self.config.block_size, cache_salt)
         placement = await self.queue.acquire(digests, priority, params.n, len(prompt_token_ids))
+        finished = False
         try:
             gen = self.replicas[placement.replica].generate(prompt_token_ids, params, request_id=request_id,
                                                             priority=priority, cache_salt=cache_salt,
@@ -129,6 +130,9 @@ class ServedModel:
                 async for delta in gen:
                     if placement.prefill_tokens:
                         self.queue.first_token(placement)
+                    finished = delta.finished and not any(c.finish_reason == "abort" for c in delta.outputs)
                     yield delta
         finally:
-            self.queue.release(placement)
+            # Only requests that ran to their end say how fast places free (Retry-After): a burst of aborts (clients
+            # gone, an engine that died) had made the 429s say "retry in 1 s" while nothing was draining.
+            self.queue.release(placement, finished=finished)

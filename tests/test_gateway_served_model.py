@@ -1,0 +1,37 @@
+"""A ServedModel over a real (tiny) engine in this process: what its admission queue learns from the requests
+that pass through it."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from kvserve.config import EngineConfig
+from kvserve.gateway.served_model import ServedModel
+from kvserve.sampling_params import SamplingParams
+
+
+def test_only_requests_that_ran_to_their_end_set_retry_after(tiny_model_dirs):
+    """Retry-After is the recent time between finishes. Requests whose clients left (or whose engine died) had
+    counted as finishes too, so after a burst of them a 429 said "retry in 1 s" while nothing was draining."""
+    config = EngineConfig(model=str(tiny_model_dirs["llama"][0]), dtype="float32", max_model_len=256,
+                          num_kv_blocks=64, num_threads=1)
+
+    async def main() -> tuple[int, int]:
+        model = ServedModel("tiny", config, engine_mode="thread")
+        await model.start()
+        try:
+            params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+            for i in range(5):  # clients that leave after the first token
+                gen = model.generate([1, 2, 3, i], params, request_id=f"left-{i}")
+                async with contextlib.aclosing(gen):
+                    await anext(gen)
+            after_leaving = model.queue.retry_after_s()
+            async for _ in model.generate([4, 5, 6], SamplingParams(max_tokens=2), request_id="done"):
+                pass
+            return after_leaving, model.queue.retry_after_s()
+        finally:
+            await model.shutdown()
+
+    after_leaving, after_one_finish = asyncio.run(main())
+    assert after_leaving == 5            # nothing finished: the queue's guess, not 2 s from 5 "finishes"
+    assert after_one_finish == 10        # one finish in the last 10 s
