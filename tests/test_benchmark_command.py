@@ -44,6 +44,6 @@ def test_recorded_command_names_the_script_that_ran_whatever_the_results_are_cal
     """A run with --name recorded `python benchmarks/<name>.py`, a script that does not exist."""
     common = _common()
     monkeypatch.setattr("sys.argv", [str(ROOT / "benchmarks" / "verify_rows.py"), "--name", "verify_rows_host_a"])
-    assert common._running_script("verify_rows_host_a") == "verify_rows"  # noqa: SLF001
+    assert common._running_script("verify_rows_host_a") == "verify_rows"
     monkeypatch.setattr("sys.argv", ["/usr/bin/pytest"])  # not a benchmark: the results' name, as before
-    assert common._running_script("verify_rows_host_a") == "verify_rows_host_a"  # noqa: SLF001
+    assert common._running_script("verify_rows_host_a") == "verify_rows_host_a"
