@@ -35,3 +35,51 @@ def test_only_requests_that_ran_to_their_end_set_retry_after(tiny_model_dirs):
     after_leaving, after_one_finish = asyncio.run(main())
     assert after_leaving == 5            # nothing finished: the queue's guess, not 2 s from 5 "finishes"
     assert after_one_finish == 10        # one finish in the last 10 s
+
+
+def test_requests_waiting_while_no_engine_can_run_are_answered(tiny_model_dirs, tmp_path):
+    """An engine that dies and cannot be restarted (here its model directory is gone): requests arriving then were
+    refused at once (503), but those already waiting in line were held until their clients gave up."""
+    import os
+    import shutil
+    import signal
+
+    from kvserve.entrypoints.async_llm import EngineDeadError
+    from kvserve.gateway.admission import NoReplica
+
+    model_dir = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dirs["llama"][0], model_dir)
+    config = EngineConfig(model=str(model_dir), dtype="float32", max_model_len=256, num_kv_blocks=64, num_threads=1,
+                          max_num_seqs=1)
+
+    async def consume(gen) -> str:
+        try:
+            async for _ in gen:
+                pass
+        except (EngineDeadError, NoReplica) as e:
+            return type(e).__name__
+        return "finished"
+
+    async def main() -> tuple[str, str, float]:
+        model = ServedModel("tiny", config, engine_mode="process")
+        model.all_dead_wait_s = 1.0
+        await model.start()
+        try:
+            running = asyncio.create_task(consume(model.generate(
+                [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True), request_id="running")))
+            while not model.queue.in_flight[0]:
+                await asyncio.sleep(0.01)
+            waiting = asyncio.create_task(consume(model.generate([4, 5], SamplingParams(max_tokens=2),
+                                                                 request_id="waiting")))
+            while not model.queue.num_waiting:
+                await asyncio.sleep(0.01)
+            shutil.rmtree(model_dir)
+            os.kill(model.replicas[0].engine_pid, signal.SIGKILL)
+            t0 = asyncio.get_running_loop().time()
+            ran, waited = await asyncio.wait_for(asyncio.gather(running, waiting), 60)
+            return ran, waited, asyncio.get_running_loop().time() - t0
+        finally:
+            await model.shutdown()
+
+    ran, waited, seconds = asyncio.run(main())
+    assert (ran, waited) == ("EngineDeadError", "NoReplica") and seconds < 10, (ran, waited, seconds)

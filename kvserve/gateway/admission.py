@@ -177,14 +177,18 @@ class AdmissionQueue:
             raise error
         worst.placed.set_exception(error)     # its waiter raises QueueFull (429); pump() drops the ticket
 
-    def close(self, error: Callable[[], Exception]) -> None:
-        """Shutdown: every waiter leaves the line with error(), and later acquire() calls raise one (so that places
-        freed by stopped requests are not handed to waiting ones)."""
-        self._closed = error
+    def fail_waiting(self, error: Callable[[], Exception]) -> None:
+        """Every waiter leaves the line with error(); later requests are taken as before."""
         for ticket in self._heap:
             if not ticket.placed.done():
                 ticket.placed.set_exception(error())
         self._heap.clear()
+
+    def close(self, error: Callable[[], Exception]) -> None:
+        """Shutdown: every waiter leaves the line with error(), and later acquire() calls raise one (so that places
+        freed by stopped requests are not handed to waiting ones)."""
+        self._closed = error
+        self.fail_waiting(error)
 
     def first_token(self, placement: Placement) -> None:
         """Its prompt is computed: no longer prefill work ahead of later requests there."""

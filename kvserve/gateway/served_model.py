@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from kvserve.config import EngineConfig
 from kvserve.engine.block_hash import block_hashes
 from kvserve.entrypoints.async_llm import AsyncLLM, EngineMode, ServerStopping
-from kvserve.gateway.admission import AdmissionQueue, EngineView
+from kvserve.gateway.admission import AdmissionQueue, EngineView, NoReplica
 from kvserve.gateway.routing import CacheAwarePolicy, make_policy
 from kvserve.outputs import RequestDelta
 from kvserve.sampling_params import SamplingParams
@@ -24,6 +25,10 @@ logger = logging.getLogger("kvserve.gateway")
 
 # While requests wait in the queue, it is re-checked this often (a replica may have come back to life).
 _PUMP_INTERVAL_S = 0.25
+# Requests waiting while every replica's engine stays down this long are answered 503, as new ones are at once:
+# an engine that cannot be restarted (its restarts back off up to 30 s each) had held them until their clients
+# gave up. Shorter outages (an engine replaced in a few seconds) keep them in line.
+ALL_DEAD_WAIT_S = 30.0
 
 
 class ServedModel:
@@ -45,6 +50,7 @@ class ServedModel:
         self.queue = AdmissionQueue(num_replicas, self.config.max_num_seqs, self.policy, self._engine_view,
                                     max_waiting=max_waiting)
         self._pumper: asyncio.Task | None = None
+        self.all_dead_wait_s = ALL_DEAD_WAIT_S
 
     # ---- what the HTTP layer reads (replica 0 speaks for all: they load the same model) --------------
     @property
@@ -94,8 +100,17 @@ class ServedModel:
             self.policy.forget(replica)   # a new engine process starts with an empty prefix cache
 
     async def _pump_while_waiting(self) -> None:
+        dead_since: float | None = None
         while True:
             await asyncio.sleep(_PUMP_INTERVAL_S)
+            if any(r.dead is None for r in self.replicas):
+                dead_since = None
+            elif dead_since is None:
+                dead_since = time.monotonic()
+            elif time.monotonic() - dead_since >= self.all_dead_wait_s and self.queue.num_waiting:
+                why = self.replicas[0].dead
+                self.queue.fail_waiting(lambda: NoReplica(f"no engine of this model has run for "
+                                                          f"{self.all_dead_wait_s:g} s ({why}); retry later"))
             if self.queue.num_waiting:
                 self.queue.pump()
 
