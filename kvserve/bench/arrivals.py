@@ -11,10 +11,13 @@ import numpy as np
 
 def arrival_offsets(num_requests: int, request_rate: float, burstiness: float = 1.0,
                     seed: int = 0) -> list[float]:
-    """Seconds from the benchmark start at which request i is due; offsets[0] == 0.
+    """Seconds from the benchmark start at which request i is due.
 
-    Offsets are absolute (a cumulative sum), so time lost sleeping or scheduling never accumulates
-    into a lower real rate than asked for."""
+    As `vllm bench serve` sends them: every request, the first included, after a gap, and the gaps' sum scaled
+    so that the last request is due at exactly num_requests / rate. Unscaled, a run of a few hundred requests
+    offered a rate off by up to ~10% from the one asked (seed 0, 200 requests at 4/s: 3.56/s), and its
+    throughput with it, by the seed. Offsets are absolute (a cumulative sum), so time lost sleeping or
+    scheduling never accumulates into a lower real rate than asked for."""
     if num_requests <= 0:
         return []
     if burstiness <= 0:
@@ -25,5 +28,5 @@ def arrival_offsets(num_requests: int, request_rate: float, burstiness: float = 
         raise ValueError("--request-rate must be > 0 (or inf)")
     rng = np.random.default_rng(seed)
     # Gamma(shape=k, scale=1/(rate*k)) has mean 1/rate for any k; k == 1 is the exponential.
-    gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num_requests - 1)
-    return [0.0] + np.cumsum(gaps).tolist()
+    offsets = np.cumsum(rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num_requests))
+    return (offsets * (num_requests / request_rate / offsets[-1])).tolist()
