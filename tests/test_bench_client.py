@@ -30,8 +30,13 @@ class StubServer:
     """Streams max_tokens chunks of one word each; chat streams start with a role-only delta and
     every stream ends with an empty finish chunk and (when asked) a usage chunk."""
 
-    def __init__(self, send_usage: bool = True, metrics: str | None = None):
+    def __init__(self, send_usage: bool = True, metrics: str | None = None, *, textless: int = 0,
+                 reasoning: bool = False, tail_delay: float = 0.0):
         self.send_usage = send_usage
+        # textless: the last this-many chunks carry a token each but no text (special tokens, part of a UTF-8
+        # character), as kvserve's and vLLM's servers send them; reasoning: chat text in vLLM's `reasoning`
+        # field; tail_delay: seconds between the last token chunk and the finish chunk.
+        self.textless, self.reasoning, self.tail_delay = textless, reasoning, tail_delay
         # /metrics: None, none (404); "html", a page that is not Prometheus text; "spec", vLLM's speculative
         # counters, registered at the first request (as kvserve does at its first draft) and raised by each.
         self.metrics = metrics
@@ -123,9 +128,11 @@ class StubServer:
             for i in range(n):
                 if i:
                     await asyncio.sleep(GAP)
-                piece = f"w{i} "
-                await send({"choices": [{"index": 0, "delta": {"content": piece}}]} if chat else
+                piece = "" if i >= n - self.textless else f"w{i} "
+                field = "reasoning" if self.reasoning else "content"
+                await send({"choices": [{"index": 0, "delta": {field: piece}}]} if chat else
                            {"choices": [{"index": 0, "text": piece}]})
+            await asyncio.sleep(self.tail_delay)
             fin = {"index": 0, "finish_reason": "length"}
             fin.update({"delta": {}} if chat else {"text": ""})
             await send({"choices": [fin]})
@@ -159,7 +166,33 @@ def test_client_times_text_chunks_and_reads_usage(endpoint):
     # FIRST_DELAY + 4 GAP before the last chunk whatever the client's delays: that bounds the total.
     assert all(0 <= g < GAP + 1.0 for g in r.itl) and sum(r.itl) >= 0.5 * GAP * len(r.itl)
     assert r.ttft + sum(r.itl) >= FIRST_DELAY + GAP * len(r.itl) - 1e-3
-    assert r.latency >= r.ttft + sum(r.itl) - 1e-6
+    assert r.latency == pytest.approx(r.ttft + sum(r.itl), abs=1e-6)   # ends with the last output chunk
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_chunks_of_tokens_without_text_are_output_as_in_vllms_client(endpoint):
+    """They had been skipped: their gaps were missing from ITL, and a request whose whole output decoded to ""
+    was booked as failed ("no TTFT")."""
+    with StubServer(textless=2) as srv:
+        r = asyncio.run(_one(srv.url, BenchRequest("one two three", 3, 5), endpoint))
+        assert r.success and r.generated_text == "w0 w1 w2 " and len(r.itl) == 4, (r.error, r.itl)
+    with StubServer(textless=5) as srv:
+        r = asyncio.run(_one(srv.url, BenchRequest("one two three", 3, 5), endpoint))
+        assert r.success and r.generated_text == "" and r.ttft >= FIRST_DELAY * 0.9 and len(r.itl) == 4, r.error
+
+
+def test_reasoning_deltas_are_output():
+    """vLLM's reasoning parsers stream the thinking in `delta.reasoning` (reasoning_content was read only)."""
+    with StubServer(reasoning=True) as srv:
+        r = asyncio.run(_one(srv.url, BenchRequest("one two three", 3, 5), "chat"))
+    assert r.success and r.generated_text == "w0 w1 w2 w3 w4 " and len(r.itl) == 4, r.error
+
+
+def test_a_request_ends_with_its_last_output_chunk():
+    """As vLLM's client: E2EL (and TPOT from it) ended at [DONE], after the finish and usage chunks."""
+    with StubServer(tail_delay=0.5) as srv:
+        r = asyncio.run(_one(srv.url, BenchRequest("one two three", 3, 5)))
+    assert r.success and r.latency == pytest.approx(r.ttft + sum(r.itl), abs=1e-6)
 
 
 def test_client_without_usage_leaves_count_to_tokenizer():

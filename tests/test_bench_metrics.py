@@ -108,6 +108,10 @@ def test_output_tokens_fall_back_to_tokenizing_text():
     assert m.total_output_tokens == 3
     with pytest.raises(ValueError):
         calculate_metrics([r], 1.0, tokenize=None)
+    # A usage count of 0 beside streamed text is counted again, as vLLM's client does (it had been kept).
+    r.output_tokens = 0
+    assert calculate_metrics([r], 1.0, tokenize=lambda s: len(s.split())).total_output_tokens == 3
+    assert calculate_metrics([r], 1.0, tokenize=None).total_output_tokens == 0
 
 
 def test_no_successes_gives_zeros_not_nan():

@@ -103,15 +103,22 @@ def request_headers() -> dict[str, str]:
     return h
 
 
-def _chunk_text(data: dict, chat: bool) -> str:
+def _chunk_output(data: dict, chat: bool) -> tuple[bool, str]:
+    """Whether a chunk carries generated tokens, and their text. As vLLM's client, a chunk whose tokens decode to
+    no text yet (special tokens, part of a UTF-8 character) carries output too: left out, its gap vanished from
+    ITL, and a request whose whole output decoded to "" was booked as failed. Not counted: a chat stream's
+    role-only opening delta, a chunk that only says why the request finished, and the usage chunk (no choices)."""
     choices = data.get("choices") or []
     if not choices:
-        return ""
+        return False, ""
     c = choices[0]
     if chat:
         delta = c.get("delta") or {}
-        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-    return c.get("text") or ""
+        # reasoning: vLLM's reasoning parsers' field (reasoning_content before it)
+        text = "".join(delta.get(k) or "" for k in ("content", "reasoning", "reasoning_content"))
+        return bool(text) or ("role" not in delta and c.get("finish_reason") is None), text
+    text = c.get("text") or ""
+    return bool(text) or c.get("finish_reason") is None, text
 
 
 async def send_request(session: aiohttp.ClientSession, cfg: EndpointConfig,
@@ -142,8 +149,8 @@ async def send_request(session: aiohttp.ClientSession, cfg: EndpointConfig,
                 if "error" in data:
                     out.error = f"stream error: {json.dumps(data['error'])[:500]}"
                     return out
-                text = _chunk_text(data, chat)
-                if text:
+                carries, text = _chunk_output(data, chat)
+                if carries:
                     if not got_first:
                         out.ttft = now - st
                         got_first = True
@@ -158,12 +165,13 @@ async def send_request(session: aiohttp.ClientSession, cfg: EndpointConfig,
                         out.output_tokens = int(usage["completion_tokens"])
                     if usage.get("prompt_tokens"):
                         out.prompt_len = int(usage["prompt_tokens"])
-        out.latency = time.perf_counter() - st
+        # As vLLM's: the request ends with its last output chunk, not with the usage chunk and [DONE] after it.
+        out.latency = (last if got_first else time.perf_counter()) - st
         out.generated_text = "".join(text_parts)
         if got_first:
             out.success = True
         else:
-            out.error = "stream ended without any generated text (no TTFT)"
+            out.error = "stream ended without any generated output (no TTFT)"
     except Exception as e:  # a benchmark records failures and carries on
         out.error = f"{type(e).__name__}: {e}"
         out.latency = time.perf_counter() - st

@@ -85,10 +85,13 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
 
 
 def output_token_count(r: RequestResult, tokenize: Callable[[str], int] | None) -> int:
-    """The server's usage count; otherwise the benchmark tokenizer's count of the streamed text."""
-    if r.output_tokens is not None:
+    """The server's usage count; where it sent none, or 0 (as vLLM's client, which counts again then), the
+    benchmark tokenizer's count of the streamed text."""
+    if r.output_tokens:
         return r.output_tokens
     if tokenize is None:
+        if r.output_tokens is not None:
+            return r.output_tokens
         raise ValueError("the server sent no usage and no tokenizer was given to count output tokens")
     return tokenize(r.generated_text)
 
