@@ -130,7 +130,8 @@ class StubServer:
                     await asyncio.sleep(GAP)
                 piece = "" if i >= n - self.textless else f"w{i} "
                 field = "reasoning" if self.reasoning else "content"
-                await send({"choices": [{"index": 0, "delta": {field: piece}}]} if chat else
+                # "role": null, as kvserve's server writes every later delta
+                await send({"choices": [{"index": 0, "delta": {"role": None, field: piece}}]} if chat else
                            {"choices": [{"index": 0, "text": piece}]})
             await asyncio.sleep(self.tail_delay)
             fin = {"index": 0, "finish_reason": "length"}

@@ -116,7 +116,7 @@ def _chunk_output(data: dict, chat: bool) -> tuple[bool, str]:
         delta = c.get("delta") or {}
         # reasoning: vLLM's reasoning parsers' field (reasoning_content before it)
         text = "".join(delta.get(k) or "" for k in ("content", "reasoning", "reasoning_content"))
-        return bool(text) or ("role" not in delta and c.get("finish_reason") is None), text
+        return bool(text) or (delta.get("role") is None and c.get("finish_reason") is None), text
     text = c.get("text") or ""
     return bool(text) or c.get("finish_reason") is None, text
 
