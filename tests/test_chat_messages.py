@@ -22,4 +22,4 @@ def test_invalid_messages_name_the_field(messages, where):
 def test_text_parts_are_joined_and_null_assistant_content_allowed():
     out = check_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                           {"role": "assistant", "content": None}])
-    assert [m["content"] for m in out] == ["ab", ""]
+    assert [m["content"] for m in out] == ["a\nb", ""]   # joined with "\n", as vLLM joins them ("ab" had run on)

@@ -59,6 +59,17 @@ def test_capital_of_france(llm):
     assert out.finish_reason == "stop"
 
 
+def test_chat_continues_the_final_message_as_vllms_llm_chat(llm):
+    """continue_final_message and chat_template_kwargs, LLM.chat's arguments in vLLM, had been missing."""
+    start = "The capital of France is"
+    conv = [CHATS[0][-1], {"role": "assistant", "content": start}]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=4), add_generation_prompt=False,
+                   continue_final_message=True, use_tqdm=False)[0]
+    assert out.prompt.endswith(start) and "Paris" in out.outputs[0].text   # the turn left open, and continued
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        llm.chat(conv, continue_final_message=True, use_tqdm=False)
+
+
 def test_stop_string_cuts_text_before_it(llm):
     out = llm.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=32, stop=["Paris"]),
                    use_tqdm=False)[0].outputs[0]

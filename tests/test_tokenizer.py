@@ -71,6 +71,42 @@ def test_chat_template_matches_transformers(tmp_path: Path, template_in: str) ->
         )
 
 
+# Llama 3's way (content trimmed), a template that keeps spacing, transformers' {% generation %} block, and a
+# tools section guarded by `is not none`.
+TRIMMING = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] | trim + '<|im_end|>' }}"
+            "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+GENERATION = ("{% if tools is not none %}[TOOLS]{{ tools | tojson }}[/TOOLS]{% endif %}"
+              "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+              "{% endgeneration %}{% else %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("template", [CHATML, TRIMMING, GENERATION])
+@pytest.mark.parametrize("final", ["Sure, here it is:\n", "Sure", "  Sure  "])
+def test_continue_final_message_cuts_where_transformers_does(tmp_path: Path, template: str, final: str) -> None:
+    """The search for the untrimmed final message found nothing in a trimming template's render and left the
+    turn closed (the model answered anew); {% generation %} did not compile; an unset `tools` wrote [TOOLS]."""
+    write_hf_dir(tmp_path)
+    ours = Tokenizer.from_hf_dir(tmp_path)
+    ours.chat_template = template
+    ref = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), chat_template=template)
+    messages = [{"role": "user", "content": "Write it."}, {"role": "assistant", "content": final}]
+    want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                   continue_final_message=True)
+    assert ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True) == want
+    plain = messages[:1]
+    assert ours.apply_chat_template(plain) == ref.apply_chat_template(plain, tokenize=False,
+                                                                      add_generation_prompt=True)
+
+
+def test_continue_final_message_the_template_does_not_show_is_refused(tmp_path: Path) -> None:
+    write_hf_dir(tmp_path)
+    ours = Tokenizer.from_hf_dir(tmp_path)
+    ours.chat_template = "{% for m in messages %}{{ m['role'] }}{% endfor %}"   # shows no content at all
+    with pytest.raises(ValueError, match="final message does not appear"):
+        ours.apply_chat_template([{"role": "assistant", "content": "Sure"}], add_generation_prompt=False,
+                                 continue_final_message=True)
+
+
 def test_chat_template_errors(tmp_path: Path) -> None:
     write_hf_dir(tmp_path)
     with pytest.raises(ValueError, match="bad role tool"):

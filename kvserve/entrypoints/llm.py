@@ -102,14 +102,22 @@ class LLM:
 
     def chat(self, messages: Messages | Seq[Messages],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
-             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (a list of messages) or to several."""
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of messages) or to several.
+        continue_final_message: the model continues the last message (an assistant's start) instead of answering
+        it; chat_template_kwargs: further variables for the template (vLLM's arguments of the same names)."""
+        if continue_final_message and add_generation_prompt:  # as vLLM
+            raise ValueError("continue_final_message cannot be true with add_generation_prompt true (the default): "
+                             "set add_generation_prompt=False to continue the final message")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         prompts: list[Prompt] = []
         texts: list[str] = []
         for conv in convs:
-            texts.append(tok.apply_chat_template(check_messages(conv), add_generation_prompt=add_generation_prompt))
+            texts.append(tok.apply_chat_template(check_messages(conv), add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message,
+                                                 **(chat_template_kwargs or {})))
             # The template already has the special tokens it wants.
             prompts.append(tok.encode(texts[-1], add_special_tokens=False))
         outputs = self._run(prompts, sampling_params, None, use_tqdm)

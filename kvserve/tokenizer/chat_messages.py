@@ -29,7 +29,7 @@ def content_text(content: Any) -> str | None:
         if not isinstance(part.get("text"), str):
             raise ValueError(f"part {j}: `text` must be a string")
         parts.append(part["text"])
-    return "".join(parts)
+    return "\n".join(parts)  # as vLLM joins a message's text parts (joined with "", words ran together)
 
 
 def check_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

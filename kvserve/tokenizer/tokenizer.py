@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -69,15 +70,24 @@ class Tokenizer:
             return bytes(_BYTE_LEVEL_CHARS[c] for c in piece)
         return text.encode("utf-8")  # a token that is U+FFFD itself, or a scheme not known here
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
+        """The rendered conversation. continue_final_message: cut right after the last message's text, so that the
+        model continues it instead of closing its turn (a ValueError where the template does not show that text)."""
         if not self.chat_template:
             raise ValueError("model has no chat template (a base model takes plain text: use completions, not chat)")
         if self._template is None:
-            self._template = _jinja_env().from_string(self.chat_template)
+            try:
+                self._template = _jinja_env().from_string(self.chat_template)
+            except jinja2.TemplateError as e:
+                raise ValueError(f"the model's chat template does not compile: {e}") from e
+        # tools and documents are None unless given, as transformers renders them: a template testing
+        # `tools is not none` found them undefined (which is not none) and wrote an empty tools section.
+        kwargs = {"tools": None, "documents": None, **kwargs}
         try:
-            return self._template.render(
+            text = self._template.render(
                 messages=messages,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
                 **kwargs,
@@ -85,6 +95,7 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             # Usually the caller's messages (e.g. a role the template rejects via raise_exception).
             raise ValueError(f"chat template error: {e}") from e
+        return _end_at_final_message(text, messages[-1].get("content") or "") if continue_final_message else text
 
     # ---- constructors ----
 
@@ -147,13 +158,39 @@ def _token_str(tok: Any) -> str | None:
     return tok
 
 
+def _end_at_final_message(text: str, final: str) -> str:
+    """`text` cut right after the last occurrence of the final message. Templates that trim the message (Llama 3's
+    `| trim`) show it stripped, so it is looked for stripped, and its trailing whitespace is kept only where the
+    template kept it (the search for the untrimmed text had found nothing and left the turn closed)."""
+    core = final.strip()
+    at = text.rfind(core)
+    if at < 0:
+        raise ValueError("continue_final_message: the final message does not appear in the conversation as the "
+                         "chat template renders it")
+    whole = final.lstrip()
+    end = at + len(whole) if text.startswith(whole, at) else at + len(core)
+    return text[:end]
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's tokens for training):
+    rendered as its body. Templates that use it had failed to compile, and every chat with them with it."""
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
 def _jinja_env() -> ImmutableSandboxedEnvironment:
     # Same settings and globals that transformers gives chat templates, so templates render identically.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
     env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False, ensure_ascii=False: json.dumps(
         x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii
     )

@@ -283,7 +283,7 @@ class ChatCompletionRequest(SamplingFields):
                              "set add_generation_prompt to false to continue the final message")
         # What the template is rendered with already (kvserve/tokenizer/tokenizer.py): given twice, the render
         # raised a TypeError, reported as a problem with the messages.
-        reserved = sorted({"messages", "add_generation_prompt", "bos_token", "eos_token"}
+        reserved = sorted({"messages", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token"}
                           & set(self.chat_template_kwargs or {}))
         if reserved:
             raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)} (a field of its own, or the "

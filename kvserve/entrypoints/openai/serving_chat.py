@@ -66,17 +66,11 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request("messages must not be empty", "messages")
         dicts = messages_to_dicts(messages)
         try:
-            text = m.tokenizer.apply_chat_template(
-                dicts, add_generation_prompt=add_generation_prompt and not continue_final_message,
-                **(template_kwargs or {}))
+            text = m.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
+                                                   continue_final_message=continue_final_message,
+                                                   **(template_kwargs or {}))
         except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise bad_request(f"cannot apply the chat template to these messages: {e}", "messages") from None
-        if continue_final_message:
-            # Cut after the last message's text so the model continues it rather than closing the turn.
-            final = dicts[-1]["content"]
-            cut = text.rfind(final)
-            if final and cut >= 0:
-                text = text[: cut + len(final)]
         # The template already holds the special tokens it wants (BOS etc.).
         return await self.encode(m, text, add_special_tokens=False)
 
