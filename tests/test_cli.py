@@ -281,3 +281,21 @@ def test_every_served_model_name_is_kept_with_replicas():
     client = TestClient(build_app(server_args))  # no engine started: /v1/models reads the registry
     assert [c["id"] for c in client.get("/v1/models").json()["data"]] == ["a", "b"]
     assert client.get("/v1/models/b").status_code == 200
+
+
+@pytest.mark.parametrize("flag, origin, allowed", [
+    ([], "http://any.example", "*"),                                                # vLLM's default: any
+    (["--allowed-origins", "http://a.example"], "http://a.example", "http://a.example"),
+    (["--allowed-origins", "http://a.example"], "http://b.example", None),
+    (["--allowed-origins"], "http://a.example", None),                              # the flag alone: no CORS
+])
+def test_allowed_origins(flag, origin, allowed):
+    from fastapi.testclient import TestClient
+
+    from kvserve.entrypoints.cli import _server_args, models_config
+    from kvserve.entrypoints.openai.api_server import build_app
+
+    args = build_parser().parse_args(["serve", *flag])
+    client = TestClient(build_app(_server_args(args, engine_config(args), models_config(args))))
+    r = client.get("/v1/models", headers={"Origin": origin})
+    assert r.status_code == 200 and r.headers.get("access-control-allow-origin") == allowed

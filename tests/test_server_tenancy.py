@@ -36,6 +36,20 @@ def test_each_key_is_accepted_and_others_refused(server):
     assert r.status_code == 401
 
 
+def test_browser_pages_may_call_the_api_with_a_key(server):
+    """CORS, any origin by default as in vLLM: a browser's preflight (which carries no key) had been a 405, so
+    no web page could call the server. The key is still asked for on the request itself."""
+    origin = "http://localhost:3000"
+    pre = httpx.options(server.base_url + "/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] in ("*", origin), pre.headers
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+    ok = httpx.get(server.base_url + "/v1/models", headers={"Origin": origin, "Authorization": f"Bearer {KEYS[0]}"})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
+    assert httpx.get(server.base_url + "/v1/models", headers={"Origin": origin}).status_code == 401
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_tenants_never_share_prefix_cache_entries(server, path):
     a, b = KEYS

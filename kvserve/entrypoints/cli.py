@@ -276,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting", type=positive_int, default=None,
                        help="Answer 429 (with Retry-After) when more than this many requests of a model are waiting. "
                             "Default: unbounded for one model; with several, 256 or the file's admission.max_waiting.")
+    serve.add_argument("--allowed-origins", nargs="*", default=["*"], metavar="ORIGIN",
+                       help="Origins whose browser pages may call the API (CORS), e.g. http://localhost:3000; '*' "
+                            "any (the default, as vLLM's); the flag alone: none.")
     serve.add_argument("--max-request-body-bytes", type=positive_int, default=16 * 2**20,
                        help="Larger request bodies get 413 (default: %(default)s)")
     serve.add_argument("--shutdown-grace", type=grace_seconds, default=30.0,
@@ -362,7 +365,8 @@ def _server_args(args: argparse.Namespace, config: EngineConfig, models: ModelsC
         engine=config, host=args.host, port=args.port, api_keys=args.api_key or [],
         cache_salt_by_api_key=args.cache_salt_by_api_key,
         served_model_names=args.served_model_name or [], engine_mode=args.engine_mode,
-        max_request_body_bytes=args.max_request_body_bytes, shutdown_grace_s=args.shutdown_grace,
+        max_request_body_bytes=args.max_request_body_bytes, allowed_origins=args.allowed_origins,
+        shutdown_grace_s=args.shutdown_grace,
         log_stats_interval_s=args.log_stats_interval, log_level=args.log_level, web=args.web, models=models)
 
 

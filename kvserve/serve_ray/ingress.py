@@ -22,7 +22,7 @@ from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from kvserve.entrypoints.openai.api_server import (
-    DRAINING_MESSAGE, VERSION, GuardMiddleware, ServerArgs, ServerState)
+    DRAINING_MESSAGE, VERSION, GuardMiddleware, ServerArgs, ServerState, add_cors)
 from kvserve.entrypoints.openai.errors import (
     SHUTDOWN_RETRY_AFTER, OpenAIError, error_response, install_error_handlers)
 from kvserve.entrypoints.openai.serving_base import sse_error
@@ -160,6 +160,7 @@ def build_ingress_app(router: ModelRouter, args: ServerArgs, state: ServerState)
     app = FastAPI(title="kvserve (Ray Serve)", version=VERSION)
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, args=args, state=state)
+    add_cors(app, args.allowed_origins)
 
     @app.get("/health")
     async def health() -> Response:

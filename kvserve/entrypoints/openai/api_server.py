@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -72,6 +73,8 @@ class ServerArgs:
     log_stats_interval_s: float = 5.0
     log_level: str = "info"
     web: bool = True                # the chat + dashboard page at /
+    # CORS: origins whose browser pages may call the API ("*": any, vLLM's default; none: no CORS headers).
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
     # Several models and/or replicas (--models-config, or `kvserve serve A B`); None: the one model of
     # `engine`, named by served_model_names. `engine` is then the base every entry's options override.
     models: ModelsConfig | None = None
@@ -216,6 +219,13 @@ async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
+def add_cors(app: FastAPI, origins: list[str]) -> None:
+    """Browser pages of these origins may call the API (a preflight OPTIONS had been a 405). Added after the guard,
+    so it wraps it: a preflight carries no API key, and is answered before the key is asked for."""
+    if origins:
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
+
+
 def build_app(args: ServerArgs, state: ServerState | None = None, auto_router: AutoRouter | None = None) -> FastAPI:
     """auto_router: what picks small or large for `model: "auto"` (default: PromptLengthRouter)."""
     state = state or ServerState()
@@ -278,6 +288,7 @@ def build_app(args: ServerArgs, state: ServerState | None = None, auto_router: A
     app.state.registry, app.state.metrics, app.state.server_state = registry, families, state
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, args=args, state=state)
+    add_cors(app, args.allowed_origins)
 
     @app.get("/health")
     async def health() -> Response:
