@@ -111,6 +111,23 @@ def test_streaming_equals_non_streaming(client):
     assert all("metrics" not in (body.model_extra or {}) for body in [full, full_chat, *chunks])
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_counts_each_choice_on_its_own(http, path):
+    """With n = 2, each chunk's usage had summed both choices' tokens; vLLM's counts the chunk's own choice."""
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 1.0, "seed": 3, "n": 2, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body |= {"prompt": PROMPTS[0]} if path == "/v1/completions" else {"messages": CHAT}
+    with http.stream("POST", path, json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    seen = {0: 0, 1: 0}
+    for c in chunks[:-1]:
+        choice = c["choices"][0]
+        seen[choice["index"]] = c["usage"]["completion_tokens"]
+        assert c["usage"]["completion_tokens"] <= 4, c
+    assert seen == {0: 4, 1: 4}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+
+
 def test_n_seed_and_stop(client):
     kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, n=3, seed=1234)
     a, b = client.completions.create(**kw), client.completions.create(**kw)
@@ -186,6 +203,23 @@ def test_completion_logprobs_and_echo(client):
     elp = echo.choices[0].logprobs
     assert len(elp.tokens) == echo.usage.prompt_tokens + echo.usage.completion_tokens
     assert elp.token_logprobs[0] is None and all(v is not None for v in elp.token_logprobs[1:])
+
+
+def test_streamed_text_offsets_count_the_text_sent(http):
+    """Each chunk's offsets start at the length of the text streamed before it (as vLLM's). They had counted the
+    tokens' strings, and drifted past the text sent while a stop string's possible start was held back."""
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 10, "temperature": 0,
+            "logprobs": 0, "stop": ["s Pa"], "stream": True}   # "...States" waits on whether " Pa" follows
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        chunks = [json.loads(line[6:])["choices"] for line in r.iter_lines() if line.startswith("data: {")]
+    sent, held_back = 0, False
+    for choice in (c[0] for c in chunks if c):
+        lp = choice["logprobs"]
+        if lp and lp["tokens"]:
+            assert lp["text_offset"][0] == sent, (choice, sent)
+            held_back |= len(choice["text"]) != sum(map(len, lp["tokens"]))
+        sent += len(choice["text"])
+    assert held_back  # the case that drifted occurred
 
 
 def test_chat_logprobs(client):

@@ -163,7 +163,9 @@ class OpenAIServingChat(OpenAIServing):
         spec = None              # the request's speculative decoding figures, once finished
 
         def chunk(choices: list[ChatStreamChoice], with_usage: bool, last: bool = False) -> str:
-            u = usage(prompt_len, sum(sent), cached) if with_usage else None
+            # continuous usage: the chunk's choice's own count, as vLLM's; the final chunk: every choice's
+            completion = sum(sent) if last or not choices else sent[choices[0].index]
+            u = usage(prompt_len, completion, cached) if with_usage else None
             body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=u,
                                        metrics=request_metrics(spec) if last else None)
             return sse(body_json(body, m) if last else body.model_dump(exclude={"metrics"}))

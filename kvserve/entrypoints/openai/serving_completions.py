@@ -162,7 +162,10 @@ class OpenAIServingCompletion(OpenAIServing):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
         sent_tokens = [[0] * n for _ in prompts]     # tokens streamed per (prompt, completion)
-        offsets = [[0] * n for _ in prompts]         # text_offset of the next token per (prompt, completion)
+        # Text streamed so far per (prompt, completion): where the next chunk's text_offsets start (as vLLM's). Counted
+        # from the tokens' strings instead, offsets drifted past the text sent while text was held back (a stop
+        # string's possible start, part of a UTF-8 character).
+        offsets = [[0] * n for _ in prompts]
         echoed = [[False] * n for _ in prompts]
         prompt_lps: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
         prompt_tokens = [len(ids) for _, ids in prompts]
@@ -197,13 +200,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs = self._logprobs(m.tokenizer, new_ids, new_lps, offsets[i][j])
-                    if logprobs.tokens:
-                        offsets[i][j] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                offsets[i][j] += len(delta_text)
                 chunk = CompletionResponse(
                     id=request_id, created=created, model=model,
                     choices=[CompletionChoice(index=i * n + j, text=delta_text, logprobs=logprobs,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
-                    usage=usage_now() if continuous else None)
+                    # continuous usage: this choice's own counts, as vLLM's (the final chunk has the totals)
+                    usage=usage(prompt_tokens[i], sent_tokens[i][j], cached[i]) if continuous else None)
                 lines.append(sse(chunk.model_dump(exclude={"metrics": True,
                                                            "choices": {"__all__": {"prompt_logprobs"}}})))
             return lines
