@@ -7,6 +7,7 @@ kvserve's logits from the GGUF must match transformers' on the original model.
 (The default model's test, test_gguf_default.py, covers a quantized Llama GGUF made by llama.cpp.)"""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -35,10 +36,14 @@ def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model: torch.nn.Module, arch: str, path: Path, pre: str | None = None) -> None:
+def write_gguf(model: torch.nn.Module, arch: str, path: Path, pre: str | None = None,
+               extra: Callable[[gguf.GGUFWriter], None] | None = None) -> None:
+    """extra: writes further metadata keys (after the context length)."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
+    if extra is not None:
+        extra(w)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -143,3 +148,28 @@ def test_tokenizer_option_stands_in_for_a_pre_tokenizer_kvserve_cannot_rebuild(t
     word_level_tokenizer().save(str(tok_dir / "tokenizer.json"))
     loaded = load_model(str(path), torch.float32, torch.device("cpu"), tokenizer=str(tok_dir))
     assert loaded.tokenizer.encode("v7 v9", add_special_tokens=False) == [7, 9]
+
+
+@pytest.mark.parametrize("extra, said", [
+    # Dropped, the model had run unscaled RoPE at every length (and been offered its extended context).
+    (lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(4.0)),
+     "unsupported rope scaling type 'yarn'"),
+    # One part of llama.cpp's gguf-split: it had been "missing 10 weights" (part 1) or "architecture None".
+    (lambda w: (w.add_uint16("split.count", 3), w.add_uint16("split.no", 0)),
+     "part 1 of a GGUF split in 3 files.*llama-gguf-split --merge"),
+])
+def test_a_gguf_kvserve_cannot_run_as_written_is_refused_naming_why(tmp_path: Path, extra, said: str) -> None:
+    ref = build_hf_model("llama_tied", tmp_path)
+    path = tmp_path / "model.gguf"
+    write_gguf(ref, "llama", path, extra=extra)
+    with pytest.raises(ValueError, match=said):
+        load_model(str(path), torch.float32, torch.device("cpu"))
+
+
+def test_a_gguf_without_the_models_hyperparameters_is_named() -> None:
+    """A LoRA adapter's GGUF, say: it had failed with a TypeError on None."""
+    from kvserve.models.gguf import gguf_model_config
+    meta = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
+            "tokenizer.ggml.tokens": ["a"]}
+    with pytest.raises(ValueError, match="lacks llama.block_count, llama.feed_forward_length"):
+        gguf_model_config(meta, {})

@@ -60,6 +60,10 @@ def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
 
 def gguf_model_config(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
     """tensors: the reader's tensors by name (names say which optional parts exist; rope_freqs is read)."""
+    if int(meta.get("split.count", 1) or 1) > 1:  # llama.cpp's gguf-split: only one part is here
+        raise ValueError(f"this is part {int(meta.get('split.no', 0)) + 1} of a GGUF split in "
+                         f"{int(meta['split.count'])} files; kvserve reads one file: merge them first "
+                         f"(llama.cpp's `llama-gguf-split --merge FIRST_PART OUT.gguf`)")
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
@@ -67,11 +71,20 @@ def gguf_model_config(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelCon
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
+    missing = [f"{arch}.{k}" for k in ("embedding_length", "attention.head_count", "block_count",
+                                        "feed_forward_length") if get(k) is None]
+    if missing:  # a LoRA adapter's GGUF, say: it holds no model
+        raise ValueError(f"the GGUF lacks {', '.join(missing)}: it does not describe a whole {arch} model")
     hidden, heads = get("embedding_length"), get("attention.head_count")
     head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
     scaling = None
-    if get("rope.scaling.type") == "linear":
+    kind = get("rope.scaling.type")
+    if kind == "linear":
         scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif kind not in (None, "none"):
+        # As a config.json asking for it is refused: dropped, the model ran unscaled RoPE at every length (and
+        # was offered its extended context).
+        raise ValueError(f"unsupported rope scaling type {kind!r} in the GGUF (supported: none, linear)")
     if "rope_freqs.weight" in tensors:
         # Llama-3.x: llama.cpp's converter stores the scaled RoPE as one divisor per frequency.
         t = tensors["rope_freqs.weight"]

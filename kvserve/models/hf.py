@@ -30,6 +30,16 @@ def read_hf_config(path: Path) -> ModelConfig:
             f"unsupported model architecture {archs or cfg.get('model_type')!r} in {path}/config.json; "
             f"supported: {', '.join(ARCHITECTURES)}"
         )
+    quant = cfg.get("quantization_config")
+    if quant:  # its weights would have been read as floats, their scales left aside
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(f"pre-quantized checkpoints are not supported (quantization_config quant_method "
+                         f"{method!r}): give the unquantized model (kvserve quantizes it with --quantization) "
+                         f"or a GGUF file")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in cfg]
+    if missing:
+        raise ValueError(f"{path}/config.json lacks {', '.join(missing)}")
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported")
     if arch != "gemma3" and cfg.get("hidden_act", "silu") != "silu":

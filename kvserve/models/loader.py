@@ -73,6 +73,10 @@ def _load(path: str | None, quant: QuantConfig, tokenizer_path: str | None) -> L
 
 def _build(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor | GGUFTensor]], quant: QuantConfig
            ) -> CausalLM:
+    if cfg.architecture == "gemma3" and quant.dtype == torch.float16:
+        # As vLLM refuses it: Gemma 3's activations overflow float16, and every logit became NaN (the argmax, token
+        # 0, came out for ever with no error).
+        raise ValueError("Gemma 3 is numerically unstable in float16: use --dtype bfloat16 or float32")
     # Linear layers make their weights from the loaded shards (finalize); construction itself only makes
     # norm weights and RoPE tables, so it runs on the target device directly. (On the meta device, the
     # first tensor op went through torch's Python reference kernels, whose imports cost ~1-2 s a start.)
