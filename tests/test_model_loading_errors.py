@@ -43,3 +43,22 @@ def test_gemma3_in_float16_is_refused(tmp_path):
     with pytest.raises(ValueError, match="Gemma 3 is numerically unstable in float16"):
         load_model(str(tmp_path / "g"), torch.float16, torch.device("cpu"))
     load_model(str(tmp_path / "g"), torch.bfloat16, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("window_layers, layer_types, expected", [
+    (None, ["full_attention"] * 2, None),       # every layer attends to everything: no window (it had slid)
+    (0, None, 4),                               # every layer slides
+    (1, None, "some layers only"),              # layer 1 slides, layer 0 not: refused, not run wrong
+])
+def test_qwen_sliding_window_follows_its_layers(tiny_model_dirs, tmp_path, window_layers, layer_types, expected):
+    from kvserve.models.hf import read_hf_config
+    src = tiny_model_dirs["qwen2"][0]
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    assert layers == 2
+    path = edited_copy(src, tmp_path / "q", use_sliding_window=True, sliding_window=4,
+                       max_window_layers=layers if window_layers is None else window_layers, layer_types=layer_types)
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            read_hf_config(path)
+    else:
+        assert read_hf_config(path).sliding_window == expected

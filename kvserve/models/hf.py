@@ -52,8 +52,8 @@ def read_hf_config(path: Path) -> ModelConfig:
     if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
     sliding = cfg.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-        sliding = None
+    if arch in ("qwen2", "qwen3"):
+        sliding = _qwen_sliding_window(cfg, arch)
     fields = dict(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -77,6 +77,23 @@ def read_hf_config(path: Path) -> ModelConfig:
     if arch == "gemma3":
         fields.update(gemma3_fields(cfg))
     return ModelConfig(**fields)
+
+
+def _qwen_sliding_window(cfg: dict, arch: str) -> int | None:
+    """Qwen's window, which transformers applies only from layer max_window_layers up (layer_types spells it
+    out): every layer had slid where use_sliding_window was set, also on layers that attend to everything."""
+    if not cfg.get("use_sliding_window", False) or cfg.get("sliding_window") is None:
+        return None
+    layers = cfg["num_hidden_layers"]
+    first = cfg.get("max_window_layers", layers)
+    kinds = set(cfg.get("layer_types") or
+                ["sliding_attention" if i >= first else "full_attention" for i in range(layers)])
+    if kinds == {"full_attention"}:
+        return None
+    if kinds != {"sliding_attention"}:
+        raise ValueError(f"a sliding window on some layers only (use_sliding_window with max_window_layers or "
+                         f"layer_types) is not supported for {arch}")
+    return cfg["sliding_window"]
 
 
 def gemma3_fields(cfg: dict) -> dict:
