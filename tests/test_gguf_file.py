@@ -88,3 +88,24 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
     (tmp_path / "x.gguf").write_bytes(b"GGML" + b"\0" * 64)
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_gguf(tmp_path / "x.gguf")
+
+
+def test_a_tensor_type_the_gguf_package_does_not_know_is_named_as_such(tmp_path: Path) -> None:
+    """It had been reported as a truncated or damaged file."""
+    import struct
+    path = tmp_path / "newtype.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("only_tensor", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = bytearray(path.read_bytes())
+    name = struct.pack("<Q", len("only_tensor")) + b"only_tensor"
+    at = data.index(name) + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, 4242)   # the tensor's type
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"newtype.gguf: tensor 'only_tensor' has type 4242, which the installed "
+                                         r"gguf package .* does not know \(upgrade it"):
+        read_gguf(path)

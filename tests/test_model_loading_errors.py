@@ -62,3 +62,15 @@ def test_qwen_sliding_window_follows_its_layers(tiny_model_dirs, tmp_path, windo
             read_hf_config(path)
     else:
         assert read_hf_config(path).sliding_window == expected
+
+
+def test_a_weight_the_architecture_does_not_have_is_named(tiny_model_dirs, tmp_path):
+    """A checkpoint with a tensor kvserve's model has no place for (a vision tower's, another layout's): a KeyError
+    traceback before."""
+    from safetensors.torch import load_file, save_file
+    path = edited_copy(tiny_model_dirs["llama"][0], tmp_path / "m")
+    (shard,) = path.glob("*.safetensors")
+    tensors = load_file(shard)
+    save_file({**tensors, "model.vision_tower.proj.weight": torch.zeros(2, 2)}, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="unexpected weight 'vision_tower.proj.weight'"):
+        load_model(str(path), torch.float32, torch.device("cpu"))

@@ -11,6 +11,7 @@ tensor infos as (name, dims fastest-first, type, offset); then, aligned, the ten
 """
 from __future__ import annotations
 
+import importlib.metadata
 import mmap
 import os
 import struct
@@ -89,10 +90,20 @@ def read_gguf(path: str | Path) -> GGUFFile:
         raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3, little-endian)")
     try:
         return _read_body(cur, buf)
+    except UnsupportedTensorType as e:
+        raise ValueError(f"{path}: {e}") from None
     except (struct.error, ValueError, UnicodeDecodeError, OverflowError, MemoryError) as e:
         # A file cut short (a download that stopped) or damaged: struct's and numpy's own messages named neither
         # the file nor what was wrong with it, and struct's came as a traceback.
         raise ValueError(f"{path} is a truncated or damaged GGUF file ({e})") from None
+
+
+class UnsupportedTensorType(ValueError):
+    """A tensor type the gguf package does not know: said as such, not as a damaged file."""
+
+
+_KNOWN_TYPES = {t.value for t in gguf.GGMLQuantizationType}
+_GGUF_VERSION = importlib.metadata.version("gguf")
 
 
 def _read_body(cur: _Cursor, buf: mmap.mmap) -> GGUFFile:
@@ -105,7 +116,11 @@ def _read_body(cur: _Cursor, buf: mmap.mmap) -> GGUFFile:
     for _ in range(n_tensors):
         name = cur.string()
         dims = tuple(cur.unpack("Q") for _ in range(cur.unpack("I")))
-        infos.append((name, dims, gguf.GGMLQuantizationType(cur.unpack("I")), cur.unpack("Q")))
+        kind = cur.unpack("I")
+        if kind not in _KNOWN_TYPES:  # not damage: a format newer than the installed gguf package
+            raise UnsupportedTensorType(f"tensor {name!r} has type {kind}, which the installed gguf package "
+                                        f"{_GGUF_VERSION} does not know (upgrade it: pip install -U gguf)")
+        infos.append((name, dims, gguf.GGMLQuantizationType(kind), cur.unpack("Q")))
     align = int(metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
     data_start = -(-cur.pos // align) * align
     whole = np.frombuffer(buf, np.uint8)

@@ -53,7 +53,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, Loaded]], 
             params[name].copy_(tensor)
             loaded.add(name)
         else:
-            raise KeyError(f"unexpected weight {name!r}")
+            raise ValueError(f"unexpected weight {name!r}: the checkpoint is not one of this architecture's as "
+                             f"kvserve reads it")  # a KeyError had come out as a traceback
     layers = linear_layers(model)
     missing = [n for layer in layers for n in layer.missing()]
     missing += sorted(n for n, p in params.items() if n not in loaded and not _owned_by_linear(model, n))
