@@ -74,3 +74,19 @@ def test_a_weight_the_architecture_does_not_have_is_named(tiny_model_dirs, tmp_p
     save_file({**tensors, "model.vision_tower.proj.weight": torch.zeros(2, 2)}, shard, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="unexpected weight 'vision_tower.proj.weight'"):
         load_model(str(path), torch.float32, torch.device("cpu"))
+
+
+def test_a_cut_short_safetensors_file_is_named(tiny_model_dirs, tmp_path):
+    """A download that stopped: safetensors' "incomplete metadata" had named neither the file nor the cause."""
+    path = edited_copy(tiny_model_dirs["llama"][0], tmp_path / "m")
+    (shard,) = path.glob("*.safetensors")
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"model.safetensors is not a readable safetensors file"):
+        load_model(str(path), torch.float32, torch.device("cpu"))
+
+
+def test_a_mixture_of_experts_gguf_is_named():
+    from kvserve.models.gguf import gguf_model_config
+    meta = {"general.architecture": "llama", "llama.expert_count": 8, "tokenizer.ggml.tokens": ["a"]}
+    with pytest.raises(ValueError, match="mixture-of-experts models \\(8 experts\\) are not supported"):
+        gguf_model_config(meta, {})

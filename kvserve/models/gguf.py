@@ -71,6 +71,8 @@ def gguf_model_config(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelCon
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
+    if (get("expert_count") or 0) > 1:  # its expert tensors had been refused one by one as unexpected
+        raise ValueError(f"mixture-of-experts models ({get('expert_count')} experts) are not supported")
     missing = [f"{arch}.{k}" for k in ("embedding_length", "attention.head_count", "block_count",
                                         "feed_forward_length") if get(k) is None]
     if missing:  # a LoRA adapter's GGUF, say: it holds no model

@@ -167,6 +167,12 @@ def safetensors_files(path: Path) -> list[Path]:
 
 def iter_hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
+        if not file.exists():
+            raise FileNotFoundError(f"{file} is named in the index but missing")
+        try:
+            f = safe_open(str(file), framework="pt")
+        except Exception as e:  # safetensors' own error type: a file cut short (a download that stopped) or damaged
+            raise ValueError(f"{file} is not a readable safetensors file ({e})") from None
+        with f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
