@@ -271,3 +271,15 @@ def test_sentencepiece_gguf_encodes_as_sentencepiece(tmp_path: Path) -> None:
     start, end = sp.piece_to_id("<|im_start|>"), sp.piece_to_id("<|im_end|>")
     assert ours.encode("<|im_start|>user hi<|im_end|>", add_special_tokens=False) == \
         [start] + sp.encode("user hi") + [end]
+
+
+@pytest.mark.parametrize("preset, ends", [("gemma3-270m", ["<eos>", "<end_of_turn>"]), ("smollm2-135m", ["<|im_end|>"])])
+def test_end_of_turn_control_tokens_end_generation(preset: str, ends: list[str]) -> None:
+    """Gemma 3's GGUF names no eot token, only <eos>: a chat reply ran past its <end_of_turn> (its Hugging Face
+    generation config ends on both). SmolLM2's <|endoftext|>, a control token too, is not an end of turn."""
+    from kvserve.models.presets import resolve_model
+    try:
+        tok = load_tokenizer(resolve_model(preset))
+    except (FileNotFoundError, ValueError) as e:
+        pytest.skip(str(e))
+    assert [tok.decode([i], skip_special_tokens=False) for i in tok.eos_token_ids] == ends

@@ -13,6 +13,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.layers.quantization.blocks import BlockWeight
+from kvserve.tokenizer.gguf_tokenizer import gguf_end_token_ids
 from kvserve.models.gemma3 import default_layer_types
 from kvserve.models.gguf_blocks import FLOAT_TYPES, to_block_weight
 from kvserve.models.gguf_file import GGUFFile
@@ -93,7 +94,6 @@ def gguf_model_config(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelCon
         scaling = {"rope_type": "freq_factors",
                    "factors": gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist()}
     vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    eos = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     extra = _gemma3_fields(meta, int(get("block_count")), int(hidden), int(heads), int(head_dim)) \
         if arch == "gemma3" else {}
     return ModelConfig(
@@ -114,7 +114,7 @@ def gguf_model_config(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelCon
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         sliding_window=get("attention.sliding_window"),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=list(dict.fromkeys(int(i) for i in eos if i is not None)),
+        eos_token_ids=gguf_end_token_ids(meta),
         **extra,
     )
 

@@ -100,6 +100,25 @@ class GGUFVocab:
         )
 
 
+# Chat formats' end-of-turn tokens. Converters do not always write tokenizer.ggml.eot_token_id (Gemma 3's
+# <end_of_turn> is only a control token in its GGUF): a chat reply then ran past its turn. As llama.cpp does, a
+# control token with one of these texts also ends generation. (Not <|endoftext|>: a document's end, and not the
+# end of a turn where a model's own generation config leaves it out.)
+END_OF_TURN_TEXTS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>")
+_CONTROL = 3  # tokenizer.ggml.token_type
+
+
+def gguf_end_token_ids(fields: dict[str, Any]) -> list[int]:
+    """The ids that end generation: eos and eot as the file names them, then the end-of-turn control tokens."""
+    ids = [fields.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    tokens: list[str] = fields.get("tokenizer.ggml.tokens") or []
+    types = fields.get("tokenizer.ggml.token_type")
+    if types is not None:
+        ids += [i for i, (text, kind) in enumerate(zip(tokens, types))
+                if kind == _CONTROL and text in END_OF_TURN_TEXTS]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
 def build_gguf_tokenizer(fields: dict[str, Any]) -> Tokenizer:
     vocab = GGUFVocab.from_fields(fields)
     if vocab.model == "gpt2":

@@ -16,7 +16,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
-from kvserve.tokenizer.gguf_tokenizer import build_gguf_tokenizer
+from kvserve.tokenizer.gguf_tokenizer import build_gguf_tokenizer, gguf_end_token_ids
 
 
 class Tokenizer:
@@ -125,13 +125,12 @@ class Tokenizer:
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
         bos_id = fields.get("tokenizer.ggml.bos_token_id")
         eos_id = fields.get("tokenizer.ggml.eos_token_id")
-        eos_ids = [i for i in (eos_id, fields.get("tokenizer.ggml.eot_token_id")) if i is not None]
         return cls(
             backend,
             fields.get("tokenizer.chat_template"),
             tokens[bos_id] if bos_id is not None else None,
             tokens[eos_id] if eos_id is not None else None,
-            list(dict.fromkeys(eos_ids)),
+            gguf_end_token_ids(fields),
         )
 
 
