@@ -275,8 +275,8 @@ def test_sentencepiece_gguf_encodes_as_sentencepiece(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("preset, ends", [("gemma3-270m", ["<eos>", "<end_of_turn>"]), ("smollm2-135m", ["<|im_end|>"])])
 def test_end_of_turn_control_tokens_end_generation(preset: str, ends: list[str]) -> None:
-    """Gemma 3's GGUF names no eot token, only <eos>: a chat reply ran past its <end_of_turn> (its Hugging Face
-    generation config ends on both). SmolLM2's <|endoftext|>, a control token too, is not an end of turn."""
+    """Gemma 3's GGUF names no eot token, only <eos>: a chat reply ran past its <end_of_turn> (llama.cpp ends on
+    such control tokens too). SmolLM2's <|endoftext|>, a control token too, is not an end of turn."""
     from kvserve.models.presets import resolve_model
     try:
         tok = load_tokenizer(resolve_model(preset))
