@@ -250,8 +250,10 @@ class AsyncLLM:
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         self._closing = True
         if self._watcher is not None:
-            self._watcher.cancel()
-            self._watcher = None
+            watcher, self._watcher = self._watcher, None
+            watcher.cancel()
+            # Its clean-up (an engine it was starting or stopping) runs before the engine below is stopped.
+            await asyncio.gather(watcher, return_exceptions=True)
         if self._engine is not None:
             engine, self._engine, self._send = self._engine, None, None
             await engine.stop(timeout_s)

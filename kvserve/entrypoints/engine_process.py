@@ -61,19 +61,23 @@ class EngineProcess:
         return self.proc.exitcode
 
     async def stop(self, timeout_s: float) -> None:
-        """Ask the engine to exit; terminate it if it has not within timeout_s. Then close."""
-        if self.proc.is_alive():
-            try:
-                self.send(Shutdown())
-            except Exception:  # noqa: BLE001 - best effort; terminated below anyway
-                pass
-            deadline = time.monotonic() + timeout_s
-            while self.proc.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+        """Ask the engine to exit; terminate it if it has not within timeout_s. Then close: also when the wait is
+        cancelled (a shutdown while a restart was stopping a failed engine had left the sockets open, and the
+        garbage collector's zmq Context.term() later blocked whatever thread it ran on, for good)."""
+        try:
+            if self.proc.is_alive():
+                try:
+                    self.send(Shutdown())
+                except Exception:  # noqa: BLE001 - best effort; terminated below anyway
+                    pass
+                deadline = time.monotonic() + timeout_s
+                while self.proc.is_alive() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+        finally:
             if self.proc.is_alive():
                 self.proc.terminate()
                 self.proc.join(5)
-        self.close()
+            self.close()
 
     def close(self) -> None:
         """Release the sockets and the IPC files (the process must be gone or going)."""
