@@ -127,7 +127,8 @@ def test_config_read_from_the_file(ours: LoadedModel, reference: Gemma3ForCausal
                                                   r.rope_parameters["sliding_attention"]["rope_theta"])
     assert c.query_pre_attn_scalar == r.query_pre_attn_scalar == c.head_dim == 256
     assert (c.sliding_window, c.num_key_value_heads, c.tie_word_embeddings) == (512, 1, True)
-    assert ours.tokenizer.bos_token_id == 2 and ours.tokenizer.eos_token_ids == [1]
+    # <eos>, and <end_of_turn>: a control token the GGUF does not name as eot, which ends a turn (as in llama.cpp)
+    assert ours.tokenizer.bos_token_id == 2 and ours.tokenizer.eos_token_ids == [1, 106]
 
 
 def test_float_greedy_tokens_and_logits_match_transformers(ours: LoadedModel, reference_runs) -> None:
