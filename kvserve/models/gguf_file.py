@@ -103,7 +103,6 @@ class UnsupportedTensorType(ValueError):
 
 
 _KNOWN_TYPES = {t.value for t in gguf.GGMLQuantizationType}
-_GGUF_VERSION = importlib.metadata.version("gguf")
 
 
 def _read_body(cur: _Cursor, buf: mmap.mmap) -> GGUFFile:
@@ -119,7 +118,8 @@ def _read_body(cur: _Cursor, buf: mmap.mmap) -> GGUFFile:
         kind = cur.unpack("I")
         if kind not in _KNOWN_TYPES:  # not damage: a format newer than the installed gguf package
             raise UnsupportedTensorType(f"tensor {name!r} has type {kind}, which the installed gguf package "
-                                        f"{_GGUF_VERSION} does not know (upgrade it: pip install -U gguf)")
+                                        f"{importlib.metadata.version('gguf')} does not know (upgrade it: "
+                                        f"pip install -U gguf)")
         infos.append((name, dims, gguf.GGMLQuantizationType(kind), cur.unpack("Q")))
     align = int(metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
     data_start = -(-cur.pos // align) * align
