@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,13 +33,14 @@ def test_variant_compiles(isa: str, tmp_path: Path) -> None:
 CHOSEN = "from kvserve.kernels import cpu as k; i = k.isa(); print(i, k.ops().name if i else '-')"
 
 
-def chosen_in_subprocess(code: str = CHOSEN, **env: str) -> tuple[str, str]:
+def chosen_in_subprocess(code: str = CHOSEN, prefix: tuple[str, ...] = (), timeout: float = 600,
+                         **env: str) -> tuple[str, str]:
     """What `code` prints (by default "<isa()> <ops().name>", or "None -" for the torch path) in a fresh
-    process with `env` set, and its stderr."""
+    process with `env` set (its command line after `prefix`), and its stderr."""
     full_env = {k: v for k, v in os.environ.items() if k not in ("KVSERVE_CPU_ISA", "KVSERVE_CPU_KERNELS")}
     full_env.update(env, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([*prefix, sys.executable, "-c", code], env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip(), done.stderr
 
@@ -56,6 +58,51 @@ def test_environment_choice_is_honoured() -> None:
         chosen, stderr = chosen_in_subprocess(KVSERVE_CPU_ISA="avx512")
         assert chosen == f"{best} kvserve_{best}"
         assert "lacks it" in stderr
+
+
+def built_variant() -> tuple[str, Path]:
+    """The best variant this CPU runs, built, and its build folder."""
+    if not cpu_kernels.have_compiler() or not cpu_kernels.cpu_supports("avx2"):
+        pytest.skip("needs a C++ compiler and an AVX2 + FMA + F16C CPU")
+    best = next(isa for isa in cpu_kernels.ISAS if cpu_kernels.cpu_supports(isa))
+    if cpu_kernels.build(best) is None:
+        pytest.skip(f"the {best} kernels did not build here")
+    return best, cpu_kernels._build_directory(best, cpu_kernels.compile_flags(best))
+
+
+def test_a_killed_build_does_not_block_later_starts() -> None:
+    # torch's lock file, as a build killed part-way leaves it: later starts had waited on it for good.
+    best, build_dir = built_variant()
+    stale = build_dir / "lock"
+    stale.touch()
+    try:
+        assert chosen_in_subprocess(timeout=120)[0] == f"{best} kvserve_{best}"
+        assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)
+
+
+def test_a_finished_build_in_a_read_only_cache_is_loaded(tmp_path: Path, monkeypatch) -> None:
+    # An image whose kernels were built by another user: the folder is there and this user cannot write it.
+    best, build_dir = built_variant()
+    prefix: tuple[str, ...] = ()
+    if os.geteuid() == 0:  # root writes through any mode bits: run the child without that capability
+        if shutil.which("setpriv") is None:
+            pytest.skip("runs as root and has no setpriv to drop CAP_DAC_OVERRIDE")
+        prefix = ("setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-fowner", "--")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    copy = cpu_kernels._build_directory(best, cpu_kernels.compile_flags(best))
+    library = f"kvserve_cpu_{best}.so"
+    shutil.copy(build_dir / library, copy / library)
+    for path in (copy / library, copy, tmp_path):
+        path.chmod(0o555)
+    try:
+        chosen, stderr = chosen_in_subprocess(prefix=prefix, timeout=120, TORCH_EXTENSIONS_DIR=str(tmp_path))
+        assert chosen == f"{best} kvserve_{best}", stderr
+        assert "build failed" not in stderr
+    finally:
+        for path in (tmp_path, copy):
+            path.chmod(0o755)
 
 
 def test_amx_mode_is_honoured() -> None:

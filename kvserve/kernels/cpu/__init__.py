@@ -22,10 +22,12 @@ registration has a file of its own). Its folder is named by what goes into it (s
 it compiles copies of the sources kept there: checkouts and venvs that share the cache then share a build,
 where one folder per variant made them rebuild it in turn (ninja rebuilds when a compile command changes,
 and the source path is part of it). Anything that stops it (no compiler, no supported ISA, a failed build)
-leaves the torch paths in place, and is logged once.
+leaves the torch paths in place, and is logged once. A build killed part-way does not hold up the
+next start (see _build_or_load), and a finished build in a cache this user cannot write is loaded as is.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -171,20 +173,46 @@ def build(isa_name: str) -> torch._ops._OpNamespace | None:
     if not cpu_supports(isa_name):
         raise ValueError(f"this CPU cannot run the {isa_name} kernels")
     try:
-        from torch.utils.cpp_extension import load
         _put_ninja_on_path()
         files = _read_sources()
         flags = compile_flags(isa_name, _digest(files))
         build_dir = _build_directory(isa_name, flags)
-        load(name=f"kvserve_cpu_{isa_name}", sources=_stage_sources(files, build_dir / "src"),
-             extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
-             build_directory=str(build_dir), verbose=False)
+        _build_or_load(isa_name, files, flags, build_dir)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path still works
         logger.warning("CPU kernels (%s) off, the build failed: %s", isa_name,
                        str(e).strip().splitlines()[-1] if str(e) else e)
         return None
     ops_ns = getattr(torch.ops, namespace(isa_name))
     return ops_ns if hasattr(ops_ns, "paged_attention_") and hasattr(ops_ns, "silu_and_mul") else None
+
+
+def _build_or_load(isa_name: str, files: dict[str, bytes], flags: list[str], build_dir: Path) -> None:
+    """torch's load() under a lock of our own. torch guards a build with a lock *file* that it takes even to
+    load a finished build, and a process killed while building (the OOM killer, a CI timeout) leaves that
+    file behind: every later start then waited on it for good, silently. An flock dies with its holder, so
+    whoever holds ours knows a leftover torch lock file is stale and removes it."""
+    from torch.utils.cpp_extension import load
+
+    library = build_dir / f"kvserve_cpu_{isa_name}.so"
+    try:
+        lock_file = open(build_dir / "kvserve.lock", "a")  # noqa: SIM115 (held until the build is loaded)
+    except OSError:
+        if not library.exists():
+            raise
+        # A finished build in a cache this user cannot write (an image built by another user): load it as
+        # is. Its folder is named by the sources' digest, the flags and torch, so it is this build.
+        torch.ops.load_library(str(library))
+        return
+    with lock_file:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("CPU kernels (%s): waiting for another process's build in %s", isa_name, build_dir)
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)  # ours is held: a torch lock file here is a dead build's
+        load(name=f"kvserve_cpu_{isa_name}", sources=_stage_sources(files, build_dir / "src"),
+             extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
+             build_directory=str(build_dir), verbose=False)
 
 
 def _build_directory(isa_name: str, flags: list[str]) -> Path:
