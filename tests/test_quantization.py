@@ -189,6 +189,31 @@ def test_a_row_gives_the_same_bits_whatever_rows_share_its_call(isa: str, name: 
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+def test_row_major_q4_bits_do_not_depend_on_threads_or_rows_sharing_the_call(isa: str) -> None:
+    """Weights whose row count is not a multiple of 8 stay row-major (quant_linear.cpp), where rows go in
+    tiles of 1-4 activation rows by 1-4 weight rows depending on the call's shape and the thread split. The
+    q4 min term was left to the compiler to contract, differently per tile shape: up to 3e-5 apart."""
+    ops = native_ops(isa)
+    torch.manual_seed(0)
+    n, k = 17, 4096
+    bw = BlockWeight(pack_q4(torch.randint(0, 16, (n, k))), torch.rand(n, k // 32) * 0.02,
+                     -torch.rand(n, k // 32) * 0.1)
+    x = torch.randn(9, k) * 2
+    run = lambda rows: ops.quant_linear(rows, bw.qs, bw.scales, bw.mins, bw.group)  # noqa: E731
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = run(x)
+        alone = torch.cat([run(x[i:i + 1]) for i in range(9)])
+        torch.set_num_threads(2)
+        assert torch.equal(run(x), one_thread)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, alone)
+
+
+@needs_kernel
 @pytest.mark.parametrize("name", ["q4_f16", "q4_f32", "q8_g32"])
 def test_avx2_tile_layouts_give_the_same_bits(name: str) -> None:
     """The AVX2 build's two tiled kernels do the same float work in the same order, so the loader's move
@@ -200,6 +225,27 @@ def test_avx2_tile_layouts_give_the_same_bits(name: str) -> None:
         x = torch.randn(rows, bw.shape[1]) * 2
         assert torch.equal(ops.quant_linear_x8(x, by8.qs, by8.scales, by8.mins),
                            ops.quant_linear_x16(x, by16.qs, by16.scales, by16.mins)), rows
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+def test_q8_sixteen_row_tiles_keep_float32_precision_with_one_signed_activations(isa: str) -> None:
+    """Activations of one sign (post-norm hidden states often are) make a block's sum large. q8's +128
+    offset taken out as a float term then cancelled against it: AVX-512 was 6.7e-5 off the exact sums (an
+    outlier input feature, x = |randn| + 1) where AVX2's exact integer products were 1.1e-7. Now the offset
+    leaves in integers, and both builds do the same float work: the same bits."""
+    ops = native_ops(isa)
+    torch.manual_seed(0)
+    w = torch.randn(48, 576)
+    w[:, 5] *= 50  # an outlier input feature: every row's scale is set by it
+    bw = quantize_int8(w).interleave(16)
+    x = torch.randn(9, 576).abs() + 1
+    exact = quantized_reference(x, quantize_int8(w))
+    y = ops.quant_linear_x16(x, bw.qs, bw.scales, bw.mins)
+    err = ((y.double() - exact).norm(dim=1) / exact.norm(dim=1)).max()
+    assert err < 1e-6, err  # was 6.7e-5 on AVX-512
+    if cpu_kernels.cpu_supports("avx2"):
+        assert torch.equal(y, native_ops("avx2").quant_linear_x16(x, bw.qs, bw.scales, bw.mins))
 
 
 @pytest.mark.parametrize("name", ["q4_f16", "q4_f32", "q8_g32"])

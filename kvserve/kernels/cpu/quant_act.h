@@ -42,9 +42,10 @@ inline float to_float(const at::Half* p, int64_t i) {
   return _cvtsh_ss(reinterpret_cast<const uint16_t*>(p)[i]);
 }
 
-// One row of x [K] -> int8 q [K], per-block scale d [K/32] and d * sum(q) [K/32] (for q4's min term).
+// One row of x [K] -> int8 q [K], per-block scale d [K/32], d * sum(q) [K/32] (for q4's min term) and
+// sum(q) [K/32] itself (q8's +128 offset taken out in integers).
 template <typename T>
-void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* dsum) {
+void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* dsum, int32_t* qsum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < K / QK; ++b) {
     __m256 v[4];
@@ -73,6 +74,7 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* dsum) {
     const int total = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
     d[b] = scale;
     dsum[b] = scale * static_cast<float>(total);
+    qsum[b] = total;
   }
 }
 
@@ -80,6 +82,7 @@ struct QuantAct {
   const int8_t* q;
   const float* d;
   const float* dsum;
+  const int32_t* qsum;
   int64_t K, nb;
 };
 
@@ -93,21 +96,24 @@ inline QuantAct quantize_activations(const at::Tensor& x, int64_t M, int64_t K) 
   const int64_t nb = K / QK;
   thread_local std::vector<int8_t> q_buf;
   thread_local std::vector<float> d_buf;  // block scales, then scale * sum per block
+  thread_local std::vector<int32_t> sum_buf;
   q_buf.resize(static_cast<size_t>(M * K));
   d_buf.resize(static_cast<size_t>(2 * M * nb));
+  sum_buf.resize(static_cast<size_t>(M * nb));
   int8_t* aqp = q_buf.data();
   float* dp = d_buf.data();
   float* dsp = dp + M * nb;
+  int32_t* qsp = sum_buf.data();
   auto run = [&](auto act_tag) {
     using T = decltype(act_tag);
     const T* xp = x.data_ptr<T>();
     at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-      for (int64_t m = b; m < e; ++m) quantize_row(xp + m * K, K, aqp + m * K, dp + m * nb, dsp + m * nb);
+      for (int64_t m = b; m < e; ++m) quantize_row(xp + m * K, K, aqp + m * K, dp + m * nb, dsp + m * nb, qsp + m * nb);
     });
   };
   if (x.scalar_type() == at::kFloat) run(float{});
   else run(c10::BFloat16{});
-  return QuantAct{aqp, dp, dsp, K, nb};
+  return QuantAct{aqp, dp, dsp, qsp, K, nb};
 }
 
 template <typename F>

@@ -24,6 +24,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -86,7 +87,10 @@ inline void dot_tile(const QuantAct& a, int64_t m0, const uint8_t* wq, int64_t r
       for (int j = 0; j < NR; ++j) {
         const __m256i s = L == Layout::kQ4 ? dot_u4(w[j], av) : dot_s8(w[j], av);
         acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(wscale[j], ad), acc[r][j]);
-        if constexpr (L == Layout::kQ4) min_term[r][j] += to_float(wm + j * a.nb, b) * a.dsum[blk];
+        // An explicit fma: left to the compiler, some tile shapes contracted this and others did not, so a
+        // row's bits depended on the tile it fell in (the thread split, the rows sharing the call).
+        if constexpr (L == Layout::kQ4)
+          min_term[r][j] = std::fma(to_float(wm + j * a.nb, b), a.dsum[blk], min_term[r][j]);
       }
     }
   }

@@ -20,7 +20,10 @@
 //   scales, mins [N/16, nb, 16] in row order (kvserve/layers/quantization/blocks.py: interleave16).
 // The tensors are viewed [N/16, nb, G, 64]. vpdpbusd takes unsigned bytes times signed ones: the weights
 // are the unsigned side (nibbles, or q8's w + 128) and the activations the signed one. q8's offset comes
-// back out as a min of -128 * scale, so both layouts share the min term: + min * d * sum(a) per block.
+// back out in integers, 128 * sum(a) per block, before the one conversion to float: taken out as a float
+// min term instead, 128 * scale * d * sum(a) had to cancel against the sum's own offset, which cost up to
+// 6e-4 of relative error where AVX2's exact signed products had 2.5e-7. So q8's float work is AVX2's, op
+// for op, and the two builds give the same bits.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
@@ -90,7 +93,7 @@ inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, 
     const uint8_t* w = wt + b * kBlockBytes;
     prefetch_ahead<kBlockBytes, kRows, Q4>(w, st, mt, b);
     const __m512 scale = load_scales16(st + b * kRows);
-    __m512 mins;
+    __m512 mins = _mm512_setzero_ps();  // q8 has none
     __m512i wv[8];  // q4: groups' low nibbles, then high nibbles; q8: the eight groups
     if constexpr (Q4) {
       mins = load_scales16(mt + b * kRows);
@@ -100,7 +103,6 @@ inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, 
         wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(x, 4), low4);
       }
     } else {
-      mins = _mm512_mul_ps(scale, _mm512_set1_ps(-128.f));
       for (int g = 0; g < 8; ++g) wv[g] = _mm512_loadu_si512(w + g * 64);
     }
     for (int r = 0; r < R; ++r) {
@@ -111,7 +113,9 @@ inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, 
       // as fast at 5 and 9 rows and 1.17-1.21x at 16-256, its q8 lm_head 1.17x at 9 rows and 1.12-1.24x at
       // 16-256 (Intel Xeon, AVX-512 VNNI, 2 threads; no change at 1-3 rows, bound by reading the weights).
       // Integer sums, so the same bits.
-      __m512i s = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
+      // q8: the first chain starts at the offset's -128 * sum(a) (exact: |s| < 2^21), off the critical path.
+      __m512i s = Q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * a.qsum[blk]);
+      __m512i s2 = _mm512_setzero_si512();
       if constexpr (Q4) {
         for (int g = 0; g < 4; ++g) {
           s = _mm512_dpbusd_epi32(s, wv[g], broadcast4(q + 4 * g));
@@ -125,10 +129,10 @@ inline void tile(const QuantAct& a, int64_t m0, const uint8_t* wt, const S* st, 
       }
       s = _mm512_add_epi32(s, s2);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(a.d[blk])), acc[r]);
-      min_acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.dsum[blk]), min_acc[r]);
+      if constexpr (Q4) min_acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.dsum[blk]), min_acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], _mm512_add_ps(acc[r], min_acc[r]));
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], Q4 ? _mm512_add_ps(acc[r], min_acc[r]) : acc[r]);
 }
 
 #else
