@@ -113,6 +113,22 @@ class SamplingFields(RequestBody):
     # vLLM's: completions' choices[i].prompt_logprobs, chat's ChatCompletionResponse.prompt_logprobs.
     prompt_logprobs: BoundedInt | None = None
 
+    # vLLM's request fields that constrain what is sampled, which kvserve does not implement. Unknown fields are
+    # ignored, and these had been too: a client asking for one of two choices got free text with a 200.
+    UNSUPPORTED_CONSTRAINTS: ClassVar[tuple[str, ...]] = (
+        "allowed_token_ids", "bad_words", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "structured_outputs", "logits_processors")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported_constraints(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in cls.UNSUPPORTED_CONSTRAINTS:
+                if data.get(key) not in (None, []):  # null or no tokens: a client sending every field
+                    raise ValueError(f"{key} is not supported: kvserve does not constrain the tokens it samples "
+                                     f"(structured outputs, allowed or banned tokens); leave {key} out")
+        return data
+
     @model_validator(mode="after")
     def _supported(self) -> SamplingFields:
         kind = (self.response_format or {}).get("type", "text")
