@@ -65,6 +65,8 @@ def test_short_form():
     ({"models": [{"name": "a", "model": "x", "autoscaling": {"target_queue_depth": float("nan")}}]},
      "autoscaling.target_queue_depth"),
     ({"models": [{"name": "a", "model": "x", "autoscaling": {"upscale_delay_s": -5}}]}, "autoscaling.upscale_delay_s"),
+    ({"models": [{"name": "a", "model": "x", "autoscaling": {"target_queue_depth": 1e-320}}]},
+     "autoscaling.target_queue_depth"),
     ({"models": [{"name": "a", "model": "x"}], "routing": {"auto": {"small": ["a"], "large": "a"}}},
      "routing.auto.small"),
     # Accepted, then dropped: the gateway's line is admission.max_waiting.

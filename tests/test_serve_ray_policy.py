@@ -82,6 +82,12 @@ def test_yaml_maps_onto_ray_serve_deployment_options():
     assert opts["max_ongoing_requests"] == 16 + 3 and opts["max_queued_requests"] == 50
     fixed = model_deployment_options(large, large.engine_config(EngineConfig()), 50, 30.0)
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    # A replica scaled away finishes its streams: Ray's drain timeout had been --shutdown-grace (0: cut at once).
+    for grace in (0.0, 30.0):
+        drain = model_deployment_options(small, small.engine_config(EngineConfig()), 50, grace)
+        assert drain["graceful_shutdown_timeout_s"] >= 600
+    assert model_deployment_options(small, small.engine_config(EngineConfig()), 50, 900.0)[
+        "graceful_shutdown_timeout_s"] == 900.0
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

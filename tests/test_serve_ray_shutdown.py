@@ -75,6 +75,31 @@ def test_a_replica_that_cannot_start_ends_with_its_reason(ray_address, tmp_path)
     assert not any("Exception during graceful shutdown of replica" in line for line in lines)
 
 
+def test_a_replica_whose_engine_cannot_restart_is_unhealthy(ray_address, tmp_path):
+    """Its engine killed and every restart failing (the model's files gone), a replica had stayed HEALTHY in
+    Ray, /health said 200 and every request got a 503, for good: Ray only calls a method named check_health."""
+    import re
+    import shutil
+    import time
+
+    from tiny_models import make_tiny_model
+
+    model = tmp_path / "tiny"
+    make_tiny_model("llama", model)
+    args = ["--model", str(model), "--backend", "ray", "--dtype", "float32", "--num-threads", "1",
+            "--num-kv-blocks", "64", "--max-model-len", "256", "--shutdown-grace", "0"]
+    with RemoteServer(args, env={"RAY_ADDRESS": ray_address}, startup_timeout_s=300) as server:
+        assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
+        pid = int(re.search(r"ready \(engine pid (\d+)\)", server.output()).group(1))
+        shutil.move(model, tmp_path / "moved")
+        os.kill(pid, 9)
+        deadline, status = time.monotonic() + 120, 200
+        while status == 200 and time.monotonic() < deadline:
+            time.sleep(1)
+            status = httpx.get(server.base_url + "/health", timeout=30).status_code
+        assert status == 503, server.output()[-3000:]
+
+
 def run_ray_command(ray_address: str, *args: str, timeout_s: float = 300) -> tuple[int, list[str]]:
     """The command on the cluster at ray_address ("local": a cluster of its own, as without a running one)."""
     proc = subprocess.run([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--backend", "ray", *args],

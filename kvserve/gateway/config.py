@@ -24,6 +24,9 @@ class ModelsConfigError(ValueError):
     """A models config that cannot be served; the message names the field (e.g. models[1].name)."""
 
 
+MIN_TARGET_QUEUE_DEPTH = 0.01  # waiting requests per replica
+
+
 @dataclass
 class AutoscalingConfig:
     """Ray Serve only: replicas follow the waiting requests per replica, not CPU utilisation."""
@@ -46,8 +49,10 @@ class AutoscalingConfig:
             raise ModelsConfigError(f"{where}.min_replicas must be >= 0, got {self.min_replicas}")
         if self.max_replicas < max(1, self.min_replicas):
             raise ModelsConfigError(f"{where}.max_replicas must be >= max(1, min_replicas), got {self.max_replicas}")
-        if self.target_queue_depth <= 0:
-            raise ModelsConfigError(f"{where}.target_queue_depth must be > 0, got {self.target_queue_depth}")
+        # Below this, waiting / depth overflowed to infinity in the policy, which then failed every tick.
+        if self.target_queue_depth < MIN_TARGET_QUEUE_DEPTH:
+            raise ModelsConfigError(f"{where}.target_queue_depth must be >= {MIN_TARGET_QUEUE_DEPTH} (waiting "
+                                    f"requests per replica), got {self.target_queue_depth}")
 
 
 @dataclass

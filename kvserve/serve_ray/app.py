@@ -40,6 +40,12 @@ APP_NAME = "kvserve"
 METRICS_INTERVAL_S = 0.5      # how often replicas and the ingress report their queues to the controller
 LOOK_BACK_S = 2.0             # the window Ray averages those reports over
 INGRESS_MAX_ONGOING = 10_000  # the ingress only forwards bytes; it must never be what queues requests
+# How long a replica being removed may take to finish its requests. Ray applies it to every stop, scaling
+# down included, where it had been --shutdown-grace: streams on a replica Ray scaled away were cut after
+# 30 s (at once with a grace of 0). At the command's own shutdown the ingress has already finished or
+# stopped every request (drain_ingress), so the replicas have none left and this costs nothing there.
+REPLICA_DRAIN_S = 600.0
+HEALTH_CHECK_PERIOD_S = 5.0   # ModelReplica.check_health
 INTERRUPTED = "start-up interrupted: a signal came while the replicas were starting"
 
 
@@ -67,7 +73,8 @@ def model_deployment_options(entry: ModelEntry, engine: EngineConfig, max_queued
     options: dict[str, Any] = {
         "max_ongoing_requests": engine.max_num_seqs + math.ceil(depth),
         "max_queued_requests": max_queued,
-        "graceful_shutdown_timeout_s": grace_s,
+        "graceful_shutdown_timeout_s": max(grace_s, REPLICA_DRAIN_S),
+        "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         # The ingress has drained the requests before Serve shuts down (drain_ingress): no need to wait the
         # default 2 s before the replica's check that nothing is left, which, with a short grace period,
         # left too little time for the engine's clean stop before the replica was killed.

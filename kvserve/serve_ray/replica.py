@@ -110,9 +110,13 @@ class ModelReplica:
         `serve.get_deployment_handle(...).engine_stats.remote()`."""
         return {"replica": self.replica_id, **dataclasses.asdict(self.engine.stats)}
 
-    async def health(self) -> str | None:
-        """None when the engine serves; otherwise why not (being replaced after a crash, say)."""
-        return self.engine.dead
+    async def check_health(self) -> None:
+        """Ray Serve's health check (every HEALTH_CHECK_PERIOD_S): raises while the engine is not serving.
+        An engine that died is restarted by the engine client within seconds, so Ray, which replaces a
+        replica after a few failed checks in a row, only steps in when restarts keep failing; without this
+        a replica in a crash loop stayed HEALTHY, answering every request with a 503."""
+        if self.engine.dead is not None:
+            raise RuntimeError(f"model {self.name}: {self.engine.dead}")
 
     async def model_card(self) -> dict:
         return ModelCard(id=self.name, root=self.name, max_model_len=self.engine.max_model_len).model_dump()
