@@ -36,6 +36,7 @@ def test_packed_linear_matches_f_linear(rows: int) -> None:
     w = torch.randn(960, 576, generator=g).to(torch.bfloat16)
     layer = float_linear(w)
     assert pack_float_weights(layer) == 1 and layer.packed_weight is not None
+    assert layer.weight is None  # the packed copy is the only one (both had been kept: twice the memory)
     x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
     # Both accumulate in float32 and round to bf16 (values here are ~25 in size, so 1e-2 is below one bf16 step;
     # a wrongly laid-out weight would be off by the values themselves).

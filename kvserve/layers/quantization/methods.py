@@ -101,6 +101,8 @@ class FloatMethod:
             layer.weight = None  # the packed copy is the only one (embedding() reads its rows there)
         elif not self.use_kernel and can_pack(w):
             layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+            if not hasattr(layer, "embed"):  # an embedding reads its rows from the plain weight; nothing else does
+                layer.weight = None  # both kept, a bf16 model had taken twice its weights' memory
 
     def apply(self, layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if layer.amx_weight is not None:  # bf16 in: a float32 caller's activations are rounded first
