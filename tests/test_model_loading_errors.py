@@ -76,6 +76,18 @@ def test_a_weight_the_architecture_does_not_have_is_named(tiny_model_dirs, tmp_p
         load_model(str(path), torch.float32, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_weight_too_narrow_for_blocks_is_named(tmp_path, monkeypatch, quantization):
+    """An MLP 100 wide cannot be cut into blocks of 32: the error had named neither the weight nor the way out."""
+    import tiny_models
+
+    monkeypatch.setitem(tiny_models.COMMON, "intermediate_size", 100)
+    tiny_models.make_tiny_model("llama", tmp_path / "m")
+    with pytest.raises(ValueError, match=r"weight 'model.layers.0.mlp.down_proj.weight': in_features 100 .*"
+                                         r"--quantization none"):
+        load_model(str(tmp_path / "m"), torch.float32, torch.device("cpu"), quantization=quantization)
+
+
 def test_a_cut_short_safetensors_file_is_named(tiny_model_dirs, tmp_path):
     """A download that stopped: safetensors' "incomplete metadata" had named neither the file nor the cause."""
     path = edited_copy(tiny_model_dirs["llama"][0], tmp_path / "m")

@@ -39,7 +39,10 @@ class LinearBase(nn.Module):
         if tuple(tensor.shape) != expected:
             raise ValueError(f"weight {self.shard_names[shard]!r} has shape {tuple(tensor.shape)}, expected {expected}")
         assert self._shards is not None, "weights loaded after finalize()"
-        self._shards[shard] = self.method.convert(tensor)
+        try:
+            self._shards[shard] = self.method.convert(tensor)
+        except ValueError as e:  # a weight format's limit (block widths): say which weight
+            raise ValueError(f"weight {self.shard_names[shard]!r}: {e}") from None
 
     def bias_loader(self, shard: int, tensor: torch.Tensor) -> None:
         if self.bias is None:

@@ -218,4 +218,5 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> BlockWeight:
 
 def _check_width(k: int) -> None:
     if k % QK:
-        raise ValueError(f"in_features {k} is not a multiple of {QK}: block-quantized weights need that")
+        raise ValueError(f"in_features {k} is not a multiple of {QK}: block-quantized weights need that (load the "
+                         f"model with --quantization none to keep its weights in floats)")
