@@ -264,6 +264,33 @@ def test_stop_ends_the_reply_and_the_request(server, browser, http):
     assert console_errors(browser) == []                         # an aborted stream is not an error
 
 
+def test_a_failed_turn_is_not_sent_again_with_the_next(server, browser, http):
+    """A question whose reply failed (here a 400) had gone out again with the next one: two user turns in a row."""
+    by_id(browser, "clear-chat").click()
+    set_value(browser, "temperature", "0")
+    set_value(browser, "max-tokens", "100000")
+    send(browser, "First question")
+    assert wait_reply_done(browser)["state"] == "error"
+    set_value(browser, "max-tokens", "4")
+    js(browser, """
+        window.sentBodies = [];
+        const realFetch = window.fetch;
+        window.fetch = (url, init) => {
+          if (String(url).endsWith('/v1/chat/completions')) window.sentBodies.push(JSON.parse(init.body));
+          return realFetch(url, init);
+        };""")
+    send(browser, "Second question")
+    assert wait_reply_done(browser)["state"] in ("done", "length")
+    (body,) = js(browser, "return window.sentBodies")
+    assert [(m["role"], m["content"]) for m in body["messages"] if m["role"] != "system"] == [
+        ("user", "Second question")], body["messages"]
+    browser.refresh()
+    wait_for(lambda: js(browser, "return document.body.dataset.ready === 'true'"), 20, "the page to start")
+    # The 400 is the only thing the console said (read here, so that the next test starts from nothing).
+    assert [e["message"] for e in console_errors(browser) if "status of 400" not in e["message"]] == []
+    wait_idle(http)
+
+
 def test_model_markup_is_shown_as_text(server, browser, http):
     by_id(browser, "clear-chat").click()
     set_value(browser, "temperature", "0")
@@ -401,7 +428,7 @@ def test_dashboard_follows_load_and_agrees_with_metrics(server, browser, http):
     wait_for(agrees, 10, "the dashboard to agree with /metrics")
     shown = tiles()
     assert set(shown) == {"kvserve:num_requests_running", "kvserve:num_requests_waiting",
-                          "kvserve:kv_cache_usage_perc", "kvserve:request_success_total",
+                          "kvserve:gateway_queue_requests", "kvserve:kv_cache_usage_perc", "kvserve:request_success_total",
                           "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total",
                           "kvserve:num_preemptions_total"}
     assert shown["kvserve:generation_tokens_total"] - shown_before["kvserve:generation_tokens_total"] == \

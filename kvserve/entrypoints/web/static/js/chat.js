@@ -133,7 +133,15 @@ export class ChatView {
     const out = [];
     const system = this.el.system.value.trim();
     if (system) out.push({ role: 'system', content: system });
-    for (const m of this.messages.slice(0, upTo)) if (m.content) out.push({ role: m.role, content: m.content });
+    const turns = this.messages.slice(0, upTo);
+    turns.forEach((m, i) => {
+      if (!m.content) return;
+      // A question whose answer failed or was stopped before any text (a 400, a 401) stays out: sent again with
+      // the next one, it made two user turns in a row, which templates that alternate roles refuse.
+      const reply = turns[i + 1];
+      if (m.role === 'user' && reply && reply.role === 'assistant' && !reply.content) return;
+      out.push({ role: m.role, content: m.content });
+    });
     return out;
   }
 
