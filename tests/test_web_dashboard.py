@@ -166,6 +166,16 @@ def test_a_fresh_server_registry_has_every_core_series():
     assert d["totals"]["kvserve:request_success_total"] == 0
 
 
+def test_the_gateways_queue_is_a_series_and_a_total():
+    """Beyond an engine's batch, requests wait in the gateway's queue: the page showed "Waiting 0" beside it."""
+    families = MetricFamilies()
+    families.gateway_queue_requests.labels("small").set(3)
+    families.gateway_queue_requests.labels("large").set(2)
+    d = MetricsHistory(families.registry).dashboard()
+    assert d["series"]["gateway_queue_requests"] == [5]
+    assert d["totals"]["kvserve:gateway_queue_requests"] == 5
+
+
 def test_speculative_and_replica_series_appear_once_their_metrics_exist():
     registry = CollectorRegistry()
     running = Gauge("kvserve:num_requests_running", "", ["model_name", "replica"], registry=registry)

@@ -42,6 +42,10 @@ def test_page_and_its_assets_are_served_without_the_key(client):
         r = client.get(path)
         assert r.status_code == 200, path
         assert r.headers["content-type"].startswith(types[Path(path).suffix]), (path, r.headers["content-type"])
+        # Revalidated, as the page is: a browser had reused them by heuristic after an upgrade.
+        assert r.headers["cache-control"] == "no-cache", path
+        again = client.get(path, headers={"If-None-Match": r.headers["etag"]})
+        assert again.status_code == 304 and not again.content, path
     favicon = client.get("/favicon.ico")
     assert favicon.status_code == 200 and favicon.headers["content-type"].startswith("image/svg+xml")
     # The API itself still wants the key.

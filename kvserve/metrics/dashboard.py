@@ -3,6 +3,7 @@ turned into the time series the web page draws (the JSON of GET /api/dashboard).
 
 What each series is, as a Prometheus query would put it (names without the `kvserve:` prefix):
   num_requests_running, num_requests_waiting, kv_cache_usage_perc   the gauges, as read
+  gateway_queue_requests                            the gateway's queue (all models), as read
   generation_tokens_per_s, prompt_tokens_per_s      rate(..._tokens_total[RATE_WINDOW_S])
   prefix_cache_hit_rate                             increase(hits) / increase(queries) over DISTRIBUTION_WINDOW_S
   ttft_p50_s ... itl_p99_s                          histogram_quantile(q, increase(..._bucket[DISTRIBUTION_WINDOW_S]))
@@ -35,6 +36,10 @@ MIN_RATE_SPAN_S = 0.5
 QUANTILES = (0.5, 0.9, 0.99)
 
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+# Requests admitted and waiting in the gateway's queue for a place in an engine's batch (summed over models).
+# An engine takes at most max_num_seqs of them, so under load they wait there and not in the engine: a
+# "Waiting" of 0 beside a full queue had hidden them.
+QUEUE = "gateway_queue_requests"
 RATES = {"generation_tokens_per_s": "generation_tokens_total", "prompt_tokens_per_s": "prompt_tokens_total"}
 RATIOS = {  # series: (numerator counter, denominator counter)
     "prefix_cache_hit_rate": ("prefix_cache_hits_total", "prefix_cache_queries_total"),
@@ -113,7 +118,7 @@ def derive_point(readings: Sequence[RegistrySample]) -> DashboardPoint:
     times = [r.t for r in readings]
     now = readings[-1]
     out: dict[str, Value] = {}
-    for g in GAUGES + CUMULATIVE:
+    for g in GAUGES + (QUEUE,) + CUMULATIVE:
         if _name(g) in now.values:
             out[g] = now.values[_name(g)]
     for series, counter in RATES.items():

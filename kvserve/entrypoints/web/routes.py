@@ -39,7 +39,18 @@ def add_page_routes(app: FastAPI) -> None:
         # Browsers ask for /favicon.ico on any page of the server (/docs, /metrics); the page itself links it.
         return FileResponse(STATIC_DIR / "favicon.svg", media_type="image/svg+xml")
 
-    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    app.mount("/static", RevalidatedStaticFiles(directory=STATIC_DIR), name="static")
+
+
+class RevalidatedStaticFiles(StaticFiles):
+    """The page's modules with "no-cache" as the page has it: without it a browser reused them by its own
+    heuristic for days (their names carry no version), so an upgraded server's page ran old modules. A
+    revalidation is a 304 by ETag, no body."""
+
+    def file_response(self, *args, **kwargs):
+        response = super().file_response(*args, **kwargs)
+        response.headers["Cache-Control"] = PAGE_HEADERS["Cache-Control"]
+        return response
 
 
 def add_api_routes(app: FastAPI, history: MetricsHistory, *, api_key_required: bool, version: str,

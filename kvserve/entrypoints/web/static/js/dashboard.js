@@ -8,6 +8,8 @@ import { LineChart, format } from './charts.js';
 const TILES = [
   { metric: 'kvserve:num_requests_running', label: 'Running', unit: 'count' },
   { metric: 'kvserve:num_requests_waiting', label: 'Waiting', unit: 'count' },
+  // Beyond an engine's batch, requests wait in the gateway's queue, not in the engine.
+  { metric: 'kvserve:gateway_queue_requests', label: 'Queued', unit: 'count' },
   { metric: 'kvserve:kv_cache_usage_perc', label: 'KV cache used', unit: 'percent' },
   { metric: 'kvserve:request_success_total', label: 'Requests finished', unit: 'count' },
   { metric: 'kvserve:prompt_tokens_total', label: 'Prompt tokens', unit: 'count' },
@@ -18,7 +20,8 @@ const TILES = [
 // Charts: [series key in the JSON, legend label].
 const CHARTS = [
   { id: 'requests', title: 'Requests', unit: 'count',
-    series: [['num_requests_running', 'running'], ['num_requests_waiting', 'waiting']] },
+    series: [['num_requests_running', 'running'], ['num_requests_waiting', 'waiting'],
+      ['gateway_queue_requests', 'queued']] },
   { id: 'kv-cache', title: 'KV-cache usage', unit: 'percent', max: 1, series: [['kv_cache_usage_perc', 'used']] },
   { id: 'prefix-cache', title: 'Prefix-cache hit rate', unit: 'percent', max: 1, note: 'prompt tokens, trailing minute',
     series: [['prefix_cache_hit_rate', 'hit rate']] },
