@@ -276,7 +276,7 @@ def test_a_failed_turn_is_not_sent_again_with_the_next(server, browser, http):
         window.sentBodies = [];
         const realFetch = window.fetch;
         window.fetch = (url, init) => {
-          if (String(url).endsWith('/v1/chat/completions')) window.sentBodies.push(JSON.parse(init.body));
+          if (String(url).endsWith('v1/chat/completions')) window.sentBodies.push(JSON.parse(init.body));
           return realFetch(url, init);
         };""")
     send(browser, "Second question")
@@ -288,6 +288,66 @@ def test_a_failed_turn_is_not_sent_again_with_the_next(server, browser, http):
     wait_for(lambda: js(browser, "return document.body.dataset.ready === 'true'"), 20, "the page to start")
     # The 400 is the only thing the console said (read here, so that the next test starts from nothing).
     assert [e["message"] for e in console_errors(browser) if "status of 400" not in e["message"]] == []
+    wait_idle(http)
+
+
+@pytest.fixture()
+def proxy(server):
+    """A reverse proxy serving the server under /kv/ (the prefix stripped, as nginx's proxy_pass with a path
+    does), streaming each response as it comes."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Forward(BaseHTTPRequestHandler):
+        def forward(self) -> None:
+            if not self.path.startswith("/kv/"):
+                self.send_error(404)
+                return
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+            with httpx.stream(self.command, server.base_url + self.path[3:], headers=headers, content=body,
+                              timeout=120) as r:
+                self.send_response(r.status_code)
+                for k, v in r.headers.items():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
+                        self.send_header(k, v)
+                self.send_header("Connection", "close")
+                self.end_headers()
+                for chunk in r.iter_raw():
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+
+        do_GET = do_POST = forward
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/kv/"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_the_page_works_behind_a_proxy_under_a_path(server, browser, http, proxy):
+    """Every URL had been from the root: under /kv/ the assets were 404s and the page stayed blank."""
+    browser.get(proxy)
+    wait_for(lambda: js(browser, "return document.body.dataset.ready === 'true'"), 20, "the page to start")
+    if js(browser, "return document.getElementById('key-dialog').open"):  # a new origin: the key again
+        by_id(browser, "key-input").send_keys(API_KEY)
+        by_id(browser, "key-submit").click()
+        wait_for(lambda: not js(browser, "return document.getElementById('key-dialog').open"), 20, "the key")
+    set_value(browser, "temperature", "0")
+    set_value(browser, "max-tokens", "8")
+    send(browser, "Hello")
+    reply = wait_reply_done(browser)
+    assert reply["state"] in ("done", "length") and reply["text"].strip(), reply
+    assert js(browser, "return document.styleSheets.length") >= 1
+    assert console_errors(browser) == []
+    browser.get(server.base_url + "/")
+    wait_for(lambda: js(browser, "return document.body.dataset.ready === 'true'"), 20, "the page to start")
     wait_idle(http)
 
 
@@ -321,7 +381,7 @@ def test_model_markup_is_shown_as_text(server, browser, http):
         const pieces = arguments[0].match(/[\\s\\S]{1,7}/g);
         const realFetch = window.fetch;
         window.fetch = (url, init) => {
-          if (!String(url).endsWith('/v1/chat/completions')) return realFetch(url, init);
+          if (!String(url).endsWith('v1/chat/completions')) return realFetch(url, init);
           window.fetch = realFetch;
           const enc = new TextEncoder();
           const events = pieces.map(p => `data: ${JSON.stringify({choices: [{index: 0, delta: {content: p}}]})}\\n\\n`);

@@ -27,7 +27,7 @@ def client() -> TestClient:
 
 
 def asset_paths(html: str) -> list[str]:
-    return re.findall(r'(?:src|href)="(/static/[^"]+)"', html)
+    return ["/" + path for path in re.findall(r'(?:src|href)="(static/[^"]+)"', html)]
 
 
 def test_page_and_its_assets_are_served_without_the_key(client):
@@ -50,6 +50,15 @@ def test_page_and_its_assets_are_served_without_the_key(client):
     assert favicon.status_code == 200 and favicon.headers["content-type"].startswith("image/svg+xml")
     # The API itself still wants the key.
     assert client.get("/v1/models").status_code == 401
+
+
+def test_the_page_names_its_server_by_relative_urls_only():
+    """Behind a reverse proxy that serves it under a path (https://host/kv/), a URL from the root ("/static/..",
+    "/v1/..") left that path: every asset was a 404 and the page stayed blank."""
+    rooted = re.compile(r"""(?:(?:src|href)=|fetch\(|request\(|json\(|import\()\s*["'`]/(?!/)""")
+    for path in [STATIC_DIR / "index.html", *sorted((STATIC_DIR / "js").glob("*.js"))]:
+        found = rooted.findall(path.read_text())
+        assert not found, (path.name, found)
 
 
 def test_every_module_import_resolves():

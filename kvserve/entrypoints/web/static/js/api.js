@@ -52,7 +52,7 @@ export class Api {
 
   // Yields each chat.completion.chunk of a streaming /v1/chat/completions request, in order.
   async *streamChat(body, signal) {
-    const response = await this.request('/v1/chat/completions', { method: 'POST', body, signal });
+    const response = await this.request('v1/chat/completions', { method: 'POST', body, signal });
     const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
     let buffer = '';
     for (;;) {

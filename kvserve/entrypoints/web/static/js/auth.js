@@ -41,7 +41,7 @@ export function askForKey(api, message) {
     const previous = keyStore.get();
     keyStore.set(key, remember.checked);
     try {
-      await api.json('/v1/models');
+      await api.json('v1/models');
     } catch (e) {
       if (previous) keyStore.set(previous, false);
       else keyStore.clear();

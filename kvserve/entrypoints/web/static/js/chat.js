@@ -54,7 +54,7 @@ export class ChatView {
 
   // Fills the model picker from /v1/models; the picker shows only when there is a choice to make.
   async loadModels() {
-    const list = await this.api.json('/v1/models');
+    const list = await this.api.json('v1/models');
     const names = list.data.map((m) => m.id);
     const saved = this.el.model.value || this.savedSettings().model || AUTO_MODEL;
     const options = names.length > 1 ? [[AUTO_MODEL, 'default (the first model)'], ...names.map((n) => [n, n])]

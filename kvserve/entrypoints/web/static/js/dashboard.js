@@ -100,7 +100,7 @@ export class DashboardView {
   async tick() {
     this.inFlight = true;
     try {
-      const response = await fetch(`/api/dashboard?window=${Number(this.windowSelect.value)}`, { cache: 'no-store' });
+      const response = await fetch(`api/dashboard?window=${Number(this.windowSelect.value)}`, { cache: 'no-store' });
       if (!response.ok) throw new Error(`${response.status} ${response.statusText}`);
       this.render(await response.json());
       this.status.textContent = `live · updated ${new Date().toLocaleTimeString()}`;

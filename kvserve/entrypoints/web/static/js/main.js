@@ -7,7 +7,7 @@ import { ChatView } from './chat.js';
 import { DashboardView } from './dashboard.js';
 
 async function main() {
-  const info = await (await fetch('/api/info', { cache: 'no-store' })).json();
+  const info = await (await fetch('api/info', { cache: 'no-store' })).json();
   const api = new Api(keyStore);
   const status = document.getElementById('server-status');
   const keyButton = document.getElementById('key-button');
