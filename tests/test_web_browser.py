@@ -211,6 +211,23 @@ def test_page_loads_cleanly_and_asks_for_the_key_once(server, browser):
     assert console_errors(browser) == []
 
 
+def test_a_wrong_key_leaves_the_remembered_one(server, browser):
+    """Trying a key that the server refuses had erased the key remembered on this device."""
+    js(browser, "localStorage.setItem('kvserve.apiKey', arguments[0])", API_KEY)  # remembered earlier
+    by_id(browser, "key-button").click()
+    wait_for(lambda: js(browser, "return document.getElementById('key-dialog').open"), 10, "the dialog")
+    if by_id(browser, "key-remember").is_selected():
+        by_id(browser, "key-remember").click()
+    by_id(browser, "key-input").send_keys("mistyped-key")
+    by_id(browser, "key-submit").click()
+    wait_for(lambda: by_id(browser, "key-error").text, 10, "the wrong key to be refused")
+    js(browser, "document.getElementById('key-dialog').close()")   # as Escape does
+    assert js(browser, "return [sessionStorage.getItem('kvserve.apiKey'), localStorage.getItem('kvserve.apiKey')]"
+              ) == [API_KEY, API_KEY]
+    browser.get_log("browser")          # the refused key's 401, expected
+    js(browser, "localStorage.removeItem('kvserve.apiKey')")
+
+
 def test_reply_streams_in_token_by_token_with_its_stats(server, browser, http):
     set_value(browser, "temperature", "0")
     set_value(browser, "max-tokens", "48")

@@ -16,6 +16,16 @@ export const keyStore = {
     sessionStorage.removeItem(STORAGE_KEY);
     localStorage.removeItem(STORAGE_KEY);
   },
+  // Both copies as they are, and back: a key that turned out wrong must leave a remembered one in place.
+  snapshot() {
+    return [sessionStorage.getItem(STORAGE_KEY), localStorage.getItem(STORAGE_KEY)];
+  },
+  restore([session, local]) {
+    for (const [storage, value] of [[sessionStorage, session], [localStorage, local]]) {
+      if (value === null) storage.removeItem(STORAGE_KEY);
+      else storage.setItem(STORAGE_KEY, value);
+    }
+  },
 };
 
 // Shows the key dialog until a key that /v1/models accepts is entered, or the user closes it (Escape).
@@ -38,13 +48,12 @@ export function askForKey(api, message) {
     event.preventDefault();
     const key = input.value.trim();
     if (!key) return;
-    const previous = keyStore.get();
+    const previous = keyStore.snapshot();
     keyStore.set(key, remember.checked);
     try {
       await api.json('v1/models');
     } catch (e) {
-      if (previous) keyStore.set(previous, false);
-      else keyStore.clear();
+      keyStore.restore(previous);
       error.hidden = false;
       error.textContent = e.status === 401 ? 'The server did not accept this key.' : e.message;
       return;
