@@ -171,14 +171,15 @@ def test_long_drafts_at_long_context_bit_for_bit(dtype, monkeypatch):
 def test_warns_where_torch_matmuls_round_verification_rows_otherwise(kernels, caplog, monkeypatch):
     """Without kvserve's CPU kernels (as under KVSERVE_CPU_ISA=none, imitated here), 16-bit weights multiply with
     torch's matmuls, whose rounding depends on the step's row count: the engine says at start-up that
-    speculation may then change outputs. On the kernels, quantized (the default model's GGUF blocks) or float
-    (dense_linear), it does not; nor in float32 on torch (differences of ~1e-5)."""
+    speculation may then change outputs, in float32 too (logprobs ~1e-5 apart: not the bit-for-bit identity the
+    kernels give, and it had gone unsaid). On the kernels, quantized (the default model's GGUF blocks) or float
+    (dense_linear), it does not."""
     if kernels and not cpu_kernels.available():
         pytest.skip("no CPU kernels built here")
     if not kernels:
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     spec = {"method": "ngram", "num_speculative_tokens": 4}
-    for quantization, dtype, warns in (("none", "bfloat16", not kernels), ("none", "float32", False),
+    for quantization, dtype, warns in (("none", "bfloat16", not kernels), ("none", "float32", not kernels),
                                        ("auto", "bfloat16", not kernels)):
         caplog.clear()
         with caplog.at_level("WARNING", logger="kvserve.engine.llm_engine"):
