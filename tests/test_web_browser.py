@@ -228,6 +228,22 @@ def test_a_wrong_key_leaves_the_remembered_one(server, browser):
     js(browser, "localStorage.removeItem('kvserve.apiKey')")
 
 
+def test_a_saved_key_the_server_refuses_is_asked_for_at_load(server, browser):
+    """A remembered key that no longer works (the server's key changed) was only found out when the first
+    message failed."""
+    js(browser, "sessionStorage.removeItem('kvserve.apiKey'); localStorage.setItem('kvserve.apiKey', 'old-key')")
+    browser.refresh()
+    wait_for(lambda: js(browser, "return document.body.dataset.ready === 'true'"), 20, "the page to start")
+    wait_for(lambda: js(browser, "return document.getElementById('key-dialog').open"), 10, "the key dialog")
+    assert "did not accept the saved key" in by_id(browser, "key-error").text
+    browser.get_log("browser")          # the old key's 401, expected
+    by_id(browser, "key-input").send_keys(API_KEY)
+    by_id(browser, "key-submit").click()
+    wait_for(lambda: not js(browser, "return document.getElementById('key-dialog').open"), 10, "the dialog to close")
+    js(browser, "localStorage.removeItem('kvserve.apiKey')")
+    assert console_errors(browser) == []
+
+
 def test_reply_streams_in_token_by_token_with_its_stats(server, browser, http):
     set_value(browser, "temperature", "0")
     set_value(browser, "max-tokens", "48")

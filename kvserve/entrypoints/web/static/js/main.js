@@ -20,7 +20,9 @@ async function main() {
     } catch (e) {
       status.textContent = e.status === 401 ? 'API key needed' : `cannot list models: ${e.message}`;
       status.dataset.state = 'error';
+      return e.status;
     }
+    return 200;
   };
   const requestKey = async (message) => {
     await askForKey(api, message);
@@ -60,8 +62,13 @@ async function main() {
     keyButton.addEventListener('click', () => requestKey());
   }
   show();
-  if (!info.api_key_required || keyStore.get()) await loadModels();
-  else status.textContent = 'API key needed';
+  if (!info.api_key_required || keyStore.get()) {
+    // A remembered key the server no longer takes: asked for now, not after the first message fails.
+    if (await loadModels() === 401 && !keyAsked && window.location.hash !== '#dashboard') {
+      keyAsked = true;
+      requestKey('The server did not accept the saved key. Enter it again.');
+    }
+  } else status.textContent = 'API key needed';
   document.body.dataset.ready = 'true';   // for tests and scripts: the page has finished starting
 }
 
