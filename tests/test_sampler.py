@@ -341,6 +341,17 @@ def test_min_tokens_masks_eos_and_stop_token_ids_until_reached() -> None:
     assert Sampler()(batch[:1], _inputs([greedy], output=[])).token_ids == [3]
 
 
+def test_min_tokens_reads_the_given_lengths_where_token_lists_are_left_out() -> None:
+    # The model runner passes token lists only for penalised rows and the lengths for every row.
+    logits = torch.zeros(2, V)
+    logits[:, EOS[0]] = 50.0
+    greedy = SamplingParams(min_tokens=3, temperature=0)
+    inputs = _inputs([greedy, greedy], output=[])
+    inputs.num_output_tokens = [2, 3]
+    first, second = Sampler()(logits, inputs).token_ids
+    assert first != EOS[0] and second == EOS[0]
+
+
 # ---- logprobs ------------------------------------------------------------------------------------
 
 def _np_log_softmax(x: np.ndarray) -> np.ndarray:

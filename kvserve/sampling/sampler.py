@@ -29,12 +29,15 @@ class SamplingInputs:
     params: list[SamplingParams]
     # A seeded request's own generator (make_generator, on the logits' device), kept across steps.
     generators: list[torch.Generator | None]
+    # The token lists are read only for rows whose params penalise (penalises()): other rows may pass empty
+    # ones, as the model runner does, when num_output_tokens gives their lengths (min_tokens reads those).
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]          # tokens generated so far (before this step's)
     eos_token_ids: list[int]                   # the model's EOS ids
     # Per row, the uniforms its position draws, where they were drawn already (speculative decoding: the
     # draft drew them from a clone of the request's generator); None, or a None row: drawn here.
     noise: list[Tensor | None] | None = None
+    num_output_tokens: list[int] | None = None  # per row; None: len(output_token_ids[row])
 
 
 def fill_uniform_(out: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -70,6 +73,11 @@ def race_sample(logits: Tensor, inv_temp: Tensor, uniform: Tensor) -> Tensor:
     """Each row's draw from softmax(logits * inv_temp): argmax p / -log(uniform), the exponential race, in the
     CPU kernel's two passes (kvserve/kernels/cpu/argmax.cpp)."""
     return cpu_kernels.ops().race_sample_rows(logits, inv_temp.float().contiguous(), uniform.contiguous())
+
+
+def penalises(p: SamplingParams) -> bool:
+    """Whether a row's repetition, presence or frequency penalty reads its prompt and output tokens."""
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def reads_token_ids(p: SamplingParams) -> bool:
@@ -133,16 +141,16 @@ class Sampler:
         if any(p.logit_bias for p in params):
             lp.apply_logit_bias(logits, params)
 
+        lengths = inputs.num_output_tokens or [len(out) for out in inputs.output_token_ids]
         banned = [
             (p.stop_token_ids + ([] if p.ignore_eos else inputs.eos_token_ids))
-            if len(out) < p.min_tokens else []
-            for p, out in zip(params, inputs.output_token_ids)
+            if length < p.min_tokens else []
+            for p, length in zip(params, lengths)
         ]
         if any(banned):
             lp.apply_token_mask(logits, banned)
 
-        rows = [i for i, p in enumerate(params)
-                if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
+        rows = [i for i, p in enumerate(params) if penalises(p)]
         if rows:
             # Only the penalised rows pay for the [rows, V] count tensors; where every row is, no gather and scatter.
             every = len(rows) == len(params)

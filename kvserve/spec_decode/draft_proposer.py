@@ -39,7 +39,7 @@ from kvserve.attention.selector import make_attention_backend
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.models.kv_cache import KVCacheSpec
-from kvserve.sampling.sampler import Sampler, SamplingInputs
+from kvserve.sampling.sampler import Sampler, SamplingInputs, penalises
 from kvserve.spec_decode.state import SpecState, spec_state
 from kvserve.utils.huge_pages import back_with_huge_pages
 
@@ -178,10 +178,13 @@ def draft_sampling_inputs(seqs: list[Sequence], drafts: dict[int, list[int]],
     return SamplingInputs(
         params=params,
         generators=[generators.get(seq.seq_id) for seq in seqs],
-        prompt_token_ids=[seq.prompt_token_ids for seq in seqs],
-        output_token_ids=[seq.output_token_ids + drafts[seq.seq_id] for seq in seqs],
+        # The token lists only where a penalty reads them (see SamplingInputs).
+        prompt_token_ids=[seq.prompt_token_ids if penalises(seq.params) else [] for seq in seqs],
+        output_token_ids=[seq.output_token_ids + drafts[seq.seq_id] if penalises(seq.params) else []
+                          for seq in seqs],
         eos_token_ids=eos_token_ids,
         noise=noise,
+        num_output_tokens=[seq.num_output_tokens + len(drafts[seq.seq_id]) for seq in seqs],
     )
 
 

@@ -23,7 +23,7 @@ from kvserve.layers.quantization.methods import rounds_by_step_shape
 from kvserve.outputs import PositionLogprobs
 from kvserve.models.kv_cache import KVCacheSpec
 from kvserve.sampling.logprobs import compute_prompt_logprobs
-from kvserve.sampling.sampler import Sampler, SamplingInputs
+from kvserve.sampling.sampler import Sampler, SamplingInputs, penalises
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.verify import kept_rows, verification_noise
 from kvserve.utils.huge_pages import back_with_huge_pages
@@ -133,6 +133,7 @@ class ModelRunner:
         sample_rows: list[int] = []          # rows of the flat batch whose logits we sample from
         sample_seqs: list[Sequence] = []     # per sampled row (a sequence with k drafts has k + 1 rows)
         sample_outputs: list[list[int]] = []  # per sampled row: the output tokens before that position
+        sample_num_outputs: list[int] = []    # and how many there are
         prompt_lp: list[tuple[Sequence, int, int, int]] = []  # (seq, first row, first position, count)
         first_rows: dict[int, int] = {}      # seq_id -> its first row in the flat batch
         tree = False                         # any alternatives: some positions differ from their indices
@@ -158,13 +159,22 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(end)
             if end - len(drafts) == seq.num_tokens:
-                outputs = seq.output_token_ids
+                # The token lists only where a penalty reads them: copying them for every row of every step
+                # cost ~12 us per row at 8k outputs (a verification step has up to k + 1 rows a sequence).
+                penalised = penalises(seq.params)
+                outputs = seq.output_token_ids if penalised else []
+                num_outputs = seq.num_output_tokens
                 depth = len(drafts) - alternatives
                 for j in range(len(drafts) + 1):  # row j predicts the token after drafts[:j] (an alternative: after it)
                     sample_rows.append(len(input_ids) - 1 - len(drafts) + j)
                     sample_seqs.append(seq)
-                    sample_outputs.append(outputs + list(drafts[:j]) if 0 < j <= depth
-                                          else outputs + [drafts[j - 1]] if j else outputs)
+                    before = j if j <= depth else 1
+                    sample_num_outputs.append(num_outputs + before)
+                    if not penalised:
+                        sample_outputs.append(outputs)
+                    else:
+                        sample_outputs.append(outputs + list(drafts[:j]) if 0 < j <= depth
+                                              else outputs + [drafts[j - 1]] if j else outputs)
             if seq.needs_prompt_logprobs and start < seq.num_prompt_tokens - 1:
                 # Row p predicts token p + 1; only positions whose next token is in the prompt.
                 count = min(end, seq.num_prompt_tokens - 1) - start
@@ -199,7 +209,7 @@ class ModelRunner:
                 noise += rows
                 groups.append((row, seq, drafts, rewind))
                 row += len(drafts) + 1
-            prompts = {s.seq_id: s.prompt_token_ids for s in sample_seqs}
+            prompts = {s.seq_id: s.prompt_token_ids if penalises(s.params) else [] for s in sample_seqs}
             inputs = SamplingInputs(
                 params=[s.params for s in sample_seqs],
                 generators=[s.generator for s in sample_seqs],
@@ -207,6 +217,7 @@ class ModelRunner:
                 output_token_ids=sample_outputs,
                 eos_token_ids=self.eos_token_ids,
                 noise=noise,
+                num_output_tokens=sample_num_outputs,
             )
             sampled = self.sampler(logits, inputs)
             moved_from: list[int] = []  # K/V of kept alternatives, to their position
