@@ -297,6 +297,63 @@ def test_stop_ends_the_reply_and_the_request(server, browser, http):
     assert console_errors(browser) == []                         # an aborted stream is not an error
 
 
+def shown_messages(browser) -> list[list[str]]:
+    return js(browser, """return [...document.querySelectorAll('#messages .msg')].map(
+        m => [m.dataset.role, m.dataset.state, m.querySelector('.msg-body').textContent])""")
+
+
+def reload_page(browser) -> None:
+    browser.refresh()
+    wait_for(lambda: js(browser, "return document.body.dataset.ready === 'true'"), 20, "the page to start")
+
+
+def test_the_conversation_survives_a_reload(server, browser, http):
+    """A reload (or a closed tab) had lost the whole conversation."""
+    by_id(browser, "clear-chat").click()
+    set_value(browser, "temperature", "0")
+    set_value(browser, "max-tokens", "12")
+    send(browser, "Name a colour.")
+    first = wait_reply_done(browser)
+    assert first["state"] in ("done", "length") and first["text"].strip(), first
+    before = shown_messages(browser)
+    reload_page(browser)
+    assert shown_messages(browser) == before and [m[0] for m in before] == ["user", "assistant"]
+    assert last_reply(browser)["stats"] == first["stats"]          # its TTFT, speed and cache line too
+    # The next question goes out with the restored turns, the reply as the model wrote it.
+    js(browser, """
+        window.sentBodies = [];
+        const realFetch = window.fetch;
+        window.fetch = (url, init) => {
+          if (String(url).endsWith('v1/chat/completions')) window.sentBodies.push(JSON.parse(init.body));
+          return realFetch(url, init);
+        };""")
+    send(browser, "And another one?")
+    assert wait_reply_done(browser)["state"] in ("done", "length")
+    (body,) = js(browser, "return window.sentBodies")
+    turns = [m for m in body["messages"] if m["role"] != "system"]
+    assert [(m["role"], m["content"] if m["role"] == "user" else None) for m in turns] == [
+        ("user", "Name a colour."), ("assistant", None), ("user", "And another one?")], turns
+    reference = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": body["messages"][:-2], "temperature": body["temperature"],
+        "top_p": body["top_p"], "max_tokens": 12}).json()["choices"][0]["message"]["content"]
+    assert turns[1]["content"] == reference
+    # A reply cut off by the reload is kept as far as it had come, marked stopped.
+    set_value(browser, "max-tokens", "400")
+    send(browser, "Count from 1 to 300, one number per line.")
+    wait_for(lambda: (r := last_reply(browser)) and r["state"] == "streaming" and len(r["text"]) > 10, 60,
+             "the reply to start streaming")
+    reload_page(browser)
+    cut = last_reply(browser)
+    assert cut["count"] == 3 and cut["state"] == "stopped" and cut["stats"].get("end") == "stopped"
+    assert cut["text"].strip()
+    # Clear forgets it, also for the next load.
+    by_id(browser, "clear-chat").click()
+    reload_page(browser)
+    assert shown_messages(browser) == [] and by_id(browser, "chat-empty").is_displayed()
+    wait_idle(http)
+    assert [e["message"] for e in console_errors(browser)] == []
+
+
 def test_a_failed_turn_is_not_sent_again_with_the_next(server, browser, http):
     """A question whose reply failed (here a 400) had gone out again with the next one: two user turns in a row."""
     by_id(browser, "clear-chat").click()

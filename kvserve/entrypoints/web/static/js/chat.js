@@ -1,9 +1,11 @@
 // The chat playground: a conversation streamed from /v1/chat/completions, with stop and regenerate, the
-// sampling settings, and under each reply its time to first token, speed and cached prompt tokens.
+// sampling settings, and under each reply its time to first token, speed and cached prompt tokens. The
+// conversation is kept in this browser's storage, so a reload or a closed tab does not lose it.
 
 import { renderMarkdown } from './markdown.js';
 
 const SETTINGS_KEY = 'kvserve.chatSettings';
+const CONVERSATION_KEY = 'kvserve.conversation';
 const RENDER_EVERY_MS = 40;   // re-render a streaming reply at most this often: one parse per frame or so
 const AUTO_MODEL = '';        // the picker's "default": send no model, the server answers with its first model
 
@@ -28,6 +30,7 @@ export class ChatView {
     this.onUnauthorized = onUnauthorized;
     this.messages = [];        // { role, content, node, body, footer, state, stats }
     this.controller = null;    // the AbortController of the reply being generated, if any
+    this.leaving = false;      // the page is going away
     this.el = {
       list: byId('messages'), empty: byId('chat-empty'), form: byId('composer'), prompt: byId('prompt'),
       send: byId('send'), stop: byId('stop'), clear: byId('clear-chat'), modelField: byId('model-field'),
@@ -35,6 +38,7 @@ export class ChatView {
       maxTokens: byId('max-tokens'),
     };
     this.restoreSettings();
+    this.restoreConversation();
     this.el.form.addEventListener('submit', (event) => {
       event.preventDefault();
       this.send();
@@ -46,6 +50,11 @@ export class ChatView {
       }
     });
     this.el.stop.addEventListener('click', () => this.stop());
+    // Leaving the page (a reload, a closed tab) cuts the stream: the reply is kept as stopped, not as failed.
+    window.addEventListener('pagehide', () => {
+      this.leaving = true;
+      this.stop();
+    });
     this.el.clear.addEventListener('click', () => this.clear());
     for (const input of [this.el.system, this.el.temperature, this.el.topP, this.el.maxTokens, this.el.model]) {
       input.addEventListener('change', () => this.saveSettings());
@@ -79,6 +88,7 @@ export class ChatView {
     this.el.prompt.value = '';
     this.addMessage('user', text);
     this.generate(this.addMessage('assistant', ''));
+    this.saveConversation();
   }
 
   stop() {
@@ -91,6 +101,7 @@ export class ChatView {
     this.messages.pop();
     last.node.remove();
     this.generate(this.addMessage('assistant', ''));
+    this.saveConversation();
   }
 
   clear() {
@@ -98,6 +109,7 @@ export class ChatView {
     for (const m of this.messages) m.node.remove();
     this.messages = [];
     this.el.empty.hidden = false;
+    this.saveConversation();
   }
 
   addMessage(role, content) {
@@ -181,7 +193,7 @@ export class ChatView {
       }
       this.setState(message, finishReason === 'length' ? 'length' : 'done');
     } catch (e) {
-      if (e.name === 'AbortError') {
+      if (e.name === 'AbortError' || this.leaving) {
         this.setState(message, 'stopped');
       } else {
         message.error = e.message;
@@ -235,20 +247,21 @@ export class ChatView {
     if (message.state === 'error') content.append(element('p', 'msg-error', message.error));
     message.body.replaceChildren(content);
     this.scrollToEnd(nearEnd);
+    this.saveConversation();   // as often as the reply is drawn: a reload mid-reply keeps what was shown
   }
 
   renderFooter(message) {
-    const s = message.stats;
+    const s = message.stats || {};   // none for a reply cut off by a reload
     const parts = [];
     const stat = (name, text) => {
       const span = element('span', 'stat', text);
       span.dataset.stat = name;
       parts.push(span);
     };
-    if (s.ttftMs !== null) stat('ttft', `TTFT ${formatMs(s.ttftMs)}`);
-    if (s.tokensPerS !== null) stat('tps', `${s.tokensPerS.toFixed(1)} tok/s`);
+    if (s.ttftMs != null) stat('ttft', `TTFT ${formatMs(s.ttftMs)}`);
+    if (s.tokensPerS != null) stat('tps', `${s.tokensPerS.toFixed(1)} tok/s`);
     if (s.tokens) stat('tokens', `${s.tokens} tokens`);
-    if (s.cachedTokens !== null && s.promptTokens !== null) {
+    if (s.cachedTokens != null && s.promptTokens != null) {
       stat('cached', `${s.cachedTokens} of ${s.promptTokens} prompt tokens cached`);
     }
     if (message.state === 'stopped') stat('end', 'stopped');
@@ -279,6 +292,39 @@ export class ChatView {
 
   scrollToEnd(really) {
     if (really) this.el.list.scrollTop = this.el.list.scrollHeight;
+  }
+
+  saveConversation() {
+    const saved = this.messages.map(({ role, content, state, stats, error }) => ({ role, content, state, stats, error }));
+    try {
+      if (saved.length) localStorage.setItem(CONVERSATION_KEY, JSON.stringify(saved));
+      else localStorage.removeItem(CONVERSATION_KEY);
+    } catch {
+      // Storage full or turned off: the conversation lasts as long as the page.
+    }
+  }
+
+  restoreConversation() {
+    let saved;
+    try {
+      saved = JSON.parse(localStorage.getItem(CONVERSATION_KEY));
+    } catch {
+      return;
+    }
+    if (!Array.isArray(saved)) return;
+    for (const m of saved) {
+      if (!m || !['user', 'assistant'].includes(m.role) || typeof m.content !== 'string') continue;
+      const message = this.addMessage(m.role, m.content);
+      if (m.role !== 'assistant') continue;
+      // A reply still coming when the page went away ends where it was: stopped.
+      this.setState(message, ['waiting', 'streaming'].includes(m.state) ? 'stopped' : String(m.state));
+      message.error = m.error;
+      message.stats = m.stats && typeof m.stats === 'object' ? m.stats : null;
+      this.renderBody(message);
+      this.renderFooter(message);
+    }
+    this.renderActions();
+    this.saveConversation();
   }
 
   savedSettings() {
