@@ -510,6 +510,13 @@ MARKDOWN_CASES = [
     ("| a | b |\n|---|---|\n| 1 | <i>2</i> |", '<div class="table-wrap"><table><thead><tr><th>a</th><th>b</th></tr>'
      '</thead><tbody><tr><td>1</td><td>&lt;i&gt;2&lt;/i&gt;</td></tr></tbody></table></div>'),
     ("> quoted <u>", "<blockquote><p>quoted &lt;u&gt;</p></blockquote>"),
+    # A table right under a line of text or a list (no blank line between, as models write them) had been text.
+    ("Here they are:\n| a | b |\n|---|---|\n| 1 | 2 |", '<p>Here they are:</p><div class="table-wrap"><table><thead><tr><th>a</th><th>b</th></tr></thead><tbody><tr><td>1</td><td>2</td></tr></tbody></table></div>'),
+    ("- item\n| a | b |\n|---|---|\n| 1 | 2 |", '<ul><li>item</li></ul><div class="table-wrap"><table><thead><tr><th>a</th><th>b</th></tr></thead><tbody><tr><td>1</td><td>2</td></tr></tbody></table></div>'),
+    ("a | b\n---", "<p>a | b</p><hr>"),            # a divider of one cell under two: not a table (GFM)
+    # Lists indented under an item nest in it (they had been flattened, an ordered list cut in two).
+    ("1. First:\n   - x\n   - y\n2. Second", "<ol><li>First:<ul><li>x</li><li>y</li></ul></li><li>Second</li></ol>"),
+    ("- a\n  - b\n    - c\n- d", "<ul><li>a<ul><li>b<ul><li>c</li></ul></li></ul></li><li>d</li></ul>"),
     ("[x](javascript:alert(1)) [y](https://a.example/p?q=1)",
      '<p>[x](javascript:alert(1)) <a href="https://a.example/p?q=1" target="_blank" rel="noopener noreferrer">y</a></p>'),
 ]

@@ -84,6 +84,18 @@ function startsBlock(line) {
     || BULLET.test(line) || ORDERED.test(line);
 }
 
+// A table starts at a line with a cell divider followed by a line of dashes; as in GFM, it may follow a
+// paragraph's text or a list with no blank line between ("Here they are:\n| a | b |\n|---|---|").
+// As in GFM, the header and the divider have as many cells, so that "a | b" over "---" stays text.
+function startsTable(lines, i) {
+  return lines[i].includes('|') && i + 1 < lines.length && TABLE_DIVIDER.test(lines[i + 1])
+    && splitRow(lines[i]).length === splitRow(lines[i + 1]).length;
+}
+
+function indentOf(line) {
+  return line.length - line.trimStart().length;
+}
+
 // Returns a DocumentFragment. An unclosed code fence (a reply still streaming) renders as code so far.
 export function renderMarkdown(text) {
   const fragment = document.createDocumentFragment();
@@ -134,21 +146,26 @@ export function renderMarkdown(text) {
         const first = Number(ORDERED.exec(line)[1]);
         if (first !== 1) list.start = first;
       }
-      const items = [];   // each item's lines
+      // Each item: its text, and the lines indented under it (a nested list, a code block), rendered inside it.
+      const indent = indentOf(line);
+      const items = [];
       while (i < lines.length && lines[i].trim()) {
-        const itemMatch = pattern.exec(lines[i]);
-        if (itemMatch) items.push([ordered ? itemMatch[2] : itemMatch[1]]);
-        else if (startsBlock(lines[i])) break;
-        else items[items.length - 1].push(lines[i].trim());   // a continuation of the item
+        const itemMatch = indentOf(lines[i]) <= indent + 1 ? pattern.exec(lines[i]) : null;
+        if (itemMatch) items.push({ text: [ordered ? itemMatch[2] : itemMatch[1]], inner: [] });
+        else if (indentOf(lines[i]) >= indent + 2 && (items[items.length - 1].inner.length || startsBlock(lines[i].trim())
+                 || startsTable(lines, i))) items[items.length - 1].inner.push(lines[i].slice(indent + 2));
+        else if (startsBlock(lines[i]) || startsTable(lines, i)) break;
+        else items[items.length - 1].text.push(lines[i].trim());   // a continuation of the item's text
         i += 1;
       }
-      for (const itemLines of items) {
+      for (const item of items) {
         const li = element('li');
-        appendInline(li, itemLines.join('\n'));
+        appendInline(li, item.text.join('\n'));
+        if (item.inner.length) li.append(renderMarkdown(item.inner.join('\n')));
         list.append(li);
       }
       fragment.append(list);
-    } else if (line.includes('|') && i + 1 < lines.length && TABLE_DIVIDER.test(lines[i + 1])) {
+    } else if (startsTable(lines, i)) {
       const table = element('table');
       const head = element('thead');
       const headRow = element('tr');
@@ -178,7 +195,9 @@ export function renderMarkdown(text) {
     } else {
       const paragraph = [line];
       i += 1;
-      while (i < lines.length && lines[i].trim() && !startsBlock(lines[i])) paragraph.push(lines[i++]);
+      while (i < lines.length && lines[i].trim() && !startsBlock(lines[i]) && !startsTable(lines, i)) {
+        paragraph.push(lines[i++]);
+      }
       const p = element('p');
       appendInline(p, paragraph.join('\n'));
       fragment.append(p);
