@@ -205,21 +205,47 @@ def test_completion_logprobs_and_echo(client):
     assert elp.token_logprobs[0] is None and all(v is not None for v in elp.token_logprobs[1:])
 
 
-def test_streamed_text_offsets_count_the_text_sent(http):
-    """Each chunk's offsets start at the length of the text streamed before it (as vLLM's). They had counted the
-    tokens' strings, and drifted past the text sent while a stop string's possible start was held back."""
+def streamed_logprobs(http: httpx.Client, body: dict) -> tuple[str, dict[str, list]]:
+    """A streamed completion's text and its chunks' legacy logprobs, joined."""
+    text, joined = "", {"tokens": [], "token_logprobs": [], "text_offset": []}
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and (choices := json.loads(line[6:])["choices"]):
+                text += choices[0]["text"]
+                for key in joined:
+                    joined[key] += (choices[0]["logprobs"] or {}).get(key) or []
+    return text, joined
+
+
+def test_streamed_text_offsets_are_the_whole_answers(http):
+    """Where each token starts in the text, streamed as not. Each chunk's offsets had started at the length of the
+    text sent before it: a stop string's possible start held back, several tokens then came at one offset."""
     body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 10, "temperature": 0,
-            "logprobs": 0, "stop": ["s Pa"], "stream": True}   # "...States" waits on whether " Pa" follows
-    with http.stream("POST", "/v1/completions", json=body) as r:
-        chunks = [json.loads(line[6:])["choices"] for line in r.iter_lines() if line.startswith("data: {")]
-    sent, held_back = 0, False
-    for choice in (c[0] for c in chunks if c):
-        lp = choice["logprobs"]
-        if lp and lp["tokens"]:
-            assert lp["text_offset"][0] == sent, (choice, sent)
-            held_back |= len(choice["text"]) != sum(map(len, lp["tokens"]))
-        sent += len(choice["text"])
-    assert held_back  # the case that drifted occurred
+            "logprobs": 0, "stop": ["s Pa"]}   # "...States" waits on whether " Pa" follows
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    text, streamed = streamed_logprobs(http, body)
+    assert text == whole["text"] and "States" in text                       # the held-back case occurred
+    assert streamed == {k: whole["logprobs"][k] for k in streamed}
+    for token, offset in zip(streamed["tokens"], streamed["text_offset"]):
+        assert text[offset:offset + len(token)] == token, (token, offset, text)
+
+
+def test_text_offsets_count_a_split_character_once():
+    """An emoji or a CJK character split over tokens (each part alone decodes to U+FFFD) is one character of the
+    text: the offsets match the tokenizer's own decoding of each prefix, and a token-string sum would not."""
+    from kvserve.entrypoints.openai.serving_completions import TextOffsets
+    from kvserve.models.loader import load_tokenizer
+    tok = load_tokenizer(None)
+    text = " Bonjour 😀 le café ☕ est prêt. 東京タワーは高い。"
+    ids = tok.encode(text, add_special_tokens=False)
+    strings = [tok.decode([i], skip_special_tokens=False) for i in ids]
+    assert sum("\ufffd" in s for s in strings) >= 4                       # characters split over tokens
+    offsets = TextOffsets()
+    got = [offsets.advance(tok, i, s) for i, s in zip(ids, strings)]
+    # The reference: the characters that the first k tokens make whole, by the tokenizer's own decoder.
+    want = [len(tok.decode(ids[:k], skip_special_tokens=False).rstrip("\ufffd")) for k in range(len(ids))]
+    assert got == want and tok.decode(ids) == text
+    assert got != [sum(map(len, strings[:k])) for k in range(len(ids))]
 
 
 def test_chat_logprobs(client):

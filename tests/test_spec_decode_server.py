@@ -113,6 +113,30 @@ def test_streams_with_drafts_stop_where_decoding_does_and_a_disconnect_frees_the
         assert after["kvserve:spec_decode_num_drafts_total"] > before["kvserve:spec_decode_num_drafts_total"]
 
 
+def test_streamed_logprobs_of_accepted_runs_are_the_whole_answers(server):
+    """A chunk of several tokens (an accepted run) had its text_offsets counted from the text sent before it and
+    then by the tokens' strings: they ran ahead of the text and went back at the next chunk. Streamed, the
+    logprobs are now the non-streamed answer's, and each offset is where its token is in the text."""
+    # " pl", then " plums," wait on whether the stop string follows; the copy goes on with " grapes" in one run.
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "logprobs": 0,
+            "stop": [" plums, cherries, figs"]}
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        whole = http.post("/v1/completions", json=body).json()["choices"][0]
+        text, sizes, joined = "", [], {"tokens": [], "token_logprobs": [], "text_offset": []}
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and (choices := json.loads(line[6:])["choices"]):
+                    text += choices[0]["text"]
+                    lp = choices[0]["logprobs"] or {}
+                    sizes.append(len(lp.get("tokens") or []))
+                    for key in joined:
+                        joined[key] += lp.get(key) or []
+    assert max(sizes) > 1                                        # accepted runs came as multi-token chunks
+    assert text == whole["text"] and joined == {k: whole["logprobs"][k] for k in joined}
+    for token, offset in zip(joined["tokens"], joined["text_offset"]):
+        assert text[offset:offset + len(token)] == token, (token, offset, text)
+
+
 def test_bench_serve_reports_what_the_server_counted(server, tmp_path, capsys):
     """`kvserve bench serve` against a speculating server adds a Speculative Decoding section, as `vllm bench
     serve` does: the drafts, draft tokens and accepted tokens the server counted over the run (its /metrics,

@@ -2,6 +2,7 @@
 with OpenAI's legacy logprobs format (tokens, token_logprobs, top_logprobs, text_offset) and echo."""
 from __future__ import annotations
 
+import codecs
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -102,7 +103,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     if req.echo:
                         tok_ids = ids + tok_ids
                         entries = list(out.prompt_logprobs or [None] * len(ids)) + entries
-                    logprobs = self._logprobs(m.tokenizer, tok_ids, entries, 0)
+                    logprobs = self._logprobs(m.tokenizer, tok_ids, entries, TextOffsets())
                 choices.append(CompletionChoice(
                     index=len(choices), text=(prompt_text if req.echo else "") + c.text, logprobs=logprobs,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
@@ -134,7 +135,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     @staticmethod
     def _logprobs(tokenizer, token_ids: list[int], entries: list[PositionLogprobs | None],
-                  text_offset: int) -> CompletionLogprobs:
+                  offsets: TextOffsets) -> CompletionLogprobs:
         result = CompletionLogprobs()
         for tid, entry in zip(token_ids, entries):
             if entry is None or tid not in entry:
@@ -147,8 +148,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 result.top_logprobs.append({token_str(tokenizer, t, lp.decoded_token): lp.logprob
                                             for t, lp in entry.items()})
             result.tokens.append(s)
-            result.text_offset.append(text_offset)
-            text_offset += len(s)
+            result.text_offset.append(offsets.advance(tokenizer, tid, s))
         return result
 
     async def _stream(self, m: ServedModel, req: CompletionRequest, raw_request: Request, request_id: str, model: str,
@@ -162,10 +162,10 @@ class OpenAIServingCompletion(OpenAIServing):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
         sent_tokens = [[0] * n for _ in prompts]     # tokens streamed per (prompt, completion)
-        # Text streamed so far per (prompt, completion): where the next chunk's text_offsets start (as vLLM's). Counted
-        # from the tokens' strings instead, offsets drifted past the text sent while text was held back (a stop
-        # string's possible start, part of a UTF-8 character).
-        offsets = [[0] * n for _ in prompts]
+        # Per (prompt, completion), carried from chunk to chunk: the same text_offsets as the whole answer's. (Each
+        # chunk's had started at the length of the text sent before it, as vLLM's, and within it counted the tokens'
+        # strings: with several tokens a chunk, a speculative step's, the offsets ran ahead and went back.)
+        offsets = [[TextOffsets() for _ in range(n)] for _ in prompts]
         echoed = [[False] * n for _ in prompts]
         prompt_lps: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
         prompt_tokens = [len(ids) for _, ids in prompts]
@@ -200,7 +200,6 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs = self._logprobs(m.tokenizer, new_ids, new_lps, offsets[i][j])
-                offsets[i][j] += len(delta_text)
                 chunk = CompletionResponse(
                     id=request_id, created=created, model=model,
                     choices=[CompletionChoice(index=i * n + j, text=delta_text, logprobs=logprobs,
@@ -229,3 +228,22 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream")
+
+
+class TextOffsets:
+    """OpenAI's text_offset: where each token's text starts in the choice's text (the echoed prompt's first), in
+    characters. A character split across tokens (an emoji, a CJK character: each part alone decodes to U+FFFD)
+    counts once, when its last byte comes, so the token that finishes it starts at it. Held across a stream's
+    chunks, it gives the offsets of the whole answer however the tokens were grouped."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # holds a split character's first bytes
+
+    def advance(self, tokenizer, token_id: int, text: str) -> int:
+        start = self.chars
+        if "\ufffd" not in text and not self._utf8.getstate()[0]:  # whole characters, none waiting: the common case
+            self.chars += len(text)
+        else:
+            self.chars += len(self._utf8.decode(tokenizer.token_bytes(token_id, text)))
+        return start
