@@ -163,9 +163,9 @@ def test_float32_output_is_the_sum_before_its_rounding(isa: str, name: str, tile
             pytest.skip("groups of 16 stay row-major")
         bw = bw.interleave(tile)
         op = ops.quant_linear_x16 if tile == 16 else ops.quant_linear_x8
-        run = lambda out=None: op(x, bw.qs, bw.scales, bw.mins, out)  # noqa: E731
+        run = lambda out=None: op(x, bw.qs, bw.scales, bw.mins, out)
     else:
-        run = lambda out=None: ops.quant_linear(x, bw.qs, bw.scales, bw.mins, bw.group, out)  # noqa: E731
+        run = lambda out=None: ops.quant_linear(x, bw.qs, bw.scales, bw.mins, bw.group, out)
     y32 = run(torch.float32)
     assert y32.dtype == torch.float32 and not torch.equal(y32, y32.to(torch.bfloat16).float())
     assert torch.equal(y32.to(torch.bfloat16), run())
@@ -200,7 +200,7 @@ def test_row_major_q4_bits_do_not_depend_on_threads_or_rows_sharing_the_call(isa
     bw = BlockWeight(pack_q4(torch.randint(0, 16, (n, k))), torch.rand(n, k // 32) * 0.02,
                      -torch.rand(n, k // 32) * 0.1)
     x = torch.randn(9, k) * 2
-    run = lambda rows: ops.quant_linear(rows, bw.qs, bw.scales, bw.mins, bw.group)  # noqa: E731
+    run = lambda rows: ops.quant_linear(rows, bw.qs, bw.scales, bw.mins, bw.group)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
