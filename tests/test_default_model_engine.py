@@ -193,6 +193,19 @@ def test_priority_without_the_priority_policy_is_refused(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_max_tokens_past_the_context_ends_at_max_model_len_as_in_vllm():
+    """A prompt near max_model_len with the default max_tokens (16) had failed the whole generate() call with a
+    ValueError; vLLM's LLM ends such a request at the context limit, finish_reason "length"."""
+    small = LLM(dtype="float32", quantization="none", max_model_len=48, num_kv_blocks=16)
+    ids = small.get_tokenizer().encode(" ".join(["cat"] * 60))[:44]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 4, 16)]
+    cut, short, fits = small.generate([ids, ids, ids[:8]], params, use_tqdm=False)
+    assert cut.outputs[0].token_ids == short.outputs[0].token_ids and len(short.outputs[0].token_ids) == 4
+    assert cut.outputs[0].finish_reason == "length" and len(fits.outputs[0].token_ids) == 16
+    with pytest.raises(ValueError, match="prompt is 48 tokens, but max_model_len is 48"):
+        small.generate([ids + ids[:4]], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
 @pytest.mark.parametrize("value", [0, -5, 2.5, True])
 def test_a_bad_max_model_len_is_refused(value):
     """0 fell back to the model's length and -5 made an engine that refused every prompt."""

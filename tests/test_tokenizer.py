@@ -71,6 +71,30 @@ def test_chat_template_matches_transformers(tmp_path: Path, template_in: str) ->
         )
 
 
+def test_what_code_written_for_transformers_reaches_for(tmp_path: Path) -> None:
+    """LLM.get_tokenizer()'s users write transformers' calls: apply_chat_template(tokenize=True) had returned the
+    text (the keyword went to the template as a variable), and eos_token_id, len(), tok(text), get_vocab() and
+    convert_ids_to_tokens() were missing."""
+    write_hf_dir(tmp_path)
+    ours = Tokenizer.from_hf_dir(tmp_path)
+    ref = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), chat_template=CHATML,
+                                  bos_token="<s>", eos_token="<|im_end|>")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 123 😀"}]
+    for gen in (True, False):
+        want = ref.apply_chat_template(messages, tokenize=True, return_dict=False, add_generation_prompt=gen)
+        assert ours.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen) == want
+        assert ours.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=gen
+                                        )["input_ids"] == want
+    assert ours.eos_token_id == ref.eos_token_id and ours.bos_token_id == ref.bos_token_id
+    assert len(ours) == len(ref) and ours.get_vocab() == ref.get_vocab()
+    for text in (TEXTS[0], TEXTS):
+        assert ours(text)["input_ids"] == ref(text)["input_ids"]
+    ids = ours.encode(TEXTS[2])
+    assert ours.convert_ids_to_tokens(ids) == ref.convert_ids_to_tokens(ids)
+    assert ours.convert_ids_to_tokens(ids[0]) == ref.convert_ids_to_tokens(ids[0])
+    assert ours.convert_tokens_to_ids(ref.convert_ids_to_tokens(ids)) == ids
+
+
 # Llama 3's way (content trimmed), a template that keeps spacing, transformers' {% generation %} block, and a
 # tools section guarded by `is not none`.
 TRIMMING = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] | trim + '<|im_end|>' }}"

@@ -270,11 +270,10 @@ class LLMEngine:
         if n_prompt >= self.max_model_len:
             raise ValueError(f"prompt is {n_prompt} tokens, but max_model_len is {self.max_model_len}: "
                              "the prompt must leave room for at least one output token")
-        if params.max_tokens is None:
+        # No max_tokens, or more than the context has room for: the request ends at max_model_len, finish_reason
+        # "length", as vLLM's engine ends it (the server refuses the latter with a 400 first, as vLLM's does).
+        if params.max_tokens is None or n_prompt + params.max_tokens > self.max_model_len:
             params.max_tokens = self.max_model_len - n_prompt
-        elif n_prompt + params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {n_prompt} tokens exceeds "
-                             f"max_model_len={self.max_model_len}")
         for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:

@@ -49,6 +49,31 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    # ---- what code written for transformers' tokenizers reaches for (LLM.get_tokenizer() returns this) ----
+
+    @property
+    def eos_token_id(self) -> int | None:
+        named = self.backend.token_to_id(self.eos_token) if self.eos_token else None
+        return named if named is not None else (self.eos_token_ids[0] if self.eos_token_ids else None)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict[str, list]:
+        """{"input_ids": ...} for a text (a list of ids) or for a list of texts (a list of lists)."""
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens)}
+        return {"input_ids": [e.ids for e in self.backend.encode_batch(list(text), add_special_tokens=add_special_tokens)]}
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | None | list[str | None]:
+        return self.backend.id_to_token(ids) if isinstance(ids, int) else [self.backend.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        return self.backend.token_to_id(tokens) if isinstance(tokens, str) else [self.backend.token_to_id(t) for t in tokens]
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -71,9 +96,17 @@ class Tokenizer:
         return text.encode("utf-8")  # a token that is U+FFFD itself, or a scheme not known here
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, **kwargs: Any) -> str:
+                            continue_final_message: bool = False, tokenize: bool = False, return_dict: bool = False,
+                            **kwargs: Any) -> str | list[int] | dict[str, list[int]]:
         """The rendered conversation. continue_final_message: cut right after the last message's text, so that the
-        model continues it instead of closing its turn (a ValueError where the template does not show that text)."""
+        model continues it instead of closing its turn (a ValueError where the template does not show that text).
+        tokenize: its token ids instead (the template writes the special tokens: none added), as a list, or with
+        return_dict as {"input_ids": ids}. Unlike transformers', the text is the default and so is the generation
+        prompt, as a server renders a chat."""
+        if tokenize:
+            text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message, **kwargs)
+            ids = self.encode(text, add_special_tokens=False)
+            return {"input_ids": ids} if return_dict else ids
         if not self.chat_template:
             raise ValueError("model has no chat template (a base model takes plain text: use completions, not chat)")
         if self._template is None:
