@@ -199,12 +199,20 @@ def test_seeded_request_same_output_whatever_the_batch(path):
     ([], SamplingParams(), "prompt"),
     ([1, 2, 10**6], SamplingParams(), "token id"),
     ([1] * 600, SamplingParams(max_tokens=1), "max_model_len"),
-    ([1] * 10, SamplingParams(max_tokens=600), "max_tokens"),
 ])
 def test_bad_input_raises_clear_error_and_leaves_nothing(path, prompt, params, field):
     engine = make_engine(path)
     with pytest.raises(ValueError, match=field):
         engine.add_request("bad", prompt, params)
+    assert_no_leaks(engine)
+
+
+def test_max_tokens_past_max_model_len_ends_there(path):
+    """As vLLM's engine does (the server refuses such a request with a 400 before it gets here)."""
+    engine = make_engine(path, max_model_len=40)
+    engine.add_request("long", [1] * 10, SamplingParams(max_tokens=600, ignore_eos=True))
+    out = drain(engine)["long"].outputs[0]
+    assert len(out.token_ids) == 30 and out.finish_reason == "length"
     assert_no_leaks(engine)
 
 
