@@ -2,6 +2,7 @@
 import random
 
 import pytest
+import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
@@ -192,6 +193,21 @@ def test_seeded_request_same_output_whatever_the_batch(path):
         engine.add_request(f"o{i}", p, SamplingParams(temperature=0.7, max_tokens=i + 3, ignore_eos=True))
     engine.add_request("t", prompt, params)
     assert drain(engine)["t"].outputs[0].token_ids == alone
+
+
+def test_another_engine_does_not_restart_unseeded_sampling(path):
+    """Unseeded rows drew from torch's process-wide generator, which every new engine seeds: a second LLM made
+    in the same process restarted the first one's draws, so it repeated its earlier samples."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    prompt = prompts_(1, 9, 9, seed=16)[0]
+    alone = make_engine(path)
+    first, second = run(alone, [prompt], params)[0], run(alone, [prompt], params)[0]
+    assert first != second
+    engine = make_engine(path)
+    assert run(engine, [prompt], params)[0] == first     # the same seed, the same draws
+    make_engine(path)
+    torch.manual_seed(0)                                 # nor does the caller's own seeding
+    assert run(engine, [prompt], params)[0] == second
 
 
 @pytest.mark.parametrize("prompt,params,field", [

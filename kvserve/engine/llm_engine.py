@@ -125,16 +125,19 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         if config.batch_invariant and self.device.type != "cpu":
             raise ValueError("batch_invariant applies to the CPU's attention kernels; on CUDA it is not available")
+        # Unseeded sampling draws from the engine's own generator: torch's default one is the process's, which
+        # another engine (or the caller) may seed again mid-run.
+        self.rng = make_generator(config.seed, self.device)
         self.runner = ModelRunner(loaded.model, kv_spec, num_blocks, self.device, self.eos_token_ids, self.dtype,
-                                  config.attention_backend, config.batch_invariant)
+                                  config.attention_backend, config.batch_invariant, generator=self.rng)
         if spec is not None and spec.num_alternatives and not self.runner.attn_backend.supports_tree_drafts:
             raise ValueError(f"speculative_config: speculative_token_tree with alternatives needs an attention "
                              f"backend that takes tree rows ('torch' or 'triton'); this engine runs "
                              f"{self.runner.attn_backend.name!r}. Use a chain (no speculative_token_tree)")
         draft = (DraftProposer(draft_model, draft_kv_spec, num_blocks, self.device, self.eos_token_ids, self.dtype,
-                               config.attention_backend) if draft_model is not None else None)
+                               config.attention_backend, generator=self.rng) if draft_model is not None else None)
         if eagle_head is not None:
-            draft = EagleProposer(eagle_head, self.device, self.eos_token_ids)
+            draft = EagleProposer(eagle_head, self.device, self.eos_token_ids, generator=self.rng)
         if self.kv_cache_dtype == FP8:  # before graph capture: the graphs take the scales as constants
             # An eagle head keeps no K/V (its state is one vector per sequence): a draft model's pool only.
             self._calibrate_kv_scales(self.runner, draft if isinstance(draft, DraftProposer) else None)
@@ -306,7 +309,8 @@ class LLMEngine:
                 seq.generator = make_generator(params.seed + i, self.device)
             elif self.speculator is not None and self.speculator.couples_noise and not params.greedy:
                 # The draft samples with the noise the target will use (spec_decode/draft_proposer.py).
-                seq.generator = make_generator(int(torch.randint(2**62, ())), self.device)
+                seq.generator = make_generator(int(torch.randint(2**62, (), generator=self.rng, device=self.device)),
+                                               self.device)
             seqs.append(seq)
         backend = self.tokenizer.backend
         detoks = [IncrementalDetokenizer(backend, token_ids, params) for _ in seqs]

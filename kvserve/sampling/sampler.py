@@ -108,6 +108,11 @@ def cpu_seed(seed: int) -> int:
 
 
 class Sampler:
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        # Unseeded rows' noise: the engine's own generator, so that another engine in the process (or the
+        # caller's torch.manual_seed) does not restart this one's draws; None: torch's default generator.
+        self.generator = generator
+
     def __call__(self, logits: Tensor, inputs: SamplingInputs) -> SamplerOutput:
         params = inputs.params
         n = logits.shape[0]
@@ -230,24 +235,23 @@ class Sampler:
                            rows=[i for i, p in enumerate(params) if p.top_p < 1.0])
         return logits
 
-    @staticmethod
-    def _uniforms(like: Tensor, generators: list[torch.Generator | None],
+    def _uniforms(self, like: Tensor, generators: list[torch.Generator | None],
                   given: list[Tensor | None] | None = None) -> Tensor:
         """The uniforms of the exponential race (argmax p / -log U draws from p), a row per row of like.
 
         Rows with given uniforms use them. Seeded rows draw their own row from their own generator, so their
         tokens do not depend on the rest of the batch; unseeded rows share one draw from the default
-        generator, made for them only: a vocabulary's uniforms take ~0.2-0.4 ms on a CPU, and a draw for
+        generator (the engine's), made for them only: a vocabulary's uniforms take ~0.2-0.4 ms on a CPU, and a draw for
         every row that seeded rows then overwrote doubled a seeded row's sampling time."""
         given = given if given is not None else [None] * len(generators)
         unseeded = [i for i, (g, u) in enumerate(zip(generators, given)) if g is None and u is None]
         uniform = torch.empty_like(like)
         if len(unseeded) == len(generators):
-            fill_uniform_(uniform, None)
+            fill_uniform_(uniform, self.generator)
         else:
             if unseeded:
                 uniform[to_device(unseeded, like.device)] = fill_uniform_(
-                    torch.empty(len(unseeded), like.shape[1], device=like.device, dtype=like.dtype), None)
+                    torch.empty(len(unseeded), like.shape[1], device=like.device, dtype=like.dtype), self.generator)
             for i, (g, u) in enumerate(zip(generators, given)):
                 if u is not None:
                     uniform[i] = u

@@ -46,7 +46,8 @@ from kvserve.utils.huge_pages import back_with_huge_pages
 
 class DraftProposer:
     def __init__(self, model: torch.nn.Module, kv_spec: KVCacheSpec, num_blocks: int, device: torch.device,
-                 eos_token_ids: list[int], dtype: torch.dtype = torch.float32, attention_backend: str = "auto") -> None:
+                 eos_token_ids: list[int], dtype: torch.dtype = torch.float32, attention_backend: str = "auto",
+                 generator: torch.Generator | None = None) -> None:
         self.model = model
         self.block_size = kv_spec.block_size
         self.device = device
@@ -56,7 +57,7 @@ class DraftProposer:
         self.kv_caches = self.attn_backend.allocate_kv_caches()
         if device.type == "cpu":
             back_with_huge_pages(self.model)
-        self.sampler = Sampler()
+        self.sampler = Sampler(generator)  # generator: the engine's, for unseeded rows
         # A Hugging Face or GGUF draft may have a shorter context than the target's: past it the target
         # decodes alone.
         self.max_positions = model.config.max_position_embeddings

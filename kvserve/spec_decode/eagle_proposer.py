@@ -29,11 +29,12 @@ from kvserve.spec_decode.state import spec_state
 
 
 class EagleProposer:
-    def __init__(self, head: EagleHead, device: torch.device, eos_token_ids: list[int]) -> None:
+    def __init__(self, head: EagleHead, device: torch.device, eos_token_ids: list[int],
+                 generator: torch.Generator | None = None) -> None:
         self.model = head
         self.device = device
         self.eos_token_ids = eos_token_ids
-        self.sampler = Sampler()
+        self.sampler = Sampler(generator)  # generator: the engine's, for unseeded rows
 
     @property
     def num_choices(self) -> int:

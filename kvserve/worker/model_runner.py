@@ -48,7 +48,7 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_spec: KVCacheSpec, num_blocks: int, device: torch.device,
                  eos_token_ids: list[int], dtype: torch.dtype = torch.float32, attention_backend: str = "auto",
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, generator: torch.Generator | None = None) -> None:
         self.model = model
         self.block_size = kv_spec.block_size
         self.device = device
@@ -56,7 +56,7 @@ class ModelRunner:
         self.attn_backend = make_attention_backend(attention_backend, model, kv_spec, num_blocks, device, dtype,
                                                    **({"batch_invariant": True} if batch_invariant else {}))
         self.kv_caches = self.attn_backend.allocate_kv_caches()
-        self.sampler = Sampler()
+        self.sampler = Sampler(generator)  # generator: the engine's, for unseeded rows
         self.graphs = None  # StepGraphs once capture_graphs ran (CUDA, Triton backend)
         self.keep_hidden = False  # return the sampled rows' hidden states (the eagle head reads them)
         # The model's last layer for the sampled rows alone (out_rows); False: for every row, the sampled ones kept
