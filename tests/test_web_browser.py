@@ -116,6 +116,17 @@ def wait_reply_done(browser, timeout_s: float = 60.0) -> dict:
     return wait_for(lambda: (r := last_reply(browser)) and r["state"] in DONE_STATES and r, timeout_s, "the reply")
 
 
+def record_chat_requests(browser) -> None:
+    """From now until the page reloads, the bodies the page posts to /v1/chat/completions: window.sentBodies."""
+    js(browser, """
+        window.sentBodies = [];
+        const realFetch = window.fetch;
+        window.fetch = (url, init) => {
+          if (String(url).endsWith('v1/chat/completions')) window.sentBodies.push(JSON.parse(init.body));
+          return realFetch(url, init);
+        };""")
+
+
 def network_events(browser) -> list[dict]:
     """Responses and failures since the last call, from Chrome's DevTools network events."""
     out = []
@@ -320,13 +331,7 @@ def test_the_conversation_survives_a_reload(server, browser, http):
     assert shown_messages(browser) == before and [m[0] for m in before] == ["user", "assistant"]
     assert last_reply(browser)["stats"] == first["stats"]          # its TTFT, speed and cache line too
     # The next question goes out with the restored turns, the reply as the model wrote it.
-    js(browser, """
-        window.sentBodies = [];
-        const realFetch = window.fetch;
-        window.fetch = (url, init) => {
-          if (String(url).endsWith('v1/chat/completions')) window.sentBodies.push(JSON.parse(init.body));
-          return realFetch(url, init);
-        };""")
+    record_chat_requests(browser)
     send(browser, "And another one?")
     assert wait_reply_done(browser)["state"] in ("done", "length")
     (body,) = js(browser, "return window.sentBodies")
@@ -362,13 +367,7 @@ def test_a_failed_turn_is_not_sent_again_with_the_next(server, browser, http):
     send(browser, "First question")
     assert wait_reply_done(browser)["state"] == "error"
     set_value(browser, "max-tokens", "4")
-    js(browser, """
-        window.sentBodies = [];
-        const realFetch = window.fetch;
-        window.fetch = (url, init) => {
-          if (String(url).endsWith('v1/chat/completions')) window.sentBodies.push(JSON.parse(init.body));
-          return realFetch(url, init);
-        };""")
+    record_chat_requests(browser)
     send(browser, "Second question")
     assert wait_reply_done(browser)["state"] in ("done", "length")
     (body,) = js(browser, "return window.sentBodies")
